@@ -1,0 +1,195 @@
+"""The per-row expert computation lifted out of a dense MoE, as a tiny expression DAG.
+
+The matcher reads the dense reference's expert body (up-projections, activation, biases, gating
+products, down-projection) and records it here, eqn by eqn, with each operand's *role* instead
+of its dense shape. The sparse implementation then replays the same primitives with ``bind`` on
+sorted rows ``[rows, features]``: an expert weight becomes a grouped GEMM, a per-expert bias a
+gather by the row's expert, a constant stays a constant. Whatever elementwise body the user
+wrote (silu, gelu, relu, squared relu, clipped SwiGLU, ...) runs unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class ParamKind(Enum):
+    """How a program input is indexed by a sorted row."""
+
+    EXPERT_WEIGHT = "expert_weight"  # [E, K, N], used by a grouped GEMM
+    PER_EXPERT = "per_expert"  # [E, F] or [E, 1]: gathered by the row's expert
+    PER_TOKEN = "per_token"  # [T, F] or [T, 1]: gathered by the row's token
+    CONSTANT = "constant"  # [1, F], [1, 1] or a scalar: the same for every row
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """The token row routed to an expert."""
+
+
+@dataclass(frozen=True)
+class ExpertMatmul:
+    """``source @ weight[expert]`` with ``weight`` an ``EXPERT_WEIGHT`` input ``[E, K, N]``."""
+
+    source: "Node"
+    weight: int
+    preferred_element_type: Any = None
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A non-row operand: program input ``index`` (see ``ParamKind``)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class Literal:
+    """A scalar literal operand, kept exactly as the dense program had it."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """One elementwise primitive of the dense body, re-bound on rows with its own params."""
+
+    primitive: Any
+    params: tuple[tuple[str, Any], ...]
+    operands: tuple["Operand", ...]
+
+
+@dataclass(frozen=True)
+class FeatureSlice:
+    """``source[:, start:stop:stride]`` (a split of a fused gate/up projection)."""
+
+    source: "Node"
+    start: int
+    stop: int
+    stride: int = 1
+
+
+@dataclass(frozen=True)
+class FeatureConcat:
+    """Rows concatenated along the feature axis."""
+
+    sources: tuple["Node", ...]
+
+
+Node = Union[RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat]
+Operand = Union[Node, ParamRef, Literal]
+
+
+@dataclass(frozen=True)
+class ExpertProgram:
+    """``output`` computed from one routed row; ``param_kinds[i]`` says how input ``i`` is indexed."""
+
+    output: Node
+    param_kinds: tuple[ParamKind, ...]
+    nodes: tuple[Node, ...] = field(default=(), compare=False)
+
+    def matmuls(self) -> tuple[ExpertMatmul, ...]:
+        return tuple(n for n in self.nodes if isinstance(n, ExpertMatmul))
+
+    def describe(self) -> str:
+        """The body's primitives in order, e.g. ``matmul, logistic, mul, mul, matmul``."""
+        names = []
+        for node in self.nodes:
+            if isinstance(node, ExpertMatmul):
+                names.append("matmul")
+            elif isinstance(node, Elementwise):
+                names.append(str(node.primitive))
+            elif isinstance(node, FeatureSlice):
+                names.append("split")
+            elif isinstance(node, FeatureConcat):
+                names.append("concat")
+        return ", ".join(names)
+
+
+def topological_nodes(output: Node) -> tuple[Node, ...]:
+    """All nodes reachable from ``output``, operands before users."""
+    order: list[Node] = []
+    seen: set[int] = set()
+
+    def visit(node):
+        if not isinstance(node, (RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat)):
+            return
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for child in _children(node):
+            visit(child)
+        order.append(node)
+
+    visit(output)
+    return tuple(order)
+
+
+def _children(node: Node) -> tuple:
+    if isinstance(node, ExpertMatmul):
+        return (node.source,)
+    if isinstance(node, Elementwise):
+        return node.operands
+    if isinstance(node, FeatureSlice):
+        return (node.source,)
+    if isinstance(node, FeatureConcat):
+        return node.sources
+    return ()
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What the program needs to know about the sorted rows it runs on."""
+
+    rows: jax.Array  # [N, D] token rows, sorted by expert
+    group_sizes: jax.Array  # [E] (or the local experts' when group_offset is used)
+    expert_of_row: jax.Array  # [N] expert of each sorted row, clipped into range
+    token_of_row: jax.Array  # [N] token of each sorted row
+    group_offset: Any = 0
+
+
+def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul) -> jax.Array:
+    """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``."""
+    values: dict[int, jax.Array] = {}
+
+    def operand(op, like):
+        if isinstance(op, Literal):
+            return op.value
+        if isinstance(op, ParamRef):
+            return _row_param(params[op.index], program.param_kinds[op.index], context, like)
+        return values[id(op)]
+
+    for node in program.nodes or topological_nodes(program.output):
+        if isinstance(node, RowInput):
+            out = context.rows
+        elif isinstance(node, ExpertMatmul):
+            out = grouped_matmul(
+                values[id(node.source)], params[node.weight], context.group_sizes, context.group_offset,
+                node.preferred_element_type,
+            )
+        elif isinstance(node, FeatureSlice):
+            out = lax.slice_in_dim(values[id(node.source)], node.start, node.stop, node.stride, axis=1)
+        elif isinstance(node, FeatureConcat):
+            out = jnp.concatenate([values[id(s)] for s in node.sources], axis=1)
+        else:
+            like = next(values[id(o)] for o in node.operands if id(o) in values)
+            operands = [operand(o, like) for o in node.operands]
+            out = node.primitive.bind(*operands, **dict(node.params))
+        values[id(node)] = out
+    return values[id(program.output)]
+
+
+def _row_param(value, kind: ParamKind, context: RowContext, like):
+    if kind is ParamKind.PER_EXPERT:
+        value = jnp.take(value, context.expert_of_row, axis=0, mode="clip")
+    elif kind is ParamKind.PER_TOKEN:
+        value = jnp.take(value, context.token_of_row, axis=0, mode="clip")
+    elif kind is ParamKind.CONSTANT and jnp.ndim(value) == 0:
+        return value
+    return jnp.broadcast_to(value, like.shape).astype(value.dtype)

@@ -1,0 +1,69 @@
+"""Kernel backends for the sparse MoE: each a set of grouped matrix products with one signature.
+
+``xla`` is the pure-jnp tile schedule in :mod:`grouped_matmul` (the CPU path and the reference);
+``triton`` holds the GPU kernels. Backends are imported lazily on first use, so importing
+``moe_lowering`` never pulls in Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "xla", "triton")
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """The grouped products a backend provides; see ``grouped_matmul`` for their contracts.
+
+    ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type)`` and
+    ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
+    """
+
+    name: str
+    gmm: Callable
+    tgmm: Callable
+
+
+_BACKEND_MODULES = {
+    "xla": "moe_lowering.kernels.xla_backend",
+    "triton": "moe_lowering.kernels.triton_backend",
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested kernel backend cannot run here (no GPU, Triton missing, ...)."""
+
+
+@functools.cache
+def get_backend(name: str) -> KernelBackend:
+    """The backend called ``name``; ``"auto"`` is Triton on a CUDA GPU when it loads, else XLA."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        if _has_cuda_gpu():
+            try:
+                return get_backend("triton")
+            except BackendUnavailable as err:
+                log.warning("moe_lowering: Triton kernels unavailable (%s); using the XLA grouped GEMM", err)
+        return get_backend("xla")
+    try:
+        module = importlib.import_module(_BACKEND_MODULES[name])
+    except ImportError as err:
+        raise BackendUnavailable(f"backend {name!r} could not be imported: {err}") from err
+    return module.load()
+
+
+def _has_cuda_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False

@@ -1,0 +1,151 @@
+"""The sorted, dropless sparse MoE that every rewrite emits.
+
+Token copies are sorted by expert (stable), gathered into contiguous groups, pushed through the
+expert program with grouped GEMMs, and scattered back with the routing weights applied. Group
+sizes are computed on device; nothing here synchronises with the host.
+
+Each step is a ``jax.custom_vjp`` whose backward is again a permutation or a grouped GEMM:
+autodiff of ``lax.ragged_dot`` lowers the weight gradient to a dense dot over all groups, so the
+backward is written out instead of derived.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate
+from moe_lowering.kernels import get_backend
+
+
+class SortedRouting(NamedTuple):
+    """Token copies sorted by expert. ``N = tokens * top_k`` rows; dropped copies sort last."""
+
+    order: jax.Array  # [N] sorted row -> flat (token * top_k + choice)
+    inverse: jax.Array  # [T, k] (token, choice) -> sorted row
+    token_of_row: jax.Array  # [N]
+    expert_of_row: jax.Array  # [N], num_experts for dropped copies
+    group_sizes: jax.Array  # [num_experts] int32, dropped copies not counted
+
+
+def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
+    """Stable sort of the ``[T, k]`` expert choices; indices outside ``[0, E)`` mean dropped."""
+    top_k = expert_indices.shape[-1]
+    flat = expert_indices.reshape(-1).astype(jnp.int32)
+    flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    num_rows = flat.shape[0]
+    inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(jnp.arange(num_rows, dtype=jnp.int32))
+    inverse = inverse.reshape(expert_indices.shape)
+    group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
+    return SortedRouting(order, inverse, order // top_k, flat[order], group_sizes)
+
+
+@jax.custom_vjp
+def permute(tokens, routing: SortedRouting):
+    """``rows[r] = tokens[token_of_row[r]]``: one copy of each token per chosen expert."""
+    return jnp.take(tokens, routing.token_of_row, axis=0)
+
+
+def _permute_fwd(tokens, routing):
+    return permute(tokens, routing), routing
+
+
+def _permute_bwd(routing, d_rows):
+    d_copies = jnp.take(d_rows, routing.inverse, axis=0)  # [T, k, D]
+    return d_copies.sum(axis=1, dtype=jnp.float32).astype(d_rows.dtype), None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _combine_impl(rows, weights, inverse):
+    copies = jnp.take(rows, inverse, axis=0)  # [T, k, D]
+    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), copies.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def combine(rows, weights, routing: SortedRouting):
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32."""
+    return _combine_impl(rows, weights, routing.inverse).astype(rows.dtype)
+
+
+def _combine_fwd(rows, weights, routing):
+    return combine(rows, weights, routing), (rows, weights, routing)
+
+
+def _combine_bwd(residuals, d_out):
+    rows, weights, routing = residuals
+    d_out32 = d_out.astype(jnp.float32)
+    copies = jnp.take(rows, routing.inverse, axis=0)
+    d_weights = jnp.einsum("td,tkd->tk", d_out32, copies.astype(jnp.float32)).astype(weights.dtype)
+    row_weights = weights.reshape(-1)[routing.order].astype(jnp.float32)
+    d_rows = jnp.take(d_out32, routing.token_of_row, axis=0) * row_weights[:, None]
+    return d_rows.astype(rows.dtype), d_weights, None
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None):
+    """``lhs[r] @ rhs[group(r)]`` for rows sorted by group; backward is two more grouped products."""
+    return get_backend(backend).gmm(
+        lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type
+    )
+
+
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type):
+    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type)
+    return out, (lhs, rhs, group_sizes)
+
+
+def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals, d_out):
+    lhs, rhs, group_sizes = residuals
+    kernels = get_backend(backend)
+    d_lhs = kernels.gmm(
+        d_out, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype
+    )
+    d_rhs = kernels.tgmm(
+        lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype
+    )
+    return d_lhs, d_rhs, None
+
+
+grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
+                       group_sizes=None, group_offset=0, expert_of_row=None):
+    """The expert program on sorted ``rows``; the expert-parallel path passes its local groups."""
+    num_experts = routing.group_sizes.shape[0]
+    context = RowContext(
+        rows=rows,
+        group_sizes=routing.group_sizes if group_sizes is None else group_sizes,
+        expert_of_row=jnp.minimum(routing.expert_of_row, num_experts - 1) if expert_of_row is None else expert_of_row,
+        token_of_row=routing.token_of_row,
+        group_offset=group_offset,
+    )
+
+    def matmul(lhs, rhs, sizes, offset, preferred_element_type):
+        return grouped_matmul(lhs, rhs, sizes, backend, offset, preferred_element_type)
+
+    return evaluate(program, params, context, matmul)
+
+
+def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
+               num_experts: int, backend: str = "auto"):
+    """Dropless sorted MoE: ``out[t] = sum_j w[t, j] * program(tokens[t]; expert idx[t, j])``.
+
+    ``tokens [T, D]``, ``expert_indices [T, k]`` (an index outside ``[0, num_experts)`` drops
+    that copy: it is not computed and contributes nothing), ``expert_weights [T, k]``.
+    """
+    routing = sort_by_expert(expert_indices, num_experts)
+    rows = permute(tokens, routing)
+    out_rows = run_expert_program(program, params, rows, routing, backend=backend)
+    valid = (routing.expert_of_row < num_experts)[:, None]
+    out_rows = jnp.where(valid, out_rows, jnp.zeros((), out_rows.dtype))
+    return combine(out_rows, expert_weights, routing)
