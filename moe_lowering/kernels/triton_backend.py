@@ -1,0 +1,24 @@
+"""The GPU backend: grouped products as Triton kernels called from JAX through ``jax_triton``."""
+
+from __future__ import annotations
+
+import jax
+
+from moe_lowering.kernels import BackendUnavailable, KernelBackend
+
+
+def load() -> KernelBackend:
+    """The Triton backend; ``BackendUnavailable`` without a CUDA GPU, Triton or jax_triton."""
+    try:
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        raise BackendUnavailable("the Triton backend needs a CUDA GPU and JAX sees none")
+    if "rocm" in str(getattr(gpus[0].client, "platform_version", "")).lower():
+        raise BackendUnavailable(f"the Triton backend is built for CUDA GPUs, found ROCm ({gpus[0].device_kind})")
+    try:
+        from moe_lowering.kernels import triton_grouped_matmul
+    except ImportError as err:
+        raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
+    return KernelBackend(name="triton", gmm=triton_grouped_matmul.gmm, tgmm=triton_grouped_matmul.tgmm)

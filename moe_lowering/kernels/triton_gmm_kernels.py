@@ -1,0 +1,198 @@
+"""Triton kernels for grouped matrix products over rows sorted by group.
+
+Only ``triton`` is imported here, so the same kernels run under Triton's interpreter on a CPU
+(``TRITON_INTERPRET=1``) and, through ``jax_triton``, as XLA custom calls on a GPU
+(:mod:`triton_grouped_matmul`). The contracts are those of :mod:`grouped_matmul`.
+
+Scheduling is done on device, by every program, from ``group_sizes``: the cumulative sums of
+the sizes give each group's rows, and each local group is cut into its own row tiles (a tile
+never spans two groups, so every output element is written by exactly one tile and no
+accumulation across tiles is needed). Programs are persistent: program ``p`` takes tiles
+``p, p + P, p + 2P, ...`` of a tile list whose length is known only on device. Within a
+group, tiles go in bands of ``GROUP_M`` row tiles so that concurrently running programs share
+both their row block and their weight block in L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _band_swizzle(tile, rows_of_tiles, cols_of_tiles, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of ``tile`` when tiles go column-fastest in bands of GROUP_M rows."""
+    band_width = GROUP_M * cols_of_tiles
+    first_row = (tile // band_width) * GROUP_M
+    band_rows = tl.minimum(rows_of_tiles - first_row, GROUP_M)
+    within = tile % band_width
+    return first_row + within % band_rows, within // band_rows
+
+
+@triton.jit
+def _pick(values, selector):
+    """The element of ``values`` where ``selector`` is true (one-hot), as a scalar."""
+    return tl.sum(tl.where(selector, values, 0), axis=0)
+
+
+@triton.jit
+def gmm_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    TRANSPOSE_RHS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere.
+
+    ``rhs`` is ``[G, K, N]``, or ``[G, N, K]`` read transposed with ``TRANSPOSE_RHS``.
+    """
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids = tl.arange(0, GROUPS_PAD)
+    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
+    offset = tl.load(group_offset_ptr)
+    ends = tl.cumsum(sizes, axis=0)
+    starts = ends - sizes
+    is_local = (group_ids >= offset) & (group_ids < offset + NUM_LOCAL_GROUPS)
+    m_tiles = tl.where(is_local, (sizes + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_ends = tl.cumsum(m_tiles, axis=0) * n_tiles
+    num_tiles = tl.sum(m_tiles, axis=0) * n_tiles
+
+    in_m = tl.arange(0, BLOCK_M)
+    in_n = tl.arange(0, BLOCK_N)
+    in_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
+        selected = group_ids == group
+        group_start = _pick(starts, selected)
+        group_end = tl.minimum(_pick(ends, selected), M)
+        group_m_tiles = _pick(m_tiles, selected)
+        first_tile = _pick(tile_ends, selected) - group_m_tiles * n_tiles
+        pm, pn = _band_swizzle(tile - first_tile, group_m_tiles, n_tiles, GROUP_M)
+
+        row0 = group_start + pm * BLOCK_M
+        # Rows past the group (or past M) are read clamped and never stored: no masks in the loop.
+        tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
+        cols = pn * BLOCK_N + in_n
+        load_cols = tl.minimum(cols, N - 1)
+        a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
+        weight_ptr = rhs_ptr + tl.cast(group - offset, tl.int64) * (K * N)
+        if TRANSPOSE_RHS:
+            b_ptrs = weight_ptr + load_cols[None, :] * K + in_k[:, None]
+            b_step = BLOCK_K
+        else:
+            b_ptrs = weight_ptr + in_k[:, None] * N + load_cols[None, :]
+            b_step = BLOCK_K * N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if K % BLOCK_K == 0:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k0 + in_k)[None, :] < K, other=0.0)
+                b = tl.load(b_ptrs, mask=(k0 + in_k)[:, None] < K, other=0.0)
+            if COMPUTE_F32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += b_step
+
+        rows = row0 + in_m
+        out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+        store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    # Rows outside the local groups (before them, after them, dropped rows) are zero.
+    rows_begin = tl.minimum(tl.sum(tl.where(group_ids < offset, sizes, 0), axis=0), M)
+    rows_end = tl.minimum(rows_begin + tl.sum(tl.where(is_local, sizes, 0), axis=0), M)
+    zero_tiles_before = (rows_begin + BLOCK_M - 1) // BLOCK_M
+    zero_tiles_after = (M - rows_end + BLOCK_M - 1) // BLOCK_M
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
+        zm = tile // n_tiles
+        pn = tile % n_tiles
+        before = zm < zero_tiles_before
+        row0 = tl.where(before, zm * BLOCK_M, rows_end + (zm - zero_tiles_before) * BLOCK_M)
+        row_limit = tl.where(before, rows_begin, M)
+        rows = row0 + in_m
+        cols = pn * BLOCK_N + in_n
+        out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+        tl.store(out_ptrs, zeros, mask=(rows < row_limit)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def tgmm_kernel(
+    lhs_ptr,
+    grad_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """``out[g] = lhs[rows of g + offset]^T @ grad[rows of g + offset]``; empty groups give zeros.
+
+    Each tile is a ``BLOCK_K x BLOCK_N`` block of one local group's ``[K, N]`` output, reduced
+    over that group's rows ``BLOCK_R`` at a time.
+    """
+    pid = tl.program_id(0)
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = k_tiles * n_tiles
+    group_ids = tl.arange(0, GROUPS_PAD)
+    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
+    offset = tl.load(group_offset_ptr)
+    ends = tl.cumsum(sizes, axis=0)
+    starts = ends - sizes
+
+    in_k = tl.arange(0, BLOCK_K)
+    in_n = tl.arange(0, BLOCK_N)
+    in_r = tl.arange(0, BLOCK_R)
+    for tile in range(pid, NUM_LOCAL_GROUPS * tiles_per_group, NUM_PROGRAMS):
+        local_group = tile // tiles_per_group
+        pk, pn = _band_swizzle(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+        selected = group_ids == local_group + offset
+        group_start = tl.minimum(_pick(starts, selected), M)
+        group_end = tl.minimum(_pick(ends, selected), M)
+
+        ks = pk * BLOCK_K + in_k
+        cols = pn * BLOCK_N + in_n
+        load_ks = tl.minimum(ks, K - 1)
+        load_cols = tl.minimum(cols, N - 1)
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for r0 in range(group_start, group_end, BLOCK_R):
+            in_group = (r0 + in_r < group_end)[:, None]
+            a = tl.load(lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + load_ks[None, :], mask=in_group, other=0.0)
+            b = tl.load(grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + load_cols[None, :], mask=in_group, other=0.0)
+            if COMPUTE_F32:
+                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(a), b, acc)
+
+        out_ptrs = out_ptr + tl.cast(local_group, tl.int64) * (K * N) + ks[:, None] * N + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (cols < N)[None, :])

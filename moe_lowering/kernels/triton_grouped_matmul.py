@@ -1,0 +1,204 @@
+"""``gmm`` / ``tgmm`` on a CUDA GPU: the Triton kernels of :mod:`triton_gmm_kernels` as XLA custom calls.
+
+Same contracts as :mod:`grouped_matmul` (the reference and CPU path). Tile shapes come from a
+small table keyed by the shape class of the product (:func:`gmm_config`, :func:`tgmm_config`),
+measured once on an H200 (see ``benchmarks/NOTES.md``), never tuned per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import jax_triton
+
+from moe_lowering.kernels import grouped_matmul as reference
+from moe_lowering.kernels.triton_gmm_kernels import gmm_kernel, tgmm_kernel
+
+log = logging.getLogger(__name__)
+
+_TENSOR_CORE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_KERNEL_DTYPES = _TENSOR_CORE_DTYPES + (jnp.dtype(jnp.float32),)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel launch shape.
+
+    For ``gmm`` the tile is ``block_m`` rows x ``block_n`` output columns, reduced ``block_k`` at
+    a time; for ``tgmm`` it is ``block_m`` x ``block_n`` of a group's ``[K, N]`` output, reduced
+    over the group's rows ``block_k`` at a time. ``persistent``: one program per multiprocessor
+    looping over tiles, else one program per (possible) tile.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = True
+
+
+_F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
+
+
+def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
+    """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class."""
+    if compute_f32:
+        return _F32_CONFIG
+    rows_per_group = num_rows / max(num_groups, 1)
+    if rows_per_group < 256:
+        return TileConfig(64, 256, 64, num_warps=8, num_stages=4)
+    if n <= 1024:
+        return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+
+
+def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
+    """Tile shape for the per-group ``[k, n]`` weight gradient by shape class."""
+    if compute_f32:
+        return _F32_CONFIG
+    if n <= 1024 or k <= 1024:
+        return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+
+
+@functools.cache
+def _multiprocessor_count() -> int:
+    device = next(d for d in jax.devices() if d.platform == "gpu")
+    return int(getattr(device, "core_count", 0) or 132)
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _check_group_sizes(group_sizes, name: str):
+    if group_sizes.ndim != 1:
+        raise ValueError(f"{name}: group_sizes must be 1-D, got shape {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{name}: group_sizes must be integers, got {group_sizes.dtype}")
+
+
+def _offset_array(group_offset):
+    return jnp.asarray(group_offset, jnp.int32).reshape(1)
+
+
+def _compute_f32(*dtypes) -> bool:
+    return not (len(set(dtypes)) == 1 and dtypes[0] in _TENSOR_CORE_DTYPES)
+
+
+def gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    group_offset=0,
+    transpose_rhs: bool = False,
+    preferred_element_type=None,
+    config: TileConfig | None = None,
+):
+    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero."""
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"gmm: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    _check_group_sizes(group_sizes, "gmm")
+    num_rows, k = lhs.shape
+    num_local_groups = rhs.shape[0]
+    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if rhs_k != k:
+        raise ValueError(f"gmm: contraction sizes differ: lhs {lhs.shape}, rhs {rhs.shape}, transpose_rhs={transpose_rhs}")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
+        return jnp.zeros((num_rows, n), out_dtype)
+    if not {lhs.dtype, rhs.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+        log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
+        return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                             preferred_element_type=preferred_element_type)
+    compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
+    config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
+    n_tiles = -(-n // config.block_n)
+    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * n_tiles
+    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    num_groups = group_sizes.shape[0]
+    return jax_triton.triton_call(
+        lhs,
+        rhs,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=gmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=num_groups,
+        GROUPS_PAD=_next_power_of_two(num_groups),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+    )
+
+
+def tgmm(
+    lhs,
+    grad,
+    group_sizes,
+    *,
+    num_groups: int | None = None,
+    group_offset=0,
+    preferred_element_type=None,
+    config: TileConfig | None = None,
+):
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``."""
+    if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
+        raise ValueError(f"tgmm: expected lhs [M, K] and grad [M, N], got {lhs.shape} and {grad.shape}")
+    _check_group_sizes(group_sizes, "tgmm")
+    num_rows, k = lhs.shape
+    n = grad.shape[1]
+    num_local_groups = group_sizes.shape[0] if num_groups is None else num_groups
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
+    if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
+        return jnp.zeros((num_local_groups, k, n), out_dtype)
+    if not {lhs.dtype, grad.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+        log.debug("tgmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, grad.dtype, out_dtype)
+        return reference.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
+                              preferred_element_type=preferred_element_type)
+    compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
+    config = config or tgmm_config(num_rows, k, n, num_local_groups, compute_f32)
+    max_tiles = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
+    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    total_groups = group_sizes.shape[0]
+    return jax_triton.triton_call(
+        lhs,
+        grad,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=tgmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local_groups, k, n), out_dtype),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=total_groups,
+        GROUPS_PAD=_next_power_of_two(total_groups),
+        BLOCK_K=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_R=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+    )
