@@ -1,0 +1,816 @@
+"""Dense-reference MoE layers written the way people write them in plain ``jax.numpy``.
+
+Every test of the matcher, every golden-IR test and every benchmark draws its models from here, so
+each one is written in the idiom of a real code base (Mixtral/MaxText, DeepSeek-V3, Switch/GShard,
+Hugging Face loops, GPT-OSS, Flax) rather than in a form chosen to be easy to match. The negatives
+look like MoE layers (an E-like axis, a ``top_k``) but route nothing and must be left alone.
+
+``ZOO[name].args(key, dtype)`` gives ``(params, x)`` for ``ZOO[name].fn(params, x)``. ``fn`` reads
+tokens, d_model, d_ff and experts from the array shapes; ``top_k`` and the other routing
+hyperparameters are static, so ``ZOO[name].sized(T=..., E=..., k=..., capacity_factor=...)``
+rebuilds a model at other sizes (benchmarks use it for large shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+logger = logging.getLogger(__name__)
+
+try:  # Flax is a test extra; the zoo works without it and then simply has no ``flax_moe``.
+    import flax.linen as nn
+except ImportError:  # pragma: no cover - exercised only where flax is missing
+    nn = None
+    logger.info("flax is not installed: the zoo has no 'flax_moe' model")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes of one model: tokens ``T`` (``B * S`` for ``[B, S, d]`` inputs), ``d``, ``f``, ``E``, ``k``."""
+
+    T: int = 32
+    d: int = 16
+    f: int = 32
+    E: int = 8
+    k: int = 2
+    B: int = 2
+
+    def __post_init__(self):
+        for name in ("T", "d", "f", "E", "k", "B"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"size {name} must be a positive int, got {value!r}")
+        if self.k > self.E:
+            raise ValueError(f"top_k k={self.k} exceeds the number of experts E={self.E}")
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One dense-reference model: ``fn(params, x)`` plus how to make its arguments and what to expect.
+
+    ``expected_regions`` is how many MoE regions a correct matcher rewrites (0 for negatives);
+    ``top_k``, ``num_experts`` and ``capacity`` describe the default sizes (``capacity`` is None
+    for dropless models). ``hyper`` holds the static routing hyperparameters ``sized`` accepts.
+    """
+
+    name: str
+    fn: Callable
+    make_params: Callable[..., Any]
+    make_inputs: Callable[..., jax.Array]
+    expected_regions: int
+    style: str
+    top_k: int | None
+    num_experts: int | None
+    capacity: int | None
+    notes: str
+    sizes: Sizes = field(default_factory=Sizes)
+    hyper: tuple[tuple[str, Any], ...] = ()
+    builder: Callable[..., "ZooModel"] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        return dict(self.hyper)
+
+    def args(self, key, dtype=jnp.float32) -> tuple[Any, jax.Array]:
+        """``(params, x)``: the positional arguments of ``fn`` at the default sizes."""
+        params_key, inputs_key = jax.random.split(key)
+        return self.make_params(params_key, dtype), self.make_inputs(inputs_key, dtype)
+
+    def sized(self, **overrides) -> "ZooModel":
+        """This model rebuilt with other sizes (``T, d, f, E, k, B``) or routing hyperparameters."""
+        size_names = {f.name for f in dataclasses.fields(Sizes)}
+        unknown = set(overrides) - size_names - set(self.hyperparams)
+        if unknown:
+            raise TypeError(
+                f"{self.name}.sized() got unknown overrides {sorted(unknown)}; "
+                f"sizes are {sorted(size_names)}, hyperparameters {sorted(self.hyperparams)}"
+            )
+        sizes = dataclasses.replace(self.sizes, **{k: v for k, v in overrides.items() if k in size_names})
+        hyper = {**self.hyperparams, **{k: v for k, v in overrides.items() if k not in size_names}}
+        return self.builder(sizes, **hyper)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter initialisation: w ~ N(0, 1/fan_in) like a lecun-normal init; never zeros.
+
+
+def _normal(key, shape, fan_in, dtype):
+    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+
+def _bias(key, shape, dtype, scale=0.1):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _swiglu_experts(key, sizes: Sizes, dtype):
+    k_gate, k_up, k_down = jax.random.split(key, 3)
+    E, d, f = sizes.E, sizes.d, sizes.f
+    return {
+        "w_gate": _normal(k_gate, (E, d, f), d, dtype),
+        "w_up": _normal(k_up, (E, d, f), d, dtype),
+        "w_down": _normal(k_down, (E, f, d), f, dtype),
+    }
+
+
+def _mlp_experts(key, sizes: Sizes, dtype, biases: bool):
+    keys = jax.random.split(key, 4)
+    E, d, f = sizes.E, sizes.d, sizes.f
+    params = {"w_up": _normal(keys[0], (E, d, f), d, dtype), "w_down": _normal(keys[1], (E, f, d), f, dtype)}
+    if biases:
+        params["b_up"] = _bias(keys[2], (E, f), dtype)
+        params["b_down"] = _bias(keys[3], (E, d), dtype)
+    return params
+
+
+def _with_router(key, sizes: Sizes, dtype, experts: dict) -> dict:
+    return {"router": _normal(key, (sizes.d, sizes.E), sizes.d, dtype), **experts}
+
+
+def _token_inputs(sizes: Sizes):
+    def make_inputs(key, dtype=jnp.float32, **overrides):
+        s = dataclasses.replace(sizes, **overrides)
+        return jax.random.normal(key, (s.T, s.d), jnp.float32).astype(dtype)
+
+    return make_inputs
+
+
+def _params_maker(sizes: Sizes, make):
+    """``make(key, sizes, dtype)`` as ``make_params(key, dtype=float32, **size_overrides)``."""
+
+    def make_params(key, dtype=jnp.float32, **overrides):
+        return make(key, dataclasses.replace(sizes, **overrides), dtype)
+
+    return make_params
+
+
+def _mixtral_params(key, sizes, dtype):
+    k_router, k_experts = jax.random.split(key)
+    return _with_router(k_router, sizes, dtype, _swiglu_experts(k_experts, sizes, dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Routers, as the Mixtral-style code bases write them.
+
+
+def _softmax_topk_renormalise(logits, k):
+    """Mixtral / MaxText: softmax over all experts, keep the top k, renormalise them to sum to 1."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, idx = lax.top_k(probs, k)
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, idx
+
+
+def _onehot_combine(weights, idx, num_experts, dtype):
+    """``[..., E]`` combine weights: zero except at the chosen experts."""
+    return (jax.nn.one_hot(idx, num_experts, dtype=dtype) * weights.astype(dtype)[..., None]).sum(axis=-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixtral family: softmax -> top_k -> renormalise, experts as einsums over all tokens.
+
+
+def _mixtral_fn(k: int):
+    def mixtral(params, x):
+        """Mixtral-8x7B as a dense reference: every expert on every token, then a [T, E] combine."""
+        num_experts = params["router"].shape[-1]
+        router_logits = x @ params["router"]
+        weights, idx = _softmax_topk_renormalise(router_logits, k)
+        combine = _onehot_combine(weights, idx, num_experts, x.dtype)  # [T, E]
+        gate = jnp.einsum("td,edf->tef", x, params["w_gate"])
+        up = jnp.einsum("td,edf->tef", x, params["w_up"])
+        hidden = jax.nn.silu(gate) * up
+        expert_out = jnp.einsum("tef,efd->ted", hidden, params["w_down"])
+        return jnp.einsum("te,ted->td", combine, expert_out)
+
+    return mixtral
+
+
+def build_mixtral(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="mixtral", fn=_mixtral_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral,
+        notes="softmax -> top_k -> renormalise; SwiGLU experts via einsum; combine through one_hot(idx) * w.",
+    )
+
+
+def _mixtral_logits_topk_fn(k: int):
+    def mixtral_logits_topk(params, x):
+        """Top-k on the router logits, softmax over the k kept logits; fused gate/up weight split in two."""
+        num_experts = params["router"].shape[-1]
+        router_logits = x @ params["router"]
+        top_logits, idx = lax.top_k(router_logits, k)
+        weights = jax.nn.softmax(top_logits.astype(jnp.float32), axis=-1)
+        combine = _onehot_combine(weights, idx, num_experts, x.dtype)
+        gate_up = jnp.einsum("td,edf->tef", x, params["w_gate_up"])
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        expert_out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, params["w_down"])
+        return jnp.einsum("te,ted->td", combine, expert_out)
+
+    return mixtral_logits_topk
+
+
+def _fused_swiglu_params(key, sizes, dtype):
+    k_router, k_gate_up, k_down = jax.random.split(key, 3)
+    E, d, f = sizes.E, sizes.d, sizes.f
+    return {
+        "router": _normal(k_router, (d, E), d, dtype),
+        "w_gate_up": _normal(k_gate_up, (E, d, 2 * f), d, dtype),
+        "w_down": _normal(k_down, (E, f, d), f, dtype),
+    }
+
+
+def build_mixtral_logits_topk(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="mixtral_logits_topk", fn=_mixtral_logits_topk_fn(sizes.k),
+        make_params=_params_maker(sizes, _fused_swiglu_params), make_inputs=_token_inputs(sizes),
+        expected_regions=1, style="mixtral", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+        builder=build_mixtral_logits_topk,
+        notes="top_k on logits then softmax over the k values; fused w_gate_up [E, d, 2f] split by jnp.split.",
+    )
+
+
+def _mixtral_bsd_fn(k: int):
+    def mixtral_bsd(params, x):
+        """MaxText layout: ``x [B, S, d]`` and every einsum keeps the batch and sequence axes."""
+        num_experts = params["router"].shape[-1]
+        router_logits = jnp.einsum("bsd,de->bse", x, params["router"])
+        weights, idx = _softmax_topk_renormalise(router_logits, k)
+        combine = _onehot_combine(weights, idx, num_experts, x.dtype)  # [B, S, E]
+        gate = jnp.einsum("bsd,edf->bsef", x, params["w_gate"])
+        up = jnp.einsum("bsd,edf->bsef", x, params["w_up"])
+        expert_out = jnp.einsum("bsef,efd->bsed", jax.nn.silu(gate) * up, params["w_down"])
+        return jnp.einsum("bse,bsed->bsd", combine, expert_out)
+
+    return mixtral_bsd
+
+
+def _bsd_inputs(sizes: Sizes):
+    def make_inputs(key, dtype=jnp.float32, **overrides):
+        s = dataclasses.replace(sizes, **overrides)
+        if s.T % s.B:
+            raise ValueError(f"tokens T={s.T} must be a multiple of the batch B={s.B} for [B, S, d] inputs")
+        return jax.random.normal(key, (s.B, s.T // s.B, s.d), jnp.float32).astype(dtype)
+
+    return make_inputs
+
+
+def build_mixtral_bsd(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="mixtral_bsd", fn=_mixtral_bsd_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_bsd_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_mixtral_bsd,
+        notes="mixtral on [B, S, d] inputs (B * S = T tokens), einsums over 'bsd'.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Activation and bias variants: same Mixtral routing, other expert bodies.
+
+
+def _mlp_fn(name: str, k: int, activation: Callable, biases: bool):
+    def mlp_moe(params, x):
+        num_experts = params["router"].shape[-1]
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        combine = _onehot_combine(weights, idx, num_experts, x.dtype)
+        hidden = jnp.einsum("td,edf->tef", x, params["w_up"])
+        if biases:
+            hidden = hidden + params["b_up"]
+        hidden = activation(hidden)
+        expert_out = jnp.einsum("tef,efd->ted", hidden, params["w_down"])
+        if biases:
+            expert_out = expert_out + params["b_down"]
+        return jnp.einsum("te,ted->td", combine, expert_out)
+
+    mlp_moe.__name__ = mlp_moe.__qualname__ = name
+    mlp_moe.__doc__ = f"Non-gated expert MLP ({name}) with Mixtral routing."
+    return mlp_moe
+
+
+def squared_relu(x):
+    """Primer / Nemotron activation: ``relu(x) ** 2``."""
+    return jnp.square(jax.nn.relu(x))
+
+
+def _gelu_exact(x):
+    return jax.nn.gelu(x, approximate=False)
+
+
+_MLP_VARIANTS = {
+    "mlp_gelu": (_gelu_exact, False, "GELU (erf) expert MLP, no gate."),
+    "mlp_relu_bias": (jax.nn.relu, True, "ReLU expert MLP with per-expert biases b_up [E, f], b_down [E, d]."),
+    "mlp_squared_relu": (squared_relu, False, "squared-ReLU expert MLP, no gate."),
+}
+
+
+def _build_mlp(name: str):
+    activation, biases, notes = _MLP_VARIANTS[name]
+
+    def build(sizes: Sizes = Sizes()) -> ZooModel:
+        def make(key, s, dtype):
+            k_router, k_experts = jax.random.split(key)
+            return _with_router(k_router, s, dtype, _mlp_experts(k_experts, s, dtype, biases))
+
+        return ZooModel(
+            name=name, fn=_mlp_fn(name, sizes.k, activation, biases), make_params=_params_maker(sizes, make),
+            make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+            num_experts=sizes.E, capacity=None, sizes=sizes, builder=build, notes=notes,
+        )
+
+    return build
+
+
+def _gpt_oss_fn(k: int, limit: float, alpha: float):
+    def gpt_oss(params, x):
+        """GPT-OSS experts: interleaved fused gate/up with biases, clamped SwiGLU ``(up + 1) * glu``.
+
+        The router is a biased linear layer; top-k on its logits, softmax over the k values, and the
+        combine weights scattered into ``[T, E]`` and applied by a broadcast multiply and a sum.
+        """
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        router_logits = x @ params["router"] + params["router_bias"]
+        top_logits, idx = lax.top_k(router_logits, k)
+        top_weights = jax.nn.softmax(top_logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        routing_weights = jnp.zeros((num_tokens, num_experts), x.dtype)
+        routing_weights = routing_weights.at[jnp.arange(num_tokens)[:, None], idx].set(top_weights)
+        gate_up = jnp.einsum("td,edf->tef", x, params["w_gate_up"]) + params["b_gate_up"]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        glu = gate * jax.nn.sigmoid(gate * alpha)
+        expert_out = jnp.einsum("tef,efd->ted", (up + 1) * glu, params["w_down"]) + params["b_down"]
+        return (expert_out * routing_weights[..., None]).sum(axis=1)
+
+    return gpt_oss
+
+
+def _gpt_oss_params(key, sizes, dtype):
+    keys = jax.random.split(key, 6)
+    E, d, f = sizes.E, sizes.d, sizes.f
+    return {
+        "router": _normal(keys[0], (d, E), d, dtype),
+        "router_bias": _bias(keys[1], (E,), dtype),
+        "w_gate_up": _normal(keys[2], (E, d, 2 * f), d, dtype),
+        "b_gate_up": _bias(keys[3], (E, 2 * f), dtype),
+        "w_down": _normal(keys[4], (E, f, d), f, dtype),
+        "b_down": _bias(keys[5], (E, d), dtype),
+    }
+
+
+def build_gpt_oss(sizes: Sizes = Sizes(), *, limit: float = 1.0, alpha: float = 1.702) -> ZooModel:
+    return ZooModel(
+        name="gpt_oss", fn=_gpt_oss_fn(sizes.k, limit, alpha), make_params=_params_maker(sizes, _gpt_oss_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, hyper=(("limit", limit), ("alpha", alpha)),
+        builder=build_gpt_oss,
+        notes="clipped SwiGLU with biases, interleaved gate/up (::2, 1::2); limit 1.0 (GPT-OSS uses 7.0) "
+              "so that the clamps are active at unit-scale activations.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V3: sigmoid scores, selection bias, group-limited top-k, scatter combine, shared expert.
+
+
+def _deepseek_v3_fn(k: int, n_group: int, topk_group: int, routed_scaling_factor: float):
+    def deepseek_v3(params, x):
+        """DeepSeek-V3 MoE: the bias steers selection only; weights come from the unbiased sigmoid scores."""
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        logits = x.astype(jnp.float32) @ params["router"].astype(jnp.float32)
+        scores = jax.nn.sigmoid(logits)
+        scores_for_choice = scores + params["e_score_correction_bias"].astype(jnp.float32)
+        grouped = scores_for_choice.reshape(num_tokens, n_group, num_experts // n_group)
+        group_scores = lax.top_k(grouped, 2)[0].sum(axis=-1)  # [T, n_group]
+        _, group_idx = lax.top_k(group_scores, topk_group)
+        group_mask = jnp.zeros((num_tokens, n_group), jnp.float32).at[jnp.arange(num_tokens)[:, None], group_idx].set(1.0)
+        score_mask = jnp.repeat(group_mask, num_experts // n_group, axis=-1)  # [T, E]
+        masked_scores = jnp.where(score_mask > 0, scores_for_choice, -jnp.inf)
+        _, idx = lax.top_k(masked_scores, k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        weights = weights * routed_scaling_factor
+        gates = jnp.zeros((num_tokens, num_experts), x.dtype).at[jnp.arange(num_tokens)[:, None], idx].set(
+            weights.astype(x.dtype)
+        )
+        hidden = jax.nn.silu(jnp.einsum("td,edf->tef", x, params["w_gate"])) * jnp.einsum(
+            "td,edf->tef", x, params["w_up"]
+        )
+        routed = jnp.einsum("te,tef,efd->td", gates, hidden, params["w_down"])
+        shared = (jax.nn.silu(x @ params["shared_gate"]) * (x @ params["shared_up"])) @ params["shared_down"]
+        return routed + shared
+
+    return deepseek_v3
+
+
+def _deepseek_v3_params(key, sizes, dtype):
+    keys = jax.random.split(key, 6)
+    d, f = sizes.d, sizes.f
+    return {
+        **_with_router(keys[0], sizes, dtype, _swiglu_experts(keys[1], sizes, dtype)),
+        "e_score_correction_bias": _bias(keys[2], (sizes.E,), dtype),
+        "shared_gate": _normal(keys[3], (d, f), d, dtype),
+        "shared_up": _normal(keys[4], (d, f), d, dtype),
+        "shared_down": _normal(keys[5], (f, d), f, dtype),
+    }
+
+
+def build_deepseek_v3(sizes: Sizes = Sizes(), *, n_group: int = 2, topk_group: int = 1,
+                      routed_scaling_factor: float = 2.5) -> ZooModel:
+    if sizes.E % n_group or sizes.E // n_group < 2:
+        raise ValueError(f"deepseek_v3 needs E={sizes.E} to split into n_group={n_group} groups of >= 2 experts")
+    if not 1 <= topk_group <= n_group or sizes.k > topk_group * (sizes.E // n_group):
+        raise ValueError(
+            f"deepseek_v3 cannot pick k={sizes.k} experts from topk_group={topk_group} of n_group={n_group} groups"
+        )
+    return ZooModel(
+        name="deepseek_v3", fn=_deepseek_v3_fn(sizes.k, n_group, topk_group, routed_scaling_factor),
+        make_params=_params_maker(sizes, _deepseek_v3_params), make_inputs=_token_inputs(sizes),
+        expected_regions=1, style="deepseek", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+        hyper=(("n_group", n_group), ("topk_group", topk_group), ("routed_scaling_factor", routed_scaling_factor)),
+        builder=build_deepseek_v3,
+        notes="sigmoid + selection bias, group-limited top-k, scaling factor, scatter-built [T, E] gates, "
+              "3-operand combine einsum, dense shared expert beside the routed ones.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Switch / GShard: capacity-limited dispatch through [T, E, C] masks.
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """``ceil(capacity_factor * T * k / E)`` slots per expert."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def _switch_fn(capacity_factor: float):
+    def switch(params, x):
+        """Switch Transformer (top-1, argmax) with capacity; tokens past an expert's capacity are dropped.
+
+        Position in expert = cumsum over tokens of the one-hot choice; a dropped token gets no expert
+        and its output is zero (the residual around the layer carries it in a real model).
+        """
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        capacity = expert_capacity(num_tokens, num_experts, 1, capacity_factor)
+        router_probs = jax.nn.softmax((x @ params["router"]).astype(jnp.float32), axis=-1)
+        expert_index = jnp.argmax(router_probs, axis=-1)
+        expert_mask = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)  # [T, E]
+        expert_gate = (router_probs * expert_mask).sum(axis=-1)  # [T]
+        position_in_expert = jnp.cumsum(expert_mask, axis=0) * expert_mask - 1  # -1 where not chosen
+        expert_mask = expert_mask * (position_in_expert < capacity)
+        dispatch = jax.nn.one_hot(position_in_expert, capacity, dtype=x.dtype) * expert_mask[..., None].astype(x.dtype)
+        combine = dispatch * expert_gate.astype(x.dtype)[:, None, None]  # [T, E, C]
+        expert_inputs = jnp.einsum("tec,td->ecd", dispatch, x)
+        hidden = jax.nn.relu(jnp.einsum("ecd,edf->ecf", expert_inputs, params["w_up"]))
+        expert_outputs = jnp.einsum("ecf,efd->ecd", hidden, params["w_down"])
+        return jnp.einsum("tec,ecd->td", combine, expert_outputs)
+
+    return switch
+
+
+def _gshard_top2_fn(capacity_factor: float):
+    def gshard_top2(params, x):
+        """GShard top-2 gating with capacity: second choices queue after all first choices of an expert.
+
+        Gates are renormalised over the two choices before any drop (as GShard does); a dropped
+        choice simply contributes nothing.
+        """
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        capacity = expert_capacity(num_tokens, num_experts, 2, capacity_factor)
+        router_probs = jax.nn.softmax((x @ params["router"]).astype(jnp.float32), axis=-1)
+        gates, index = lax.top_k(router_probs, 2)
+        gates = gates / (gates.sum(axis=-1, keepdims=True) + 1e-9)
+        mask_1 = jax.nn.one_hot(index[:, 0], num_experts, dtype=jnp.int32)
+        mask_2 = jax.nn.one_hot(index[:, 1], num_experts, dtype=jnp.int32)
+        position_1 = jnp.cumsum(mask_1, axis=0) - 1
+        mask_1 = mask_1 * (position_1 < capacity)
+        position_2 = jnp.cumsum(mask_2, axis=0) - 1 + mask_1.sum(axis=0, keepdims=True)
+        mask_2 = mask_2 * (position_2 < capacity)
+        slots_1 = jax.nn.one_hot(position_1, capacity, dtype=x.dtype) * mask_1[..., None].astype(x.dtype)
+        slots_2 = jax.nn.one_hot(position_2, capacity, dtype=x.dtype) * mask_2[..., None].astype(x.dtype)
+        dispatch = slots_1 + slots_2  # [T, E, C]
+        combine = gates[:, 0, None, None].astype(x.dtype) * slots_1 + gates[:, 1, None, None].astype(x.dtype) * slots_2
+        expert_inputs = jnp.einsum("tec,td->ecd", dispatch, x)
+        hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", expert_inputs, params["w_up"]))
+        expert_outputs = jnp.einsum("ecf,efd->ecd", hidden, params["w_down"])
+        return jnp.einsum("tec,ecd->td", combine, expert_outputs)
+
+    return gshard_top2
+
+
+def _capacity_params(key, sizes, dtype):
+    k_router, k_experts = jax.random.split(key)
+    return _with_router(k_router, sizes, dtype, _mlp_experts(k_experts, sizes, dtype, biases=False))
+
+
+def build_switch(sizes: Sizes = Sizes(E=4, k=1), *, capacity_factor: float = 1.0) -> ZooModel:
+    if sizes.k != 1:
+        raise ValueError(f"switch routes each token to one expert; got k={sizes.k}")
+    return ZooModel(
+        name="switch", fn=_switch_fn(capacity_factor), make_params=_params_maker(sizes, _capacity_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="capacity", top_k=1, num_experts=sizes.E,
+        capacity=expert_capacity(sizes.T, sizes.E, 1, capacity_factor), sizes=sizes,
+        hyper=(("capacity_factor", capacity_factor),), builder=build_switch,
+        notes="top-1 (argmax) with capacity, [T, E, C] dispatch/combine einsums, ReLU experts. At the default "
+              "sizes (T=32, E=4, C=8) and args(jax.random.key(0)) 3 of 32 tokens are dropped.",
+    )
+
+
+def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
+    if sizes.k != 2:
+        raise ValueError(f"gshard_top2 routes each token to two experts; got k={sizes.k}")
+    return ZooModel(
+        name="gshard_top2", fn=_gshard_top2_fn(capacity_factor), make_params=_params_maker(sizes, _capacity_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="capacity", top_k=2, num_experts=sizes.E,
+        capacity=expert_capacity(sizes.T, sizes.E, 2, capacity_factor), sizes=sizes,
+        hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2,
+        notes="top-2 with capacity, second choices after all first choices, GELU (tanh) experts. At the default "
+              "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 5 of 64 token copies are dropped.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face loop and gather-combine styles.
+
+
+def _hf_loop_fn(k: int):
+    def hf_loop(params, x):
+        """Hugging Face style: a Python loop over experts, each masked by ``where(selected == e)``."""
+        num_experts = params["router"].shape[-1]
+        weights, selected = _softmax_topk_renormalise(x @ params["router"], k)
+        weights = weights.astype(x.dtype)
+        out = jnp.zeros_like(x)
+        for e in range(num_experts):
+            weight_e = jnp.where(selected == e, weights, 0).sum(axis=-1)  # [T]
+            hidden = jax.nn.silu(x @ params["w_gate"][e]) * (x @ params["w_up"][e])
+            out = out + weight_e[:, None] * (hidden @ params["w_down"][e])
+        return out
+
+    return hf_loop
+
+
+def build_hf_loop(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="hf_loop", fn=_hf_loop_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="hf_loop", top_k=sizes.k, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_hf_loop,
+        notes="Python loop over experts (E unrolled copies), where(selected == e) masks, x @ w[e] slices.",
+    )
+
+
+def _gather_combine_fn(k: int):
+    def gather_combine(params, x):
+        """All experts on all tokens, then ``take_along_axis`` of the k chosen outputs and a weighted sum."""
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        hidden = jax.nn.silu(jnp.einsum("td,edf->tef", x, params["w_gate"])) * jnp.einsum(
+            "td,edf->tef", x, params["w_up"]
+        )
+        expert_out = jnp.einsum("tef,efd->ted", hidden, params["w_down"])  # [T, E, d]
+        chosen = jnp.take_along_axis(expert_out, idx[..., None], axis=1)  # [T, k, d]
+        return (chosen * weights.astype(x.dtype)[..., None]).sum(axis=1)
+
+    return gather_combine
+
+
+def build_gather_combine(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="gather_combine", fn=_gather_combine_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="gather", top_k=sizes.k, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_gather_combine,
+        notes="dense experts -> [T, E, d], take_along_axis of the chosen k, weighted sum over k.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Several layers: two layers in one function, and a scan over stacked layers.
+
+
+def _two_layers_fn(k: int):
+    layer = _mixtral_fn(k)
+
+    def two_layers(params, x):
+        """Two Mixtral MoE layers with a residual around each: two separate regions."""
+        h = x + layer(params["layer_0"], x)
+        return h + layer(params["layer_1"], h)
+
+    return two_layers
+
+
+def build_two_layers(sizes: Sizes = Sizes()) -> ZooModel:
+    def make(key, s, dtype):
+        k0, k1 = jax.random.split(key)
+        return {"layer_0": _mixtral_params(k0, s, dtype), "layer_1": _mixtral_params(k1, s, dtype)}
+
+    return ZooModel(
+        name="two_layers", fn=_two_layers_fn(sizes.k), make_params=_params_maker(sizes, make),
+        make_inputs=_token_inputs(sizes), expected_regions=2, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_two_layers,
+        notes="x + moe(x), then h + moe(h): two Mixtral layers with their own weights, two regions.",
+    )
+
+
+def _scan_layers_fn(k: int):
+    layer = _mixtral_fn(k)
+
+    def scan_layers(params, x):
+        """``lax.scan`` over layer-stacked weights, one Mixtral MoE layer (with residual) per step."""
+
+        def step(h, layer_params):
+            return h + layer(layer_params, h), None
+
+        out, _ = lax.scan(step, x, params)
+        return out
+
+    return scan_layers
+
+
+def build_scan_layers(sizes: Sizes = Sizes(), *, num_layers: int = 2) -> ZooModel:
+    def make(key, s, dtype):
+        layers = [_mixtral_params(k, s, dtype) for k in jax.random.split(key, num_layers)]
+        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+
+    return ZooModel(
+        name="scan_layers", fn=_scan_layers_fn(sizes.k), make_params=_params_maker(sizes, make),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, hyper=(("num_layers", num_layers),),
+        builder=build_scan_layers,
+        notes="lax.scan over params stacked on a leading layer axis; the one region is the scan body.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Flax linen module.
+
+if nn is not None:
+
+    class FlaxMoE(nn.Module):
+        """The Mixtral layer as a Flax module: router and expert weights are module params."""
+
+        num_experts: int
+        top_k: int
+        d_ff: int
+        param_dtype: Any = jnp.float32
+
+        @nn.compact
+        def __call__(self, x):
+            d_model = x.shape[-1]
+            expert_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=-2, out_axis=-1,
+                                                           batch_axis=(0,))
+            router = self.param("router", nn.initializers.variance_scaling(1.0, "fan_in", "normal"),
+                                (d_model, self.num_experts), self.param_dtype)
+            w_gate = self.param("w_gate", expert_init, (self.num_experts, d_model, self.d_ff), self.param_dtype)
+            w_up = self.param("w_up", expert_init, (self.num_experts, d_model, self.d_ff), self.param_dtype)
+            w_down = self.param("w_down", expert_init, (self.num_experts, self.d_ff, d_model), self.param_dtype)
+            weights, idx = _softmax_topk_renormalise(x @ router, self.top_k)
+            combine = _onehot_combine(weights, idx, self.num_experts, x.dtype)
+            gate = jnp.einsum("td,edf->tef", x, w_gate)
+            up = jnp.einsum("td,edf->tef", x, w_up)
+            expert_out = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up, w_down)
+            return jnp.einsum("te,ted->td", combine, expert_out)
+
+    def init_flax_moe(key, dtype=jnp.float32, *, d: int = 16, f: int = 32, E: int = 8, k: int = 2):
+        """``(module, params)`` for a ``FlaxMoE`` with ``params`` in ``dtype``."""
+        module = FlaxMoE(num_experts=E, top_k=k, d_ff=f, param_dtype=dtype)
+        params = module.init(key, jnp.zeros((1, d), dtype))["params"]
+        return module, params
+
+    def build_flax_moe(sizes: Sizes = Sizes()) -> ZooModel:
+        module = FlaxMoE(num_experts=sizes.E, top_k=sizes.k, d_ff=sizes.f)
+
+        def flax_moe(params, x):
+            """``FlaxMoE.apply`` on the params tree ``init_flax_moe`` makes."""
+            return module.apply({"params": params}, x)
+
+        def make_params(key, dtype=jnp.float32, **overrides):
+            s = dataclasses.replace(sizes, **overrides)
+            if (s.E, s.f, s.k) != (sizes.E, sizes.f, sizes.k):
+                raise ValueError("flax_moe's module fixes E, f and k: use ZOO['flax_moe'].sized(...) to change them")
+            return init_flax_moe(key, dtype, d=s.d, f=s.f, E=s.E, k=s.k)[1]
+
+        return ZooModel(
+            name="flax_moe", fn=flax_moe, make_params=make_params, make_inputs=_token_inputs(sizes),
+            expected_regions=1, style="mixtral", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+            builder=build_flax_moe, notes="FlaxMoE(nn.Module).apply: the mixtral computation on module params.",
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Negatives: must not be rewritten.
+
+
+def _topk_attention_fn(k: int):
+    def topk_attention(params, x):
+        """Top-k sparse attention: each query keeps its k best keys, softmax over them, weighted values.
+
+        It gathers and weights rows chosen by ``top_k`` like a gather-combine MoE, but what it gathers
+        are value vectors, not the outputs of per-expert weights.
+        """
+        q, key, v = x @ params["w_q"], x @ params["w_k"], x @ params["w_v"]
+        scores = q @ key.T / math.sqrt(q.shape[-1])  # [T, T]
+        top_scores, top_keys = lax.top_k(scores, k)
+        probs = jax.nn.softmax(top_scores.astype(jnp.float32), axis=-1).astype(x.dtype)
+        values = jnp.take(v, top_keys, axis=0)  # [T, k, d]
+        return jnp.einsum("tk,tkd->td", probs, values) @ params["w_o"]
+
+    return topk_attention
+
+
+def build_topk_attention(sizes: Sizes = Sizes(k=4)) -> ZooModel:
+    def make(key, s, dtype):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        return {name: _normal(k_, (s.d, s.d), s.d, dtype) for name, k_ in
+                (("w_q", kq), ("w_k", kk), ("w_v", kv), ("w_o", ko))}
+
+    return ZooModel(
+        name="topk_attention", fn=_topk_attention_fn(sizes.k), make_params=_params_maker(sizes, make),
+        make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=sizes.k, num_experts=None,
+        capacity=None, sizes=sizes, builder=build_topk_attention,
+        notes="attention scores sparsified by lax.top_k; routes keys, not tokens to expert weights.",
+    )
+
+
+def _ensemble_average(params, x):
+    """E "experts" on every token, simply averaged: an E axis and [T, E, f] tensors but no routing."""
+    hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+    return jnp.einsum("tef,efd->ted", hidden, params["w_down"]).mean(axis=1)
+
+
+def build_ensemble_average(sizes: Sizes = Sizes()) -> ZooModel:
+    def make(key, s, dtype):
+        return _mlp_experts(key, s, dtype, biases=False)
+
+    return ZooModel(
+        name="ensemble_average", fn=_ensemble_average, make_params=_params_maker(sizes, make),
+        make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=None, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_ensemble_average,
+        notes="mean over E expert MLPs applied to all tokens: nothing is routed.",
+    )
+
+
+def _batched_matmul_unrouted_fn(k: int):
+    def batched_matmul_unrouted(params, x):
+        """Per-head projections with an E-like head axis; a top_k elsewhere only scales each token.
+
+        The ``top_k`` values (its indices are never used) give a per-token confidence that multiplies
+        the concatenated heads: nothing selects among the heads.
+        """
+        num_tokens = x.shape[0]
+        heads = jax.nn.gelu(jnp.einsum("td,edf->tef", x, params["w_heads"]))  # [T, E, f]
+        top_scores, _ = lax.top_k(x @ params["w_score"], k)
+        confidence = jax.nn.sigmoid(top_scores.mean(axis=-1))  # [T]
+        out = heads.reshape(num_tokens, -1) @ params["w_out"]
+        return out * confidence[:, None]
+
+    return batched_matmul_unrouted
+
+
+def build_batched_matmul_unrouted(sizes: Sizes = Sizes()) -> ZooModel:
+    def make(key, s, dtype):
+        k_heads, k_score, k_out = jax.random.split(key, 3)
+        return {
+            "w_heads": _normal(k_heads, (s.E, s.d, s.f), s.d, dtype),
+            "w_score": _normal(k_score, (s.d, s.E), s.d, dtype),
+            "w_out": _normal(k_out, (s.E * s.f, s.d), s.E * s.f, dtype),
+        }
+
+    return ZooModel(
+        name="batched_matmul_unrouted", fn=_batched_matmul_unrouted_fn(sizes.k), make_params=_params_maker(sizes, make),
+        make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=sizes.k, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_batched_matmul_unrouted,
+        notes="einsum 'td,edf->tef' over heads, all heads used; top_k values scale tokens, indices unused.",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+
+_BUILDERS: dict[str, Callable[[], ZooModel]] = {
+    "mixtral": build_mixtral,
+    "mixtral_logits_topk": build_mixtral_logits_topk,
+    "mixtral_bsd": build_mixtral_bsd,
+    "mlp_gelu": _build_mlp("mlp_gelu"),
+    "mlp_relu_bias": _build_mlp("mlp_relu_bias"),
+    "mlp_squared_relu": _build_mlp("mlp_squared_relu"),
+    "gpt_oss": build_gpt_oss,
+    "deepseek_v3": build_deepseek_v3,
+    "switch": build_switch,
+    "gshard_top2": build_gshard_top2,
+    "hf_loop": build_hf_loop,
+    "gather_combine": build_gather_combine,
+    "two_layers": build_two_layers,
+    "scan_layers": build_scan_layers,
+    **({"flax_moe": build_flax_moe} if nn is not None else {}),
+    "topk_attention": build_topk_attention,
+    "ensemble_average": build_ensemble_average,
+    "batched_matmul_unrouted": build_batched_matmul_unrouted,
+}
+
+ZOO: Mapping[str, ZooModel] = {name: build() for name, build in _BUILDERS.items()}
+POSITIVE: tuple[str, ...] = tuple(name for name, model in ZOO.items() if model.expected_regions > 0)
+NEGATIVE: tuple[str, ...] = tuple(name for name, model in ZOO.items() if model.expected_regions == 0)
