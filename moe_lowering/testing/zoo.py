@@ -519,7 +519,7 @@ def build_switch(sizes: Sizes = Sizes(E=4, k=1), *, capacity_factor: float = 1.0
         capacity=expert_capacity(sizes.T, sizes.E, 1, capacity_factor), sizes=sizes,
         hyper=(("capacity_factor", capacity_factor),), builder=build_switch,
         notes="top-1 (argmax) with capacity, [T, E, C] dispatch/combine einsums, ReLU experts. At the default "
-              "sizes (T=32, E=4, C=8) and args(jax.random.key(0)) 3 of 32 tokens are dropped.",
+              "sizes (T=32, E=4, C=8) and args(jax.random.key(0)) 6 of 32 tokens are dropped.",
     )
 
 
@@ -532,7 +532,7 @@ def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float 
         capacity=expert_capacity(sizes.T, sizes.E, 2, capacity_factor), sizes=sizes,
         hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2,
         notes="top-2 with capacity, second choices after all first choices, GELU (tanh) experts. At the default "
-              "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 5 of 64 token copies are dropped.",
+              "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 4 of 64 token copies are dropped.",
     )
 
 
