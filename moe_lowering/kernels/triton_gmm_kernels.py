@@ -85,26 +85,32 @@ def gmm_kernel(
         pm, pn = _band_swizzle(tile - first_tile, group_m_tiles, n_tiles, GROUP_M)
 
         row0 = group_start + pm * BLOCK_M
-        # Rows past the group (or past M) are read clamped and never stored: no masks in the loop.
+        # Rows past the group (or past M) are read clamped and never stored. Column indices stay
+        # unclamped along the contiguous axis (a clamp would hide their contiguity from the
+        # compiler and cost the 16-byte pipelined loads); a remainder there is masked instead.
         tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
         cols = pn * BLOCK_N + in_n
-        load_cols = tl.minimum(cols, N - 1)
         a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
         weight_ptr = rhs_ptr + tl.cast(group - offset, tl.int64) * (K * N)
         if TRANSPOSE_RHS:
-            b_ptrs = weight_ptr + load_cols[None, :] * K + in_k[:, None]
+            b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + in_k[:, None]
             b_step = BLOCK_K
         else:
-            b_ptrs = weight_ptr + in_k[:, None] * N + load_cols[None, :]
+            b_ptrs = weight_ptr + in_k[:, None] * N + cols[None, :]
             b_step = BLOCK_K * N
+        b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if K % BLOCK_K == 0:
                 a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                if TRANSPOSE_RHS or N % BLOCK_N == 0:
+                    b = tl.load(b_ptrs)
+                else:
+                    b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=(k0 + in_k)[None, :] < K, other=0.0)
-                b = tl.load(b_ptrs, mask=(k0 + in_k)[:, None] < K, other=0.0)
+                k_ok = (k0 + in_k) < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
             if COMPUTE_F32:
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -182,13 +188,21 @@ def tgmm_kernel(
 
         ks = pk * BLOCK_K + in_k
         cols = pn * BLOCK_N + in_n
-        load_ks = tl.minimum(ks, K - 1)
-        load_cols = tl.minimum(cols, N - 1)
+        ks_ok = (ks < K)[None, :]
+        cols_ok = (cols < N)[None, :]
         acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
         for r0 in range(group_start, group_end, BLOCK_R):
             in_group = (r0 + in_r < group_end)[:, None]
-            a = tl.load(lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + load_ks[None, :], mask=in_group, other=0.0)
-            b = tl.load(grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + load_cols[None, :], mask=in_group, other=0.0)
+            a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
+            b_ptrs = grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :]
+            if K % BLOCK_K == 0:
+                a = tl.load(a_ptrs, mask=in_group, other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=in_group & ks_ok, other=0.0)
+            if N % BLOCK_N == 0:
+                b = tl.load(b_ptrs, mask=in_group, other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=in_group & cols_ok, other=0.0)
             if COMPUTE_F32:
                 acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
             else:

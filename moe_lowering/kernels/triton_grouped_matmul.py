@@ -44,6 +44,12 @@ class TileConfig:
 
 
 _F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
+_SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
+_NARROW = TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+_WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+
+TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _NARROW, _WIDE)
+"""Every configuration the tables below can pick, so tests can run each one."""
 
 
 def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
@@ -52,10 +58,10 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
         return _F32_CONFIG
     rows_per_group = num_rows / max(num_groups, 1)
     if rows_per_group < 256:
-        return TileConfig(64, 256, 64, num_warps=8, num_stages=4)
+        return _SMALL_GROUPS
     if n <= 1024:
-        return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
-    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+        return _NARROW
+    return _WIDE
 
 
 def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
@@ -63,8 +69,8 @@ def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: boo
     if compute_f32:
         return _F32_CONFIG
     if n <= 1024 or k <= 1024:
-        return TileConfig(128, 128, 64, num_warps=8, num_stages=4)
-    return TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+        return _NARROW
+    return _WIDE
 
 
 @functools.cache

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried wheels, then run the steps named as arguments
+# (tests, sweep, bench, bench-small), each logging under $OUT. Run from the repository root with
+# .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD/.gpu_stubs:$PWD
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv | tee "$OUT/device.txt"
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)"
+  case "$step" in
+    tests) python3 -m pytest tests/gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    sweep) python3 benchmarks/gmm_sweep.py --out "$OUT/gmm_sweep.json" 2>&1 | tee "$OUT/gmm_sweep.log" | tail -22 ;;
+    bench) python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -16 ;;
+    bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
