@@ -349,6 +349,7 @@ class _Interpreter:
     """Evaluates one module's functions on JAX values; one instance per import."""
 
     def __init__(self, module: ir.Module, *, keep_calls: bool):
+        self.module = module  # op handles below are only valid while the module lives
         self.keep_calls = keep_calls
         self.functions = {}
         for op in module.body.operations:
