@@ -1,0 +1,107 @@
+"""Every difference between the JAX versions we support (0.10.2 to 0.11.x), in one place.
+
+Between these versions ``ClosedJaxpr`` merged into ``Jaxpr`` (0.11: ``make_jaxpr`` returns a
+``Jaxpr`` that carries its consts), and core types live in ``jax.extend.core``. Primitives are
+looked up as objects here, so the passes identify them by identity, never by name.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import core as _core
+from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import pjit as _pjit
+from jax.extend import core as jex_core
+
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+Var = jex_core.Var
+Literal = jex_core.Literal
+DropVar = jex_core.DropVar
+Primitive = jex_core.Primitive
+
+jit_p = _pjit.jit_p
+sharding_constraint_p = _pjit.sharding_constraint_p
+closed_call_p = _core.closed_call_p
+remat_p = _ad_checkpoint.remat_p
+custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
+custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
+
+
+def jaxpr_parts(closed):
+    """``(jaxpr, consts)`` of a closed jaxpr, whichever class this JAX version uses for it."""
+    return closed.jaxpr, list(closed.consts)
+
+
+def open_jaxpr(jaxpr_like):
+    """The open ``Jaxpr`` inside a sub-jaxpr param (``ClosedJaxpr`` on 0.10, ``Jaxpr`` on 0.11)."""
+    inner = getattr(jaxpr_like, "jaxpr", jaxpr_like)
+    return inner
+
+
+def sub_jaxpr_consts(jaxpr_like) -> list:
+    return list(getattr(jaxpr_like, "consts", ()))
+
+
+def literal_value(atom):
+    return atom.val
+
+
+def is_literal(atom) -> bool:
+    return isinstance(atom, Literal)
+
+
+def make_closed_jaxpr(fn, *avals_or_args, return_shape=False):
+    return jax.make_jaxpr(fn, return_shape=return_shape)(*avals_or_args)
+
+
+def remat_wrapper(params):
+    """``jax.checkpoint`` configured like a ``remat`` eqn's params."""
+    return lambda fn: jax.checkpoint(fn, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
+
+
+def sort_p():
+    return lax.sort_p
+
+
+def get_abstract_mesh():
+    """The mesh in context at trace time (``jax.sharding.get_abstract_mesh``), or None."""
+    getter = getattr(jax.sharding, "get_abstract_mesh", None)
+    if getter is None:
+        return None
+    mesh = getter()
+    return None if mesh is None or getattr(mesh, "empty", False) else mesh
+
+
+def as_closed(jaxpr_like):
+    """A sub-jaxpr param as something ``build_graph`` takes (``remat`` keeps an open jaxpr on 0.10)."""
+    if hasattr(jaxpr_like, "consts") and hasattr(jaxpr_like, "jaxpr") and jaxpr_like.jaxpr is not jaxpr_like:
+        return jaxpr_like
+    if hasattr(jaxpr_like, "consts") and getattr(jaxpr_like, "jaxpr", None) is jaxpr_like:
+        return jaxpr_like
+    return jex_core.ClosedJaxpr(jaxpr_like, ())
+
+
+def is_jitted(fn) -> bool:
+    return hasattr(fn, "_jit_info") and hasattr(fn, "lower") and hasattr(fn, "__wrapped__")
+
+
+def jit_options(jitted) -> dict:
+    """The options a ``jax.jit``-wrapped function was made with, to re-jit its rewrite alike."""
+    import jax.tree_util as tu
+
+    info = jitted._jit_info
+    options = {
+        "static_argnums": tuple(info.static_argnums),
+        "static_argnames": tuple(info.static_argnames),
+        "donate_argnums": tuple(info.donate_argnums),
+        "donate_argnames": tuple(info.donate_argnames),
+        "keep_unused": info.keep_unused,
+    }
+    for name in ("in_shardings", "out_shardings"):
+        leaves = getattr(info, f"{name}_leaves")
+        if any(type(l).__name__ != "UnspecifiedValue" for l in leaves):
+            options[name] = tu.tree_unflatten(getattr(info, f"{name}_treedef"), leaves)
+    return options

@@ -1,0 +1,132 @@
+"""Abstract values: what the matcher knows about a value of the program, role by role.
+
+Each dimension of a value carries a *role*: ``t0, t1, ...`` (token axes, in the routing's
+order), ``k`` (top-k choice), ``E`` (expert), ``C`` (capacity slot), ``F`` (a feature axis),
+``1`` (a size-1 axis), ``*`` (an axis that only broadcasts). Roles make the rules independent of
+layout: a transpose only permutes them, ``einsum`` orderings do not matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moe_lowering.expert_program import Node
+
+Roles = tuple[str, ...]
+
+ONE = "1"
+BROADCAST = "*"
+EXPERT = "E"
+CHOICE = "k"
+SLOT = "C"
+FEATURE = "F"
+
+
+def token_roles(rank: int) -> Roles:
+    return tuple(f"t{i}" for i in range(rank))
+
+
+def is_token(role: str) -> bool:
+    return role.startswith("t")
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One multiplicative piece of the routing weights: ``source`` indexed by ``roles``."""
+
+    source: Any  # graph Value or Const
+    roles: Roles  # per dim of source: token roles, k, E or 1
+
+
+@dataclass(frozen=True)
+class ExpertIndex:
+    """The routing's expert indices (possibly broadcast): ``value[t.., k] = idx[t.., k]``."""
+
+    roles: Roles
+
+
+@dataclass(frozen=True)
+class Iota:
+    """``iota`` along the dim whose role is not ``1``: over experts or over tokens."""
+
+    roles: Roles
+
+
+@dataclass(frozen=True)
+class NegativeIndexCheck:
+    """``x < 0`` of an index: the first half of JAX's negative-index normalisation."""
+
+    of: Any
+
+
+@dataclass(frozen=True)
+class ShiftedIndex:
+    """``x + n`` of an index: the second half of the normalisation."""
+
+    of: Any
+
+
+@dataclass(frozen=True)
+class PackedIndices:
+    """A scatter/gather index tensor: ``roles`` for the batch dims, ``components`` along the last."""
+
+    roles: Roles
+    components: Roles
+
+
+@dataclass(frozen=True)
+class Gate:
+    """``value[..] = [idx[t, k] == e] * prod(factors)``: a one-hot mask or routing weights.
+
+    ``roles`` contains ``E`` unless ``expert`` fixes one expert (the per-expert loop style);
+    it contains ``k`` until the choices are summed. ``boolean`` while it is still a predicate.
+    """
+
+    roles: Roles
+    factors: tuple[Factor, ...] = ()
+    expert: int | None = None
+    boolean: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertParamSlice:
+    """``param[e]`` for a static expert ``e``: the per-expert loop's weight or bias slice."""
+
+    source: Any
+    expert_axis: int
+    expert: int
+    roles: Roles  # per dim of the slice (before a squeeze: the expert dim has role ONE)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Expert outputs for (token, expert) pairs, computed by ``node`` from token rows ``tokens``.
+
+    ``space``: ``dense`` (roles hold tokens and ``E``: every expert on every token), ``choice``
+    (tokens and ``k``: the chosen experts, after a gather), ``single`` (one ``expert``: the loop
+    style), ``slot`` (``E`` and ``C``: capacity slots after a dispatch einsum). ``gate`` is set
+    once routing weights have been multiplied in; only linear steps may follow.
+    """
+
+    roles: Roles
+    node: Node
+    space: str
+    tokens: Any
+    expert: int | None = None
+    gate: Gate | None = None
+    dispatch: Any = None  # slot space: the [t.., E, C] dispatch tensor
+
+
+@dataclass(frozen=True)
+class Combined:
+    """The layer output ``y[t.., F] = sum over chosen experts of weight * program(x[t])``."""
+
+    roles: Roles
+    node: Node
+    tokens: Any
+    gate: Gate | None  # None for the slot space, whose weights are ``combine``
+    experts: frozenset | None = None  # the loop style: which experts are summed so far
+    combine: Any = None  # slot space: the [t.., E, C] combine tensor
+    dispatch: Any = None
+    style: str = ""

@@ -1,0 +1,171 @@
+"""A flat, read-only view of a jaxpr for matching, with cached producer and user indices.
+
+Calls that do not change semantics (``jit`` / ``pjit``, ``closed_call``) are inlined, so a
+pattern can span ``jax.nn.one_hot`` (a ``jit``) or a user's nested ``@jax.jit`` layer. Calls with
+their own semantics (``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ``scan``, ``while``)
+stay single eqns: the rewrite re-binds them unchanged, or recurses into their bodies as scopes.
+Each inlined use of a shared sub-jaxpr gets fresh variables, so values never alias.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moe_lowering import _compat
+
+_ids = itertools.count()
+
+
+class Value:
+    """One SSA value of the flat graph (identity-hashed)."""
+
+    __slots__ = ("id", "aval")
+
+    def __init__(self, aval):
+        self.id = next(_ids)
+        self.aval = aval
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.aval.shape)
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+    def __repr__(self):
+        return f"%{self.id}:{self.aval.str_short() if hasattr(self.aval, 'str_short') else self.aval}"
+
+
+@dataclass(frozen=True)
+class Const:
+    """A literal or closed-over constant operand."""
+
+    value: Any
+    aval: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.value))
+
+    @property
+    def dtype(self):
+        return self.aval.dtype
+
+
+Atom = Value | Const
+
+
+@dataclass(frozen=True, eq=False)
+class Eqn:
+    """One primitive application of the flat graph."""
+
+    index: int
+    primitive: Any
+    params: dict
+    inputs: tuple[Atom, ...]
+    outputs: tuple[Value, ...]
+    source: Any = None  # the original JaxprEqn, for source locations in reports
+
+    def where(self) -> str:
+        info = getattr(self.source, "source_info", None)
+        try:
+            from jax._src import source_info_util
+
+            return source_info_util.summarize(info) if info is not None else "?"
+        except Exception:  # noqa: BLE001 - a location is a nicety, never a failure
+            return "?"
+
+
+_INLINED = (_compat.jit_p, _compat.closed_call_p)
+
+
+@dataclass(frozen=True)
+class JaxprGraph:
+    """The flattened program: ``eqns`` in order, ``inputs`` and ``outputs`` as flat values."""
+
+    eqns: tuple[Eqn, ...]
+    inputs: tuple[Value, ...]
+    outputs: tuple[Atom, ...]
+    input_shardings: dict = field(default_factory=dict, compare=False)
+
+    @functools.cached_property
+    def producer(self) -> dict[Value, Eqn]:
+        return {out: eqn for eqn in self.eqns for out in eqn.outputs}
+
+    @functools.cached_property
+    def users(self) -> dict[Value, tuple[Eqn, ...]]:
+        found: dict[Value, list[Eqn]] = {}
+        for eqn in self.eqns:
+            for atom in eqn.inputs:
+                if isinstance(atom, Value):
+                    found.setdefault(atom, []).append(eqn)
+        return {value: tuple(eqns) for value, eqns in found.items()}
+
+    @functools.cached_property
+    def output_set(self) -> frozenset:
+        return frozenset(a for a in self.outputs if isinstance(a, Value))
+
+    def ancestors(self, value: Atom) -> frozenset:
+        """Every value ``value`` depends on (itself included)."""
+        seen: set = set()
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if not isinstance(v, Value) or v in seen:
+                continue
+            seen.add(v)
+            eqn = self.producer.get(v)
+            if eqn is not None:
+                stack.extend(eqn.inputs)
+        return frozenset(seen)
+
+
+def build_graph(closed_jaxpr) -> JaxprGraph:
+    """Flattens ``closed_jaxpr`` (inlining jit and closed_call) into a ``JaxprGraph``."""
+    jaxpr, consts = _compat.jaxpr_parts(closed_jaxpr)
+    env: dict = {}
+    for var, const in zip(jaxpr.constvars, consts):
+        env[var] = Const(const, var.aval)
+    inputs = tuple(Value(v.aval) for v in jaxpr.invars)
+    env.update(zip(jaxpr.invars, inputs))
+    eqns: list[Eqn] = []
+    shardings: dict = {}
+    outputs = _inline(jaxpr, env, eqns, shardings)
+    return JaxprGraph(tuple(eqns), inputs, tuple(outputs), shardings)
+
+
+def _read(env, atom):
+    if _compat.is_literal(atom):
+        return Const(_compat.literal_value(atom), atom.aval)
+    return env[atom]
+
+
+def _inline(jaxpr, env, eqns: list, shardings: dict):
+    for source in jaxpr.eqns:
+        inputs = tuple(_read(env, a) for a in source.invars)
+        if source.primitive in _INLINED:
+            sub = source.params.get("jaxpr") or source.params.get("call_jaxpr")
+            sub_open = _compat.open_jaxpr(sub)
+            sub_env = {v: Const(c, v.aval) for v, c in zip(sub_open.constvars, _compat.sub_jaxpr_consts(sub))}
+            sub_env.update(zip(sub_open.invars, inputs))
+            for value, sharding in zip(inputs, source.params.get("in_shardings", ())):
+                if isinstance(value, Value) and not _is_unspecified(sharding):
+                    shardings.setdefault(value, sharding)
+            results = _inline(sub_open, sub_env, eqns, shardings)
+            for var, result in zip(source.outvars, results):
+                env[var] = result
+            continue
+        outputs = tuple(Value(v.aval) for v in source.outvars)
+        env.update(zip(source.outvars, outputs))
+        eqns.append(Eqn(len(eqns), source.primitive, dict(source.params), inputs, outputs, source))
+    return [_read(env, a) for a in jaxpr.outvars]
+
+
+def _is_unspecified(sharding) -> bool:
+    return sharding is None or type(sharding).__name__ in ("UnspecifiedValue", "AUTO")

@@ -1,0 +1,1180 @@
+"""Finds dense-reference MoE regions in a ``JaxprGraph`` by abstract interpretation.
+
+Matching is anchored on routing (``top_k``, ``argmax``): from one anchor's expert indices the
+analysis walks the program forward, giving each value it understands an abstract value
+(``abstract.py``): one-hot masks and gates built from the indices, expert rows computed from the
+tokens and an expert-batched weight, their gating and their sum. Rules are registered per
+primitive object (``@rule(lax.mul_p, ...)``). Values it does not understand stay plain; a rule
+that sees something *almost* right returns a ``FailedMatch`` whose reason ``explain`` reports.
+
+Structure (this file) is separate from the semantic checks in ``_finish_region``: that every
+expert is covered once, that routing weights are only applied where they commute with the rest
+of the expert program, and that no interior value (the dense ``[T, E, F]`` activations) is used
+outside the region, so replacing it cannot change anything else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+from jax import lax
+
+from moe_lowering import _compat
+from moe_lowering.expert_program import (
+    Elementwise,
+    ExpertMatmul,
+    ExpertProgram,
+    FeatureConcat,
+    FeatureSlice,
+    Literal,
+    ParamKind,
+    ParamRef,
+    RowInput,
+    topological_nodes,
+)
+from moe_lowering.passes.abstract import (
+    BROADCAST,
+    CHOICE,
+    EXPERT,
+    FEATURE,
+    ONE,
+    SLOT,
+    Combined,
+    ExpertIndex,
+    ExpertParamSlice,
+    Factor,
+    Gate,
+    Iota,
+    NegativeIndexCheck,
+    PackedIndices,
+    Roles,
+    Rows,
+    ShiftedIndex,
+    is_token,
+    token_roles,
+)
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
+
+log = logging.getLogger(__name__)
+
+ITERATION_ROLE = "i"  # the axis of an iota, before a use says whether it counts tokens or experts
+
+
+class FailedMatch:
+    """A falsy match result that carries the reason, so ``explain`` can say what did not match."""
+
+    __slots__ = ("reason", "eqn")
+
+    def __init__(self, reason: str, eqn: Eqn | None = None):
+        self.reason = reason
+        self.eqn = eqn
+
+    def __bool__(self):
+        return False
+
+    def __repr__(self):
+        return f"FailedMatch({self.reason!r})"
+
+
+@dataclass(frozen=True)
+class RoutingAnchor:
+    """A routing decision: ``indices [*tokens, k]`` choosing among ``num_experts``."""
+
+    eqn: Eqn
+    indices: Value
+    num_experts: int
+    top_k: int
+    token_shape: tuple[int, ...]
+    kind: str  # "top_k" or "argmax"
+
+    def describe(self) -> str:
+        return f"{self.kind} (k={self.top_k}, E={self.num_experts}) at {self.eqn.where()}"
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """Where a program input comes from: ``source`` with per-dim ``roles``; how it is indexed."""
+
+    source: Any
+    kind: ParamKind
+    roles: Roles  # EXPERT_WEIGHT: E/K/N per dim; otherwise token roles, E, F, 1
+
+
+@dataclass(frozen=True)
+class MoeRegion:
+    """One matched MoE layer: everything the rewrite needs, nothing it must rediscover."""
+
+    anchor: RoutingAnchor
+    output: Value
+    output_roles: Roles
+    tokens: Value
+    program: ExpertProgram
+    params: tuple[ParamSource, ...]
+    gate: Gate | None  # top-k styles: the routing weights
+    dispatch: tuple[Any, Roles] | None  # capacity style: the [t.., E, C] tensors and their roles
+    combine: tuple[Any, Roles] | None
+    replaced: frozenset  # eqn indices the sparse computation replaces
+    style: str
+    capacity: int | None = None
+    top_k: int = 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.anchor.num_experts
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.anchor.token_shape)
+
+    @functools.cached_property
+    def d_model(self) -> int:
+        return self.tokens.shape[-1]
+
+    @functools.cached_property
+    def d_ff(self) -> int:
+        first = self.program.matmuls()[0]
+        return _weight_dims(self.params[first.weight])[2]
+
+    @functools.cached_property
+    def gated_activation(self) -> bool:
+        """Two up-projections, or one split in two, multiplied: SwiGLU-style."""
+        ups = [m for m in self.program.matmuls() if isinstance(m.source, RowInput)]
+        has_split = any(isinstance(n, FeatureSlice) for n in self.program.nodes)
+        return len(ups) > 1 or has_split
+
+    def activation(self) -> str:
+        prims = [str(n.primitive) for n in self.program.nodes if isinstance(n, Elementwise)]
+        return ", ".join(dict.fromkeys(prims)) or "identity"
+
+
+def _weight_dims(param: ParamSource) -> tuple[int, int, int]:
+    shape = param.source.shape
+    return tuple(shape[param.roles.index(r)] for r in ("E", "K", "N"))
+
+
+# --------------------------------------------------------------------------- rule registry
+
+Rule = Callable[["Analysis", Eqn, list], Any]
+_RULES: dict[Any, Rule] = {}
+_ELEMENTWISE: set = set()
+
+
+def rule(*primitives):
+    """Registers ``fn`` as the abstract rule for each primitive object."""
+
+    def register(fn):
+        for primitive in primitives:
+            _RULES[primitive] = fn
+        return fn
+
+    return register
+
+
+@functools.cache
+def _register_rules() -> None:
+    """Primitive tables are built on first use, keeping ``import moe_lowering`` cheap."""
+    names = (
+        "add sub mul div max min neg exp exp2 log log1p expm1 logistic tanh erf erf_inv integer_pow pow "
+        "sqrt rsqrt cbrt abs sign select_n convert_element_type clamp square sin cos tan reduce_precision "
+        "copy eq lt gt le ge ne and or not"
+    ).split()
+    for name in names:
+        primitive = getattr(lax, f"{name}_p", None)
+        if primitive is not None:
+            _ELEMENTWISE.add(primitive)
+            _RULES.setdefault(primitive, _elementwise_rule)
+
+
+def rules() -> dict:
+    _register_rules()
+    return _RULES
+
+
+# --------------------------------------------------------------------------- anchors
+
+
+def find_anchors(graph: JaxprGraph) -> list[RoutingAnchor]:
+    """Routing decisions: ``top_k`` over the last axis and ``argmax`` over the last axis."""
+    anchors = []
+    for eqn in graph.eqns:
+        if eqn.primitive is lax.top_k_p:
+            scores = eqn.inputs[0]
+            axis = eqn.params.get("axis", len(scores.shape) - 1)
+            if axis not in (-1, len(scores.shape) - 1) or len(scores.shape) < 2:
+                continue
+            k = eqn.params["k"]
+            anchors.append(RoutingAnchor(eqn, eqn.outputs[1], scores.shape[-1], k, scores.shape[:-1], "top_k"))
+        elif eqn.primitive is lax.argmax_p:
+            scores = eqn.inputs[0]
+            if tuple(eqn.params["axes"]) != (len(scores.shape) - 1,) or len(scores.shape) < 2:
+                continue
+            anchors.append(RoutingAnchor(eqn, eqn.outputs[0], scores.shape[-1], 1, scores.shape[:-1], "argmax"))
+    return anchors
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+@dataclass
+class Analysis:
+    """Abstract interpretation of ``graph`` seeded with one routing anchor."""
+
+    graph: JaxprGraph
+    anchor: RoutingAnchor
+    values: dict = field(default_factory=dict)
+    params: list = field(default_factory=list)
+    failures: list = field(default_factory=list)
+    counted_anchors: tuple = ()
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        return self.anchor.token_shape
+
+    @property
+    def num_experts(self) -> int:
+        return self.anchor.num_experts
+
+    def run(self) -> None:
+        table = rules()
+        index = self.anchor.indices
+        roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind == "top_k" else ())
+        self.values[index] = ExpertIndex(roles)
+        for eqn in self.graph.eqns[self.anchor.eqn.index + 1 :]:
+            self._step(eqn, table)
+
+    def _step(self, eqn: Eqn, table) -> None:
+        abstracts = [self.abstract(a) for a in eqn.inputs]
+        starts_something = eqn.primitive in (lax.iota_p,) or _is_dispatch_candidate(self, eqn, abstracts)
+        if not starts_something and all(a is None for a in abstracts) and not _maybe_param_slice(self, eqn):
+            return
+        fn = table.get(eqn.primitive)
+        if fn is None:
+            if any(isinstance(a, (Rows, Combined)) for a in abstracts):
+                self.fail(f"`{eqn.primitive}` is applied to expert activations and is not understood", eqn)
+            return
+        result = fn(self, eqn, abstracts)
+        if isinstance(result, FailedMatch):
+            self.fail(result.reason, result.eqn or eqn)
+        elif result is not None:
+            self.values[eqn.outputs[0]] = result
+
+    def abstract(self, atom):
+        return self.values.get(atom) if isinstance(atom, Value) else None
+
+    def fail(self, reason: str, eqn: Eqn | None) -> None:
+        log.debug("moe_lowering: near miss at eqn %s: %s", eqn.index if eqn else "?", reason)
+        self.failures.append(FailedMatch(reason, eqn))
+
+    def param(self, source, kind: ParamKind, roles: Roles) -> int:
+        entry = ParamSource(source, kind, roles)
+        for i, existing in enumerate(self.params):
+            if existing.source is source and existing.kind is kind and existing.roles == roles:
+                return i
+        self.params.append(entry)
+        return len(self.params) - 1
+
+    def depends_on_anchor(self, atom) -> bool:
+        return isinstance(atom, Value) and self.anchor.indices in self.graph.ancestors(atom)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _is_zero(graph: JaxprGraph, atom) -> bool:
+    """``atom`` is a literal zero or a broadcast of one."""
+    while True:
+        if isinstance(atom, Const):
+            return bool(np.all(np.asarray(atom.value) == 0))
+        eqn = graph.producer.get(atom)
+        if eqn is None:
+            return False
+        if eqn.primitive in (lax.broadcast_in_dim_p, lax.convert_element_type_p, lax.reshape_p):
+            atom = eqn.inputs[0]
+        else:
+            return False
+
+
+def _broadcast_source(graph: JaxprGraph, atom) -> tuple[Any, tuple[int, ...]]:
+    """The value a plain operand was broadcast from, and which output dim each source dim became."""
+    mapping = tuple(range(len(atom.shape)))
+    while isinstance(atom, Value):
+        eqn = graph.producer.get(atom)
+        if eqn is None or eqn.primitive is not lax.broadcast_in_dim_p:
+            break
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        mapping = tuple(mapping[d] for d in dims)
+        atom = eqn.inputs[0]
+    return atom, mapping
+
+
+def _plain_roles(graph: JaxprGraph, atom, target_roles: Roles, target_shape) -> tuple[Any, Roles]:
+    """A plain operand's source and the role of each of its dims, read off the value it meets."""
+    source, mapping = _broadcast_source(graph, atom)
+    roles = []
+    for dim, out_dim in enumerate(mapping):
+        size = source.shape[dim]
+        roles.append(target_roles[out_dim] if size != 1 and size == target_shape[out_dim] else ONE)
+    return source, tuple(roles)
+
+
+def _is_scalar(atom) -> bool:
+    return len(atom.shape) == 0
+
+
+def _params_tuple(eqn: Eqn) -> tuple:
+    return tuple(sorted(eqn.params.items()))
+
+
+def _merge_roles(a: Roles, b: Roles) -> Roles | None:
+    out = []
+    for x, y in zip(a, b):
+        if x in (ONE, BROADCAST):
+            out.append(y)
+        elif y in (ONE, BROADCAST) or x == y:
+            out.append(x)
+        else:
+            return None
+    return tuple(out)
+
+
+def _compatible(gate_roles: Roles, rows_roles: Roles) -> bool:
+    """A gate (possibly broadcast) lines up with rows: every real gate role sits where rows have it."""
+    return all(g in (ONE, BROADCAST) or g == r for g, r in zip(gate_roles, rows_roles))
+
+
+def _rows_like(a, b) -> bool:
+    return (
+        a.space == b.space and a.tokens is b.tokens and a.expert == b.expert and a.roles == b.roles
+        and a.dispatch is b.dispatch
+    )
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
+    prim = eqn.primitive
+    if prim is lax.add_p and any(_is_contribution(a) for a in abstracts):
+        abstracts = [_as_contribution(a) for a in abstracts]
+    kinds = {type(a) for a in abstracts if a is not None}
+    if Combined in kinds:
+        return _combined_arith(an, eqn, abstracts)
+    if Rows in kinds:
+        return _rows_elementwise(an, eqn, abstracts)
+    if kinds & {ExpertIndex, Iota, NegativeIndexCheck, ShiftedIndex}:
+        return _index_arith(an, eqn, abstracts)
+    if Gate in kinds:
+        return _gate_arith(an, eqn, abstracts)
+    if prim is lax.convert_element_type_p and isinstance(abstracts[0], ExpertParamSlice):
+        return abstracts[0]
+    return None
+
+
+def _is_contribution(value) -> bool:
+    return isinstance(value, Combined) or (
+        isinstance(value, Rows) and value.space == "single" and value.gate is not None
+    )
+
+
+def _as_contribution(value):
+    """One expert's gated output in the loop style, ready to be summed with the others."""
+    if not (isinstance(value, Rows) and value.space == "single" and value.gate is not None):
+        return value
+    gate = replace(value.gate, expert=None, roles=tuple(r for r in value.gate.roles if r != ONE))
+    return Combined(value.roles, value.node, value.tokens, gate, experts=frozenset({value.expert}), style="per-expert loop")
+
+
+def _index_arith(an: Analysis, eqn: Eqn, abstracts):
+    prim = eqn.primitive
+    a, b = (abstracts + [None])[:2]
+    if prim is lax.lt_p and isinstance(a, (ExpertIndex, Iota)) and _is_zero(an.graph, eqn.inputs[1]):
+        return NegativeIndexCheck(eqn.inputs[0])
+    if prim is lax.add_p and isinstance(a, (ExpertIndex, Iota)) and b is None:
+        return ShiftedIndex(eqn.inputs[0])
+    if prim is lax.select_n_p and isinstance(a, NegativeIndexCheck):
+        on_false, on_true = eqn.inputs[1], eqn.inputs[2]
+        shifted = an.abstract(on_true)
+        if on_false is a.of and isinstance(shifted, ShiftedIndex) and shifted.of is a.of:
+            return an.abstract(a.of)
+        return None
+    if prim is lax.convert_element_type_p and isinstance(a, (ExpertIndex, Iota)):
+        return a
+    if prim is lax.eq_p:
+        return _one_hot(an, eqn, a, b)
+    return None
+
+
+def _one_hot(an: Analysis, eqn: Eqn, a, b):
+    """``idx == iota`` is a one-hot mask over experts; ``idx == e`` selects one expert."""
+    if isinstance(b, ExpertIndex) and not isinstance(a, ExpertIndex):
+        a, b = b, a
+        lhs, rhs = eqn.inputs[1], eqn.inputs[0]
+    else:
+        lhs, rhs = eqn.inputs
+    if not isinstance(a, ExpertIndex):
+        return None
+    if isinstance(b, Iota):
+        axis = b.roles.index(ITERATION_ROLE)
+        if a.roles[axis] != ONE or eqn.outputs[0].shape[axis] != an.num_experts:
+            return FailedMatch("one-hot compares the indices with an iota that does not count the experts", eqn)
+        roles = _merge_roles(a.roles, tuple(ONE if r == ITERATION_ROLE else r for r in b.roles))
+        roles = roles[:axis] + (EXPERT,) + roles[axis + 1 :]
+        return Gate(roles, boolean=True)
+    if b is None:
+        source, _ = _broadcast_source(an.graph, rhs)
+        if isinstance(source, Const) and np.ndim(source.value) == 0:
+            expert = int(source.value)
+            if 0 <= expert < an.num_experts:
+                return Gate(a.roles, expert=expert, boolean=True)
+    return None
+
+
+def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
+    prim = eqn.primitive
+    out = eqn.outputs[0]
+    if prim is lax.convert_element_type_p:
+        return replace(abstracts[0], boolean=False)
+    if prim is lax.mul_p:
+        gate_pos = 0 if isinstance(abstracts[0], Gate) else 1
+        gate, other = abstracts[gate_pos], abstracts[1 - gate_pos]
+        if other is not None:
+            return None
+        atom = eqn.inputs[1 - gate_pos]
+        return _with_factor(an, gate, atom, out, eqn)
+    if prim is lax.select_n_p and isinstance(abstracts[0], Gate) and abstracts[0].boolean:
+        on_false, on_true = eqn.inputs[1], eqn.inputs[2]
+        if abstracts[1] is None and abstracts[2] is None and _is_zero(an.graph, on_false):
+            return _with_factor(an, replace(abstracts[0], boolean=False), on_true, out, eqn)
+    return None
+
+
+def _with_factor(an: Analysis, gate: Gate, atom, out, eqn):
+    if isinstance(atom, Const) and _is_scalar(atom):
+        return replace(gate, factors=gate.factors + (Factor(atom, ()),))
+    source, roles = _plain_roles(an.graph, atom, gate.roles, out.shape)
+    if not all(is_token(r) or r in (CHOICE, EXPERT, ONE) for r in roles) or (CHOICE in roles and EXPERT in roles):
+        return FailedMatch("routing mask multiplied by a tensor that is not indexed by (token, choice) or (token, expert)", eqn)
+    return replace(gate, factors=gate.factors + (Factor(source, roles),))
+
+
+def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):
+    prim = eqn.primitive
+    out = eqn.outputs[0]
+    rows = [a for a in abstracts if isinstance(a, Rows)]
+    first = rows[0]
+    if any(not _rows_like(r, first) for r in rows):
+        return FailedMatch(f"`{prim}` mixes expert activations of different layouts or experts", eqn)
+    gates = [a for a in abstracts if isinstance(a, Gate)]
+    if gates:
+        return _apply_gate(an, eqn, abstracts, first, gates)
+    if first.gate is not None or any(r.gate is not None for r in rows):
+        if prim is lax.convert_element_type_p:
+            return replace(first, node=_elementwise_node(an, eqn, abstracts, first))
+        return FailedMatch(
+            f"routing weights are applied before the nonlinear step `{prim}`; only linear steps may follow them", eqn
+        )
+    if first.space == "choice" and prim is lax.mul_p and len(rows) == 1:
+        other = eqn.inputs[1 - abstracts.index(first)]
+        source, roles = _plain_roles(an.graph, other, first.roles, out.shape)
+        if CHOICE in roles:
+            return replace(first, gate=Gate(tuple(r for r in first.roles if r != FEATURE), (Factor(source, roles),)))
+    node = _elementwise_node(an, eqn, abstracts, first)
+    if isinstance(node, FailedMatch):
+        return node
+    return replace(first, node=node)
+
+
+def _elementwise_node(an: Analysis, eqn: Eqn, abstracts, rows: Rows):
+    operands = []
+    out = eqn.outputs[0]
+    for atom, abstract in zip(eqn.inputs, abstracts):
+        if isinstance(abstract, Rows):
+            operands.append(abstract.node)
+        elif isinstance(abstract, ExpertParamSlice):
+            if rows.expert != abstract.expert:
+                return FailedMatch("an expert's bias is used with another expert's activations", eqn)
+            operands.append(ParamRef(_slice_param(an, abstract, rows, out, eqn)))
+        elif abstract is not None:
+            return FailedMatch(f"`{eqn.primitive}` combines expert activations with a routing value", eqn)
+        elif isinstance(atom, Const) and _is_scalar(atom):
+            operands.append(Literal(atom.value))
+        else:
+            source, roles = _plain_roles(an.graph, atom, rows.roles, out.shape)
+            slice_ = an.abstract(source)
+            if isinstance(slice_, ExpertParamSlice):
+                operands.append(ParamRef(_slice_param(an, slice_, rows, out, eqn, atom)))
+                continue
+            has_tokens = any(is_token(r) for r in roles)
+            if CHOICE in roles or SLOT in roles or (has_tokens and EXPERT in roles):
+                return FailedMatch(
+                    "expert activations are combined with a [tokens, experts] tensor that is not recognised as "
+                    "routing weights (build them from one_hot(indices), a scatter of the top-k weights, or "
+                    "where(indices == e))",
+                    eqn,
+                )
+            if EXPERT in roles:
+                kind = ParamKind.PER_EXPERT
+            elif has_tokens:
+                kind = ParamKind.PER_TOKEN
+            else:
+                kind = ParamKind.CONSTANT
+            operands.append(ParamRef(an.param(source, kind, roles)))
+    return Elementwise(eqn.primitive, _params_tuple(eqn), tuple(operands))
+
+
+def _slice_param(an: Analysis, slice_: ExpertParamSlice, rows: Rows, out, eqn, atom=None) -> int:
+    """A per-expert bias ``b[e]`` (loop style) as the full ``b`` indexed by the row's expert."""
+    source = slice_.source
+    roles = [ONE] * len(source.shape)
+    roles[slice_.expert_axis] = EXPERT
+    if atom is not None:
+        _, mapping = _broadcast_source(an.graph, atom)
+        for dim, out_dim in zip(slice_.roles, mapping):
+            if source.shape[dim] != 1:
+                roles[dim] = rows.roles[out_dim]
+    else:
+        for dim, role in zip(slice_.roles, rows.roles):
+            if source.shape[dim] != 1:
+                roles[dim] = role
+    return an.param(source, ParamKind.PER_EXPERT, tuple(roles))
+
+
+def _apply_gate(an: Analysis, eqn: Eqn, abstracts, rows: Rows, gates):
+    if eqn.primitive is not lax.mul_p or len(gates) != 1 or len(abstracts) != 2:
+        return FailedMatch(f"routing weights enter the experts through `{eqn.primitive}`, not a product", eqn)
+    gate = gates[0]
+    if rows.gate is not None:
+        return FailedMatch("routing weights are applied twice", eqn)
+    if CHOICE in gate.roles:
+        return FailedMatch("routing weights still have a top-k axis: sum the one-hot over k first", eqn)
+    if gate.boolean:
+        return FailedMatch("a boolean routing mask multiplies expert activations", eqn)
+    if rows.space == "dense" and gate.expert is None and _compatible(gate.roles, rows.roles):
+        return replace(rows, gate=gate)
+    if rows.space == "single" and gate.expert == rows.expert and _compatible(gate.roles, rows.roles):
+        return replace(rows, gate=gate)
+    return FailedMatch("routing weights do not line up with the expert activations' token and expert axes", eqn)
+
+
+def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
+    """Per-expert contributions summed one by one (the loop style)."""
+    if eqn.primitive is not lax.add_p:
+        return None
+    a, b = abstracts
+    if a is None and _is_zero(an.graph, eqn.inputs[0]):
+        return b
+    if b is None and _is_zero(an.graph, eqn.inputs[1]):
+        return a
+    if not (isinstance(a, Combined) and isinstance(b, Combined)) or a.experts is None or b.experts is None:
+        return None
+    if a.roles != b.roles or a.tokens is not b.tokens or a.experts & b.experts:
+        return FailedMatch("per-expert outputs of different layouts (or the same expert twice) are added", eqn)
+    if a.node != b.node or a.gate != b.gate:
+        return FailedMatch("experts in the loop do not all compute the same program with the same routing weights", eqn)
+    return replace(a, experts=a.experts | b.experts)
+
+
+@rule(lax.iota_p)
+def _iota(an: Analysis, eqn: Eqn, abstracts):
+    shape = eqn.params["shape"]
+    dim = eqn.params["dimension"]
+    return Iota(tuple(ITERATION_ROLE if d == dim else (ONE if s == 1 else BROADCAST) for d, s in enumerate(shape)))
+
+
+@rule(lax.broadcast_in_dim_p)
+def _broadcast(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    if value is None:
+        return None
+    out_shape = eqn.outputs[0].shape
+    in_shape = eqn.inputs[0].shape
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    roles = [ONE if s == 1 else BROADCAST for s in out_shape]
+    for src, dst in enumerate(dims):
+        roles[dst] = value.roles[src] if in_shape[src] == out_shape[dst] else BROADCAST
+    roles = tuple(roles)
+    if isinstance(value, (Rows, Combined)):
+        if BROADCAST in roles:
+            return FailedMatch("expert activations are broadcast to a larger shape", eqn)
+        return replace(value, roles=roles)
+    if isinstance(value, (ExpertIndex, Iota, Gate)):
+        return replace(value, roles=roles)
+    return None
+
+
+def _unit_reshape(in_shape, out_shape) -> list | None:
+    """For a reshape that only adds or drops size-1 dims: each output dim's input dim (or None)."""
+    src = [i for i, s in enumerate(in_shape) if s != 1]
+    dst = [i for i, s in enumerate(out_shape) if s != 1]
+    if [in_shape[i] for i in src] != [out_shape[i] for i in dst]:
+        return None
+    mapping: list = [None] * len(out_shape)
+    for i, j in zip(src, dst):
+        mapping[j] = i
+    return mapping
+
+
+@rule(lax.reshape_p)
+def _reshape(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    if value is None or not hasattr(value, "roles"):
+        return None
+    mapping = _unit_reshape(eqn.inputs[0].shape, eqn.outputs[0].shape)
+    if mapping is None:
+        if isinstance(value, (Rows, Combined)):
+            return FailedMatch("a reshape merges or splits the axes of expert activations", eqn)
+        return None
+    roles = tuple(ONE if m is None else value.roles[m] for m in mapping)
+    return replace(value, roles=roles)
+
+
+@rule(lax.transpose_p)
+def _transpose(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    if value is None or not hasattr(value, "roles"):
+        return None
+    return replace(value, roles=tuple(value.roles[p] for p in eqn.params["permutation"]))
+
+
+@rule(lax.reduce_sum_p)
+def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    axes = tuple(eqn.params["axes"])
+    if value is None:
+        return None
+    summed = {value.roles[a] for a in axes} - {ONE}
+    kept = tuple(r for i, r in enumerate(value.roles) if i not in axes)
+    if isinstance(value, Gate):
+        if summed == {CHOICE} and not value.boolean:
+            return replace(value, roles=kept)
+        if summed == {CHOICE}:
+            return FailedMatch("a boolean one-hot mask is summed over k", eqn)
+        return None
+    if isinstance(value, Rows):
+        target = CHOICE if value.space == "choice" else EXPERT
+        if summed != {target}:
+            return FailedMatch(f"expert activations are reduced over {sorted(summed)}, not over the experts", eqn)
+        if value.gate is None:
+            return FailedMatch(
+                "expert outputs are summed over experts without routing weights (an ensemble, not a routed MoE)", eqn
+            )
+        return Combined(kept, value.node, value.tokens, value.gate, style=_style(value))
+    return None
+
+
+def _style(rows: Rows) -> str:
+    return {"dense": "one-hot gate", "choice": "gather combine", "single": "per-expert loop", "slot": "capacity"}[
+        rows.space
+    ]
+
+
+@rule(lax.slice_p, lax.dynamic_slice_p)
+def _slice(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    atom = eqn.inputs[0]
+    in_shape = atom.shape
+    out_shape = eqn.outputs[0].shape
+    if eqn.primitive is lax.slice_p:
+        starts = tuple(eqn.params["start_indices"])
+        strides = eqn.params.get("strides") or (1,) * len(in_shape)
+    else:
+        starts = []
+        for idx in eqn.inputs[1:]:
+            if not isinstance(idx, Const):
+                return None
+            starts.append(int(idx.value))
+        strides = (1,) * len(in_shape)
+    changed = [d for d in range(len(in_shape)) if out_shape[d] != in_shape[d]]
+    if value is None:
+        if len(changed) == 1 and in_shape[changed[0]] == an.num_experts and out_shape[changed[0]] == 1:
+            axis = changed[0]
+            return ExpertParamSlice(atom, axis, starts[axis], tuple(range(len(in_shape))))
+        return None
+    if isinstance(value, Gate) and len(changed) == 1 and value.roles[changed[0]] == EXPERT and out_shape[changed[0]] == 1:
+        axis = changed[0]
+        return replace(value, roles=value.roles[:axis] + (ONE,) + value.roles[axis + 1 :], expert=starts[axis])
+    if isinstance(value, Rows) and len(changed) == 1 and value.roles[changed[0]] == FEATURE:
+        axis = changed[0]
+        stop = starts[axis] + (out_shape[axis] - 1) * strides[axis] + 1
+        return replace(value, node=FeatureSlice(value.node, starts[axis], stop, strides[axis]))
+    if isinstance(value, (Rows, Combined)):
+        return FailedMatch("expert activations are sliced along a token or expert axis", eqn)
+    return None
+
+
+def _maybe_param_slice(an: Analysis, eqn: Eqn) -> bool:
+    """Plain slices of a weight with an expert axis are worth a look (the loop style's ``w[e]``)."""
+    if eqn.primitive not in (lax.slice_p, lax.dynamic_slice_p):
+        return False
+    shape = eqn.inputs[0].shape
+    return len(shape) >= 2 and an.num_experts in shape
+
+
+@rule(lax.squeeze_p)
+def _squeeze(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    if value is None:
+        return None
+    dims = set(d % len(eqn.inputs[0].shape) for d in eqn.params["dimensions"])
+    kept = tuple(r for i, r in enumerate(value.roles) if i not in dims) if hasattr(value, "roles") else None
+    if isinstance(value, ExpertParamSlice):
+        return replace(value, roles=kept)
+    return replace(value, roles=kept)
+
+
+@rule(lax.concatenate_p)
+def _concatenate(an: Analysis, eqn: Eqn, abstracts):
+    dim = eqn.params["dimension"]
+    if all(isinstance(a, Rows) for a in abstracts):
+        first = abstracts[0]
+        if all(_rows_like(a, first) for a in abstracts) and first.roles[dim] == FEATURE and first.gate is None:
+            return replace(first, node=FeatureConcat(tuple(a.node for a in abstracts)))
+        return FailedMatch("expert activations are concatenated along a token or expert axis", eqn)
+    if not all(isinstance(a, (ExpertIndex, Iota)) for a in abstracts):
+        return None
+    if any(eqn.inputs[i].shape[dim] != 1 for i in range(len(abstracts))):
+        return None
+    index_roles = next((a.roles for a in abstracts if isinstance(a, ExpertIndex)), None)
+    if index_roles is None:
+        return None
+    components = []
+    for a in abstracts:
+        if isinstance(a, ExpertIndex):
+            components.append(EXPERT)
+        else:
+            axis = a.roles.index(ITERATION_ROLE)
+            role = index_roles[axis]
+            if not is_token(role):
+                return None
+            components.append(role)
+    roles = index_roles[:dim] + index_roles[dim + 1 :]
+    return PackedIndices(roles, tuple(components))
+
+
+@rule(lax.scatter_p, lax.scatter_add_p)
+def _scatter(an: Analysis, eqn: Eqn, abstracts):
+    """``zeros[T, E].at[arange(T)[:, None], idx].set(w)``: routing weights by scatter."""
+    operand, indices, updates = eqn.inputs[:3]
+    packed = abstracts[1]
+    if not isinstance(packed, PackedIndices):
+        return None
+    if abstracts[0] is not None or abstracts[2] is not None or not _is_zero(an.graph, operand):
+        return FailedMatch("a scatter of routing indices into something other than zeros", eqn)
+    dnums = eqn.params["dimension_numbers"]
+    if tuple(dnums.update_window_dims) or len(packed.components) != len(operand.shape):
+        return FailedMatch("a scatter of routing indices with window dimensions", eqn)
+    roles = [ONE] * len(operand.shape)
+    for component, operand_dim in zip(packed.components, dnums.scatter_dims_to_operand_dims):
+        roles[operand_dim] = component
+    tokens = token_roles(len(an.token_shape))
+    if sorted(r for r in roles if is_token(r)) != sorted(tokens) or roles.count(EXPERT) != 1:
+        return FailedMatch("a scatter of routing indices that does not address every (token, expert)", eqn)
+    source, factor_roles = _plain_roles(an.graph, updates, packed.roles, updates.shape)
+    return Gate(tuple(roles), (Factor(source, factor_roles),))
+
+
+@rule(lax.gather_p)
+def _gather(an: Analysis, eqn: Eqn, abstracts):
+    """``take_along_axis(expert_out[T, E, D], idx[..., None], axis=1)``: pick the chosen experts."""
+    rows, index = abstracts[0], abstracts[1]
+    if not isinstance(rows, Rows):
+        return None
+    if rows.space != "dense" or rows.gate is not None or not isinstance(index, ExpertIndex):
+        return FailedMatch("a gather of expert activations by something other than the routing indices", eqn)
+    dnums = eqn.params["dimension_numbers"]
+    expert_dim = rows.roles.index(EXPERT)
+    if tuple(dnums.start_index_map) != (expert_dim,) or tuple(dnums.collapsed_slice_dims) != (expert_dim,):
+        return FailedMatch("a gather of expert activations along an axis other than the experts", eqn)
+    operand_batch = tuple(getattr(dnums, "operand_batching_dims", ()))
+    index_batch = tuple(getattr(dnums, "start_indices_batching_dims", ()))
+    if any(rows.roles[o] != index.roles[i] for o, i in zip(operand_batch, index_batch)):
+        return FailedMatch("a gather of expert activations whose batch axes are not the tokens", eqn)
+    slice_sizes = eqn.params["slice_sizes"]
+    operand_shape = eqn.inputs[0].shape
+    offset_src = [d for d in range(len(operand_shape)) if d != expert_dim and d not in operand_batch]
+    if any(slice_sizes[d] != operand_shape[d] for d in offset_src):
+        return FailedMatch("a gather of partial expert activations", eqn)
+    batch_roles = list(index.roles[:-1])
+    out_rank = len(eqn.outputs[0].shape)
+    offset_dims = tuple(dnums.offset_dims)
+    roles, b, o = [], iter(batch_roles), iter(offset_src)
+    for d in range(out_rank):
+        roles.append(rows.roles[next(o)] if d in offset_dims else next(b))
+    return Rows(tuple(roles), rows.node, "choice", rows.tokens)
+
+
+@rule(_compat.custom_jvp_call_p)
+def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
+    """An elementwise ``custom_jvp`` function (``relu``, ...) on expert activations: read its body."""
+    if not any(isinstance(a, Rows) for a in abstracts):
+        return None
+    from moe_lowering.passes.graph import _inline
+
+    body = eqn.params["call_jaxpr"]
+    inner = _compat.open_jaxpr(body)
+    env = {v: Const(c, v.aval) for v, c in zip(inner.constvars, _compat.sub_jaxpr_consts(body))}
+    env.update(zip(inner.invars, eqn.inputs))
+    inner_eqns: list = []
+    outputs = _inline(inner, env, inner_eqns, {})
+    table = rules()
+    for inner_eqn in inner_eqns:
+        if inner_eqn.primitive not in _ELEMENTWISE and inner_eqn.primitive is not lax.broadcast_in_dim_p:
+            return FailedMatch(f"custom_jvp function `{eqn.params.get('name', '?')}` is not elementwise", eqn)
+        inner_abstracts = [an.abstract(a) for a in inner_eqn.inputs]
+        if all(a is None for a in inner_abstracts):
+            continue
+        result = table[inner_eqn.primitive](an, inner_eqn, inner_abstracts)
+        if not result:
+            return result if isinstance(result, FailedMatch) else FailedMatch(
+                f"custom_jvp function `{eqn.params.get('name', '?')}` is not elementwise", eqn
+            )
+        an.values[inner_eqn.outputs[0]] = result
+    return an.abstract(outputs[0]) if len(outputs) == 1 else None
+
+
+@rule(lax.dot_general_p)
+def _dot_general(an: Analysis, eqn: Eqn, abstracts):
+    lhs, rhs = eqn.inputs
+    a_lhs, a_rhs = abstracts
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    pet = eqn.params.get("preferred_element_type")
+    out_roles = _dot_out_roles
+
+    for swap in (False, True):
+        x, w, ax, aw = (rhs, lhs, a_rhs, a_lhs) if swap else (lhs, rhs, a_lhs, a_rhs)
+        xc, wc, xb, wb = (rc, lc, rb, lb) if swap else (lc, rc, lb, rb)
+        result = _dot_case(an, eqn, x, w, ax, aw, tuple(xc), tuple(wc), tuple(xb), tuple(wb), pet, swap, out_roles)
+        if result is not None:
+            return result
+    if any(isinstance(a, (Rows, Combined)) for a in abstracts):
+        return FailedMatch("a matmul of expert activations that is neither an expert projection nor the combine", eqn)
+    return None
+
+
+def _dot_out_roles(x_roles, w_roles, xc, wc, xb, wb, swap) -> Roles:
+    """dot_general output order: batch dims, then lhs free dims, then rhs free dims."""
+    x_free = [r for i, r in enumerate(x_roles) if i not in xc and i not in xb]
+    w_free = [r for i, r in enumerate(w_roles) if i not in wc and i not in wb]
+    batch = [x_roles[i] for i in xb]
+    return tuple(batch + (w_free + x_free if swap else x_free + w_free))
+
+
+def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap, out_roles):
+    E = an.num_experts
+    token_shape = an.token_shape
+    n_tok = len(token_shape)
+    tokens = token_roles(n_tok)
+
+    # tokens [t.., D] @ W [E, D, F] -> dense rows [t.., E, F]
+    if ax is None and aw is None and not xb and len(w.shape) == 3 and x.shape[:-1] == token_shape:
+        if xc != (len(x.shape) - 1,) or len(wc) != 1:
+            return None
+        free = [d for d in range(3) if d != wc[0]]
+        expert_dims = [d for d in free if w.shape[d] == E]
+        if len(expert_dims) != 1:
+            if len(expert_dims) > 1:
+                return FailedMatch("an expert weight whose two free axes both have the expert count", eqn)
+            return None
+        e_dim = expert_dims[0]
+        n_dim = next(d for d in free if d != e_dim)
+        w_roles = tuple(EXPERT if d == e_dim else ("K" if d == wc[0] else "N") for d in range(3))
+        index = an.param(w, ParamKind.EXPERT_WEIGHT, w_roles)
+        node = ExpertMatmul(RowInput(), index, pet)
+        roles = out_roles(tokens + (FEATURE,), tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
+        return Rows(roles, node, "dense", x)
+
+    # tokens [t.., D] @ W[e] [D, F] -> one expert's rows [t.., F]
+    if ax is None and isinstance(aw, ExpertParamSlice) and not xb and x.shape[:-1] == token_shape and len(w.shape) == 2:
+        if xc != (len(x.shape) - 1,):
+            return None
+        index = _slice_weight(an, aw, wc[0])
+        roles = out_roles(tokens + (FEATURE,), (FEATURE, FEATURE), xc, wc, xb, wb, swap)
+        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "single", x, expert=aw.expert)
+
+    # dispatch [t.., E, C] contracted with tokens [t.., D] -> slot rows [E, C, D]
+    if ax is None and aw is None and not xb and len(w.shape) == n_tok + 1 and w.shape[:-1] == token_shape:
+        if len(x.shape) == n_tok + 2 and wc == tuple(range(n_tok)) and an.depends_on_anchor(x):
+            x_roles = _slot_roles(x, xc, E)
+            if x_roles is None:
+                return None
+            roles = out_roles(x_roles, tokens + (FEATURE,), xc, wc, xb, wb, swap)
+            return Rows(roles, RowInput(), "slot", w, dispatch=(x, x_roles))
+
+    # rows [.., E, .., F] @ W [E, F, N] batched over E -> rows
+    if isinstance(ax, Rows) and aw is None and len(w.shape) == 3 and ax.space in ("dense", "slot"):
+        e_x = ax.roles.index(EXPERT)
+        f_dims = tuple(i for i in xc if ax.roles[i] == FEATURE)
+        if len(wc) != len(xc):
+            return None
+        if xb == (e_x,) and len(xc) == 1 and f_dims == xc:
+            e_w = wb[0]
+            k_w = wc[0]
+            n_w = next(d for d in range(3) if d not in (e_w, k_w))
+            w_roles = tuple(EXPERT if d == e_w else ("K" if d == k_w else "N") for d in range(3))
+            node = ExpertMatmul(ax.node, an.param(w, ParamKind.EXPERT_WEIGHT, w_roles), pet)
+            roles = out_roles(ax.roles, tuple(EXPERT if d == e_w else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
+            return replace(ax, roles=roles, node=node)
+        if not xb and set(xc) == {e_x} | set(f_dims) and len(xc) == 2 and ax.space == "dense":
+            if ax.gate is None:
+                return FailedMatch("expert outputs are summed over experts without routing weights", eqn)
+            e_w = wc[xc.index(e_x)]
+            k_w = wc[xc.index(f_dims[0])]
+            n_w = next(d for d in range(3) if d not in (e_w, k_w))
+            w_roles = tuple(EXPERT if d == e_w else ("K" if d == k_w else "N") for d in range(3))
+            node = ExpertMatmul(ax.node, an.param(w, ParamKind.EXPERT_WEIGHT, w_roles), pet)
+            roles = out_roles(ax.roles, tuple(FEATURE if d == n_w else EXPERT for d in range(3)), xc, wc, xb, wb, swap)
+            return Combined(roles, node, ax.tokens, ax.gate, style="one-hot gate")
+        return None
+
+    # one expert's rows [t.., F] @ W[e] [F, N]
+    if isinstance(ax, Rows) and isinstance(aw, ExpertParamSlice) and ax.space == "single" and len(w.shape) == 2:
+        if aw.expert != ax.expert or xb or len(xc) != 1 or ax.roles[xc[0]] != FEATURE:
+            return FailedMatch("an expert's activations are multiplied by another expert's weight", eqn)
+        node = ExpertMatmul(ax.node, _slice_weight(an, aw, wc[0]), pet)
+        roles = out_roles(ax.roles, (FEATURE, FEATURE), xc, wc, xb, wb, swap)
+        rows = replace(ax, roles=roles, node=node)
+        if rows.gate is not None:
+            return _as_contribution(rows)
+        return rows
+
+    # gate [t.., E] . rows [t.., E, F] over E -> combined
+    if isinstance(ax, Gate) and isinstance(aw, Rows) and aw.space == "dense":
+        if ax.boolean or CHOICE in ax.roles or aw.gate is not None:
+            return None
+        if len(xc) == 1 and ax.roles[xc[0]] == EXPERT and aw.roles[wc[0]] == EXPERT:
+            if [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and all(is_token(ax.roles[i]) for i in xb):
+                roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
+                return Combined(roles, aw.node, aw.tokens, replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT)), style="one-hot gate")
+        return None
+
+    # one-hot [t.., k, E] . weights [t.., k] over k -> gate [t.., E]
+    if isinstance(ax, Gate) and aw is None and CHOICE in ax.roles and len(xc) == 1 and ax.roles[xc[0]] == CHOICE:
+        w_source, w_roles = _plain_roles(an.graph, w, _dot_align(ax.roles, xc, wc, xb, wb, len(w.shape)), w.shape)
+        roles = out_roles(ax.roles, _dot_align(ax.roles, xc, wc, xb, wb, len(w.shape)), xc, wc, xb, wb, swap)
+        return Gate(roles, ax.factors + (Factor(w_source, w_roles),), ax.expert)
+
+    # weights [t.., k] . chosen rows [t.., k, F] over k -> combined
+    if ax is None and isinstance(aw, Rows) and aw.space == "choice" and aw.gate is None:
+        if len(wc) == 1 and aw.roles[wc[0]] == CHOICE:
+            x_roles = _dot_align(aw.roles, wc, xc, wb, xb, len(x.shape))
+            source, f_roles = _plain_roles(an.graph, x, x_roles, x.shape)
+            roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
+            gate = Gate(tuple(r for r in aw.roles if r not in (FEATURE,)), (Factor(source, f_roles),))
+            return Combined(roles, aw.node, aw.tokens, gate, style="gather combine")
+        return None
+
+    # combine [t.., E, C] . slot rows [E, C, F] over (E, C) -> combined
+    if ax is None and isinstance(aw, Rows) and aw.space == "slot" and len(wc) == 2:
+        if {aw.roles[i] for i in wc} == {EXPERT, SLOT} and len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
+            x_roles = _slot_roles(x, xc, E, token_first=True)
+            if x_roles is None or x.shape[: n_tok] != token_shape:
+                return None
+            if [x_roles[i] for i in xc] != [aw.roles[i] for i in wc]:
+                return FailedMatch("the combine tensor's expert and slot axes do not match the dispatch", eqn)
+            roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
+            return Combined(roles, aw.node, aw.tokens, None, combine=(x, x_roles), dispatch=aw.dispatch, style="capacity")
+    return None
+
+
+def _dot_align(roles: Roles, own_c, other_c, own_b, other_b, other_rank) -> Roles:
+    """Roles of the other operand of a dot, read off this one's contracted and batch dims."""
+    out = [FEATURE] * other_rank
+    for mine, theirs in zip(own_c + own_b, other_c + other_b):
+        out[theirs] = roles[mine]
+    return tuple(out)
+
+
+def _slot_roles(x, xc, num_experts, token_first=False) -> Roles | None:
+    """Roles of a ``[t.., E, C]`` dispatch or combine tensor (token dims are the contracted ones)."""
+    rest = [d for d in range(len(x.shape)) if d not in xc] if not token_first else list(range(len(x.shape) - 2, len(x.shape)))
+    if len(rest) != 2 or x.shape[rest[0]] != num_experts:
+        return None
+    roles = [None] * len(x.shape)
+    roles[rest[0]] = EXPERT
+    roles[rest[1]] = SLOT
+    t = 0
+    for d in range(len(x.shape)):
+        if roles[d] is None:
+            roles[d] = f"t{t}"
+            t += 1
+    return tuple(roles)
+
+
+def _slice_weight(an: Analysis, slice_: ExpertParamSlice, contract_dim: int) -> int:
+    """The loop style's ``w[e]`` as the full expert weight ``w [E, K, N]``."""
+    source = slice_.source
+    k_src = slice_.roles[contract_dim]
+    roles = tuple(EXPERT if d == slice_.expert_axis else ("K" if d == k_src else "N") for d in range(len(source.shape)))
+    return an.param(source, ParamKind.EXPERT_WEIGHT, roles)
+
+
+def _is_dispatch_candidate(an: Analysis, eqn: Eqn, abstracts) -> bool:
+    return eqn.primitive is lax.dot_general_p
+
+
+# --------------------------------------------------------------------------- regions
+
+
+def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAnchor, FailedMatch]]]:
+    """All MoE regions of ``graph``, and for each anchor that gave none, why not."""
+    regions: list[MoeRegion] = []
+    near_misses: list[tuple[RoutingAnchor, FailedMatch]] = []
+    anchors = find_anchors(graph)
+    claimed: set = set()
+    for anchor in anchors:
+        analysis = Analysis(graph, anchor)
+        analysis.run()
+        results = _regions_of(analysis, anchors)
+        found = [r for r in results if isinstance(r, MoeRegion)]
+        failures = [r for r in results if isinstance(r, FailedMatch)]
+        found = [r for r in found if r.output not in claimed]
+        for region in found:
+            claimed.add(region.output)
+        regions.extend(found)
+        if not found and not _feeds_later_anchor(graph, anchor, anchors):
+            near_misses.append((anchor, failures[0] if failures else _why_not(analysis)))
+    return regions, near_misses
+
+
+def _feeds_later_anchor(graph: JaxprGraph, anchor: RoutingAnchor, anchors) -> bool:
+    """A top-k that only pre-selects for another routing decision (DeepSeek's group-limited top-k)."""
+    return any(
+        other is not anchor and anchor.indices in graph.ancestors(other.eqn.inputs[0]) for other in anchors
+    )
+
+
+def _why_not(analysis: Analysis) -> FailedMatch:
+    if analysis.failures:
+        return analysis.failures[-1]
+    kinds = {type(v) for v in analysis.values.values()}
+    if Gate not in kinds and Rows not in kinds:
+        return FailedMatch(
+            "the routing indices never select experts: no one-hot mask, scatter or gather built from them, "
+            "and no matmul of the tokens with a weight of expert axis "
+            f"E={analysis.num_experts}"
+        )
+    if Rows not in kinds:
+        return FailedMatch(
+            f"routing weights are built, but no matmul of the tokens [{', '.join(map(str, analysis.token_shape))}, d] "
+            f"with an expert weight [E={analysis.num_experts}, d, f] was found"
+        )
+    return FailedMatch("expert activations are computed but never combined with the routing weights")
+
+
+def _regions_of(analysis: Analysis, anchors) -> list:
+    graph = analysis.graph
+    results = []
+    for value, abstract in analysis.values.items():
+        if not isinstance(abstract, Combined) or value not in graph.producer:
+            continue
+        users = graph.users.get(value, ())
+        absorbed = all(isinstance(analysis.values.get(u.outputs[0]), Combined) for u in users) and users
+        if absorbed and value not in graph.output_set:
+            continue
+        results.append(_finish_region(analysis, value, abstract, anchors))
+    return results
+
+
+def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> MoeRegion | FailedMatch:
+    graph = an.graph
+    if combined.experts is not None and combined.experts != frozenset(range(an.num_experts)):
+        missing = sorted(set(range(an.num_experts)) - combined.experts)
+        return FailedMatch(f"the per-expert loop leaves out experts {missing}", graph.producer[output])
+    replaced = _interior(an, output)
+    for eqn_index in replaced:
+        eqn = graph.eqns[eqn_index]
+        for value in eqn.outputs:
+            if value is output:
+                continue
+            outside = [u for u in graph.users.get(value, ()) if u.index not in replaced]
+            if outside or value in graph.output_set:
+                where = outside[0].where() if outside else "the function's outputs"
+                return FailedMatch(
+                    f"an interior value of the MoE (the expert activations {list(value.shape)}) is also used "
+                    f"outside it, at {where}; replacing the layer would change that use",
+                    eqn,
+                )
+    program_nodes = topological_nodes(combined.node)
+    used = sorted({n.weight for n in program_nodes if isinstance(n, ExpertMatmul)} | {
+        o.index for n in program_nodes if isinstance(n, Elementwise) for o in n.operands if isinstance(o, ParamRef)
+    })
+    renumber = {old: new for new, old in enumerate(used)}
+    program_nodes_renumbered = _renumber(combined.node, renumber)
+    params = tuple(an.params[i] for i in used)
+    program = ExpertProgram(program_nodes_renumbered, tuple(p.kind for p in params), topological_nodes(program_nodes_renumbered))
+    if not program.matmuls():
+        return FailedMatch("the expert computation has no projection with an expert weight")
+    token_roles_ = token_roles(len(an.token_shape))
+    out_roles = combined.roles
+    if sorted(r for r in out_roles if is_token(r)) != sorted(token_roles_) or out_roles.count(FEATURE) != 1:
+        return FailedMatch("the MoE output is not laid out as [tokens.., features]")
+    capacity = None
+    top_k = an.anchor.top_k
+    if combined.combine is not None:
+        dispatch, dispatch_roles = combined.dispatch
+        capacity = dispatch.shape[dispatch_roles.index(SLOT)]
+        top_k = sum(a.top_k for a in anchors if a.indices in graph.ancestors(dispatch))
+    return MoeRegion(
+        anchor=an.anchor,
+        output=output,
+        output_roles=out_roles,
+        tokens=combined.tokens,
+        program=program,
+        params=params,
+        gate=combined.gate,
+        dispatch=combined.dispatch,
+        combine=combined.combine,
+        replaced=frozenset(replaced),
+        style=combined.style,
+        capacity=capacity,
+        top_k=top_k,
+    )
+
+
+def _interior(an: Analysis, output: Value) -> set[int]:
+    """Eqns computing expert activations that feed ``output`` (routing eqns are not interior)."""
+    graph = an.graph
+    interior: set[int] = set()
+    stack = [output]
+    seen = set()
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, Value) or value in seen:
+            continue
+        seen.add(value)
+        eqn = graph.producer.get(value)
+        if eqn is None or not isinstance(an.values.get(value), (Rows, Combined)):
+            continue
+        interior.add(eqn.index)
+        stack.extend(eqn.inputs)
+    return interior
+
+
+def _renumber(node, mapping):
+    """A copy of the program with param indices renumbered to the region's own list."""
+    memo: dict[int, Any] = {}
+
+    def walk(n):
+        if id(n) in memo:
+            return memo[id(n)]
+        if isinstance(n, ExpertMatmul):
+            out = ExpertMatmul(walk(n.source), mapping[n.weight], n.preferred_element_type)
+        elif isinstance(n, Elementwise):
+            out = Elementwise(n.primitive, n.params, tuple(walk(o) for o in n.operands))
+        elif isinstance(n, ParamRef):
+            out = ParamRef(mapping[n.index])
+        elif isinstance(n, FeatureSlice):
+            out = FeatureSlice(walk(n.source), n.start, n.stop, n.stride)
+        elif isinstance(n, FeatureConcat):
+            out = FeatureConcat(tuple(walk(s) for s in n.sources))
+        else:
+            out = n
+        memo[id(n)] = out
+        return out
+
+    return walk(node)

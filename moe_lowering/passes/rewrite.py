@@ -1,0 +1,255 @@
+"""Re-emits a program with its MoE regions replaced, by interpreting it with ``bind``.
+
+Every eqn outside a region is re-bound exactly as traced; at a region's output the sparse MoE
+is called on the region's inputs, read from the environment. Interpreting instead of building a
+new jaxpr composes with ``jit``, ``grad`` and ``vmap`` and never touches jaxpr internals that
+differ between JAX versions. ``scan`` and ``remat`` bodies are scopes of their own: regions
+inside are rewritten and the loop re-emitted through the public ``lax.scan`` / ``jax.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_lowering import _compat
+from moe_lowering.expert_program import ParamKind
+from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, is_token, token_roles
+from moe_lowering.passes.graph import Const, JaxprGraph, build_graph
+from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScopeResult:
+    """What the pass found in one jaxpr and the scopes nested in it."""
+
+    graph: JaxprGraph
+    regions: tuple[MoeRegion, ...]
+    near_misses: tuple[tuple[RoutingAnchor, FailedMatch], ...]
+    nested: dict  # eqn index -> ScopeResult of its body (scan / remat) holding regions
+    path: str = ""
+
+    def all_regions(self):
+        yield from ((self.path, r) for r in self.regions)
+        for child in self.nested.values():
+            yield from child.all_regions()
+
+    def all_near_misses(self):
+        yield from ((self.path, a, f) for a, f in self.near_misses)
+        for child in self.nested.values():
+            yield from child.all_near_misses()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.regions) or bool(self.nested)
+
+
+_SCOPE_PARAM = {}
+
+
+def _scope_primitives():
+    if not _SCOPE_PARAM:
+        _SCOPE_PARAM.update({lax.scan_p: "jaxpr", _compat.remat_p: "jaxpr"})
+    return _SCOPE_PARAM
+
+
+def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
+    """Finds the regions of ``closed_jaxpr`` and, recursively, of its scan and remat bodies."""
+    graph = build_graph(closed_jaxpr)
+    regions, near_misses = analyse(graph)
+    nested = {}
+    for eqn in graph.eqns:
+        param = _scope_primitives().get(eqn.primitive)
+        if param is None:
+            continue
+        body = eqn.params[param]
+        where = f"{path}/{eqn.primitive}[{eqn.index}]"
+        child = analyse_program(_compat.as_closed(body), where)
+        if child.changed or child.near_misses:
+            nested[eqn.index] = child
+    nested_changed = {i: c for i, c in nested.items() if c.changed}
+    result = ScopeResult(graph, tuple(regions), tuple(near_misses), nested_changed, path)
+    if not nested_changed:
+        # near misses of unchanged scopes still matter to explain
+        return ScopeResult(graph, tuple(regions), tuple(near_misses) + tuple(
+            (a, f) for c in nested.values() for _, a, f in c.all_near_misses()
+        ), {}, path)
+    return result
+
+
+def make_rewritten(scope: ScopeResult, backend: str) -> Callable:
+    """``fn(*flat_inputs) -> list of flat outputs`` with every region replaced."""
+    return functools.partial(_evaluate, scope, backend)
+
+
+def _evaluate(scope: ScopeResult, backend: str, *args):
+    graph = scope.graph
+    env = dict(zip(graph.inputs, args))
+
+    def read(atom):
+        return atom.value if isinstance(atom, Const) else env[atom]
+
+    replaced = set()
+    by_output_eqn = {}
+    for region in scope.regions:
+        replaced |= region.replaced
+        by_output_eqn[graph.producer[region.output].index] = region
+    for eqn in graph.eqns:
+        if eqn.index in replaced:
+            region = by_output_eqn.get(eqn.index)
+            if region is not None:
+                env[region.output] = lower_region(region, read, backend)
+            continue
+        inputs = [read(a) for a in eqn.inputs]
+        child = scope.nested.get(eqn.index)
+        if child is not None:
+            outputs = _rebind_scope(eqn, child, inputs, backend)
+        else:
+            outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
+        if not eqn.primitive.multiple_results:
+            outputs = [outputs]
+        env.update(zip(eqn.outputs, outputs))
+    return [read(a) for a in graph.outputs]
+
+
+def _rebind_scope(eqn, child: ScopeResult, inputs, backend):
+    body = make_rewritten(child, backend)
+    if eqn.primitive is lax.scan_p:
+        p = eqn.params
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        consts, init, xs = inputs[:n_consts], inputs[n_consts : n_consts + n_carry], inputs[n_consts + n_carry :]
+
+        def step(carry, x):
+            outs = body(*consts, *carry, *x)
+            return list(outs[:n_carry]), list(outs[n_carry:])
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+    return _compat.remat_wrapper(eqn.params)(lambda *a: body(*a))(*inputs)
+
+
+# --------------------------------------------------------------------------- one region
+
+
+def lower_region(region: MoeRegion, read, backend: str):
+    """The sparse replacement of ``region``, built from the values its inputs have now."""
+    from moe_lowering.sparse_moe import sparse_moe
+
+    anchor = region.anchor
+    num_tokens = region.num_tokens
+    tokens = read(region.tokens).reshape(num_tokens, region.d_model)
+    if region.combine is not None:
+        expert_indices, expert_weights = _capacity_choices(region, read)
+    else:
+        expert_indices = _index_matrix(anchor, read(anchor.indices))
+        expert_weights = _routing_weights(region, read, expert_indices)
+    params = [_normalise_param(p, read(p.source) if not isinstance(p.source, Const) else p.source.value, region)
+              for p in region.params]
+
+    def sparse(tokens, expert_indices, expert_weights, *params):
+        return sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
+                          num_experts=region.num_experts, backend=backend)
+
+    sparse.__name__ = "moe_lowering_sparse_moe"
+    out = jax.jit(sparse)(tokens, expert_indices, expert_weights, *params)
+    return _to_output_layout(out, region)
+
+
+def _index_matrix(anchor: RoutingAnchor, indices):
+    return indices.reshape(-1, anchor.top_k)
+
+
+def _canonical(value, roles, order):
+    """``value`` with its dims moved to ``order`` (roles), size-1 dims of other roles dropped."""
+    keep = [i for i, r in enumerate(roles) if r in order]
+    drop = [i for i, r in enumerate(roles) if r not in order]
+    if any(value.shape[i] != 1 for i in drop):
+        raise ValueError(f"cannot drop non-unit dims of roles {[roles[i] for i in drop]}")
+    value = value.reshape([value.shape[i] for i in keep])
+    kept_roles = [roles[i] for i in keep]
+    perm = [kept_roles.index(r) for r in order if r in kept_roles]
+    return jnp.transpose(value, perm), [r for r in order if r in kept_roles]
+
+
+def _routing_weights(region: MoeRegion, read, expert_indices):
+    """``[T, k]`` routing weights: the product of the gate's factors, read per (token, choice)."""
+    num_tokens, top_k = expert_indices.shape
+    tokens = token_roles(len(region.anchor.token_shape))
+    weights = None
+    for factor in region.gate.factors:
+        value = factor.source.value if isinstance(factor.source, Const) else read(factor.source)
+        value = jnp.asarray(value)
+        if value.ndim == 0:
+            piece = value.reshape(1, 1)
+        else:
+            piece, roles = _canonical(value, factor.roles, tokens + (CHOICE, EXPERT))
+            n_tok = sum(1 for r in roles if is_token(r))
+            lead = 1
+            for d in range(n_tok):
+                lead *= piece.shape[d]
+            piece = piece.reshape((lead,) + piece.shape[n_tok:]) if n_tok else piece.reshape((1,) + piece.shape)
+            if EXPERT in roles:
+                piece = jnp.take_along_axis(piece, expert_indices if piece.shape[0] != 1 else expert_indices[:1], axis=1)
+            elif CHOICE not in roles:
+                piece = piece.reshape(piece.shape[0], 1)
+        weights = piece if weights is None else weights * piece
+    if weights is None:
+        dtype = region.output.dtype
+        return jnp.ones((num_tokens, top_k), dtype)
+    return jnp.broadcast_to(weights, (num_tokens, top_k))
+
+
+def _capacity_choices(region: MoeRegion, read):
+    """Capacity style: each token's kept experts and weights, read off dispatch and combine."""
+    tokens = token_roles(len(region.anchor.token_shape))
+    order = tokens + (EXPERT, SLOT)
+    dispatch_value, dispatch_roles = region.dispatch
+    combine_value, combine_roles = region.combine
+    dispatch, _ = _canonical(read(dispatch_value), dispatch_roles, order)
+    combine, _ = _canonical(read(combine_value), combine_roles, order)
+    num_experts = region.num_experts
+    dispatch = dispatch.reshape(-1, num_experts, dispatch.shape[-1])
+    combine = combine.reshape(-1, num_experts, combine.shape[-1])
+    kept = jnp.sum(dispatch != 0, axis=-1) > 0
+    gate = jnp.sum(combine, axis=-1)
+    _, choices = lax.top_k(kept.astype(jnp.float32), region.top_k)
+    kept_choice = jnp.take_along_axis(kept, choices, axis=1)
+    weights = jnp.take_along_axis(gate, choices, axis=1)
+    expert_indices = jnp.where(kept_choice, choices, num_experts)
+    return expert_indices, jnp.where(kept_choice, weights, 0)
+
+
+def _normalise_param(param, value, region: MoeRegion):
+    """A program input in the layout ``ExpertProgram`` expects (see ``ParamKind``)."""
+    value = jnp.asarray(value)
+    if param.kind is ParamKind.EXPERT_WEIGHT:
+        return jnp.transpose(value, [param.roles.index(r) for r in ("E", "K", "N")])
+    if param.kind is ParamKind.PER_EXPERT:
+        out, roles = _canonical(value, param.roles, (EXPERT, FEATURE))
+        return out if FEATURE in roles else out.reshape(-1, 1)
+    if param.kind is ParamKind.PER_TOKEN:
+        tokens = token_roles(len(region.anchor.token_shape))
+        out, roles = _canonical(value, param.roles, tokens + (FEATURE,))
+        features = out.shape[-1] if FEATURE in roles else 1
+        return out.reshape(-1, features)
+    if value.ndim == 0:
+        return value
+    out, roles = _canonical(value, param.roles, (FEATURE,))
+    return out.reshape(1, -1)
+
+
+def _to_output_layout(out, region: MoeRegion):
+    tokens = token_roles(len(region.anchor.token_shape))
+    canonical = tokens + (FEATURE,)
+    out = out.reshape(tuple(region.anchor.token_shape) + (out.shape[-1],))
+    roles = [r for r in region.output_roles if r != ONE]
+    out = jnp.transpose(out, [canonical.index(r) for r in roles])
+    return out.reshape(region.output.shape).astype(region.output.dtype)

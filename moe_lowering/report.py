@@ -1,0 +1,140 @@
+"""What ``explain`` and ``moe-rewrite --report`` say: regions found, and near misses with reasons."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RegionReport:
+    """One MoE layer the pass rewrites (or would rewrite), with its costs before and after."""
+
+    location: str
+    style: str
+    tokens: int
+    experts: int
+    top_k: int
+    d_model: int
+    d_ff: int
+    activation: str
+    gated: bool
+    capacity: int | None
+    dtype: str
+    dense_flops: int
+    rewritten_flops: int
+    dense_peak_intermediate_bytes: int
+    rewritten_peak_intermediate_bytes: int
+    expert_body: str
+    scope: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        cap = f", capacity {self.capacity}" if self.capacity else ""
+        act = f"{'gated ' if self.gated else ''}{self.activation}"
+        ratio = self.dense_flops / max(1, self.rewritten_flops)
+        return (
+            f"MoE region ({self.style}) at {self.location}{' in ' + self.scope if self.scope else ''}:\n"
+            f"  tokens={self.tokens} experts={self.experts} top_k={self.top_k} d_model={self.d_model} "
+            f"d_ff={self.d_ff} dtype={self.dtype}{cap}\n"
+            f"  expert body: {act} [{self.expert_body}]\n"
+            f"  FLOPs: dense {_si(self.dense_flops)} -> sorted {_si(self.rewritten_flops)} ({ratio:.1f}x fewer)\n"
+            f"  peak intermediate: dense {_bytes(self.dense_peak_intermediate_bytes)} -> "
+            f"sorted {_bytes(self.rewritten_peak_intermediate_bytes)}"
+        )
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A routing decision that did not lead to a rewrite, and the piece that did not match."""
+
+    routing: str
+    reason: str
+    location: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return f"not rewritten: routing {self.routing}\n  because {self.reason} (at {self.location})"
+
+
+@dataclass(frozen=True)
+class ExplainReport:
+    """``regions``: the MoE layers found; ``near_misses``: routing that did not match, and why."""
+
+    regions: tuple[RegionReport, ...]
+    near_misses: tuple[NearMiss, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {"regions": [r.to_dict() for r in self.regions], "near_misses": [n.to_dict() for n in self.near_misses]}
+
+    def __str__(self) -> str:
+        lines = [f"moe_lowering: {len(self.regions)} MoE region(s) found"]
+        lines += [r.summary() for r in self.regions]
+        lines += [n.summary() for n in self.near_misses]
+        if not self.regions and not self.near_misses:
+            lines.append("no routing decision (top_k or argmax over an expert axis) in the traced program")
+        return "\n".join(lines)
+
+
+def region_report(region, scope: str = "") -> RegionReport:
+    """Costs from the matched shapes: the dense reference runs every expert on every token."""
+    T, E, k = region.num_tokens, region.num_experts, region.top_k
+    dtype = np.dtype(region.output.dtype)
+    dense_rows = T * E
+    routed_rows = T * k if region.capacity is None else min(T * k, E * region.capacity)
+    per_row_flops = 0
+    widest = 0
+    for matmul in region.program.matmuls():
+        e, kk, n = _dims(region.params[matmul.weight])
+        per_row_flops += 2 * kk * n
+        widest = max(widest, n)
+    gated = region.gated_activation
+    return RegionReport(
+        location=region.anchor.eqn.where(),
+        style=region.style,
+        tokens=T,
+        experts=E,
+        top_k=k,
+        d_model=region.d_model,
+        d_ff=region.d_ff,
+        activation=region.activation(),
+        gated=gated,
+        capacity=region.capacity,
+        dtype=str(dtype),
+        dense_flops=int(dense_rows * per_row_flops) if region.capacity is None else int(E * region.capacity * per_row_flops),
+        rewritten_flops=int(routed_rows * per_row_flops),
+        dense_peak_intermediate_bytes=int(dense_rows * widest * dtype.itemsize) if region.capacity is None
+        else int(E * region.capacity * widest * dtype.itemsize),
+        rewritten_peak_intermediate_bytes=int(T * k * widest * dtype.itemsize),
+        expert_body=region.program.describe(),
+        scope=scope,
+    )
+
+
+def _dims(param):
+    shape = param.source.shape
+    return tuple(shape[param.roles.index(r)] for r in ("E", "K", "N"))
+
+
+def _si(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} PiB"
+
+
+__all__ = ["ExplainReport", "NearMiss", "RegionReport", "region_report"]
