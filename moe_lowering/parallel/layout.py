@@ -1,0 +1,183 @@
+"""Which mesh axis does what for one MoE layer: expert parallelism, FSDP, token sharding.
+
+The rewrite reads the caller's ``PartitionSpec``s (tokens ``[T, D]`` and the parameters whose
+leading dimension is the expert dimension E) and asks :func:`plan_layout` for a :class:`Layout`.
+The layout fixes the ``shard_map`` specs of the sharded lowering:
+
+* the **expert axis** shards E: each of its ranks holds ``E / ep`` experts and receives, through
+  an all-to-all, exactly the token copies routed to them;
+* the **FSDP axis** shards a feature dimension (d or f) of the expert weights; the lowering
+  all-gathers them before the grouped GEMMs (optionally in FP8) and reduce-scatters their
+  gradients;
+* **tokens** are split over every mesh axis, the caller's token axes first: devices that the
+  caller's layout would give the same tokens (replicas along an axis that does not shard them)
+  each take a distinct slice instead of repeating the work, and the result is gathered back to
+  the caller's token sharding afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from jax.sharding import PartitionSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of one MoE layer; see the module docstring.
+
+    ``expert_param_specs`` holds one normalised spec per expert-indexed parameter (``[E, ...]``:
+    expert weights and per-expert biases), in program order: E on ``expert_axis`` (or
+    replicated when there is none), at most one other dimension on ``fsdp_axis``.
+    """
+
+    mesh: object
+    num_experts: int
+    expert_axis: str | None
+    fsdp_axis: str | None
+    token_axes: tuple[str, ...]
+    expert_param_specs: tuple[PartitionSpec, ...]
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.mesh.shape[self.expert_axis] if self.expert_axis else 1
+
+    @property
+    def fsdp_size(self) -> int:
+        return self.mesh.shape[self.fsdp_axis] if self.fsdp_axis else 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_parallel_size
+
+    @property
+    def compute_axes(self) -> tuple[str, ...]:
+        """Axes splitting the token dimension inside the lowering: the caller's first, then the rest."""
+        rest = tuple(a for a in self.mesh.axis_names if a not in self.token_axes)
+        return self.token_axes + rest
+
+    @property
+    def tokens_spec(self) -> PartitionSpec:
+        """The caller's token sharding, restored on the output."""
+        if not self.token_axes:
+            return PartitionSpec(None, None)
+        axes = self.token_axes[0] if len(self.token_axes) == 1 else self.token_axes
+        return PartitionSpec(axes, None)
+
+    def fsdp_dim(self, param_position: int) -> int | None:
+        """The dimension of expert-indexed parameter ``param_position`` sharded over FSDP, if any."""
+        spec = self.expert_param_specs[param_position]
+        for dim, axis in enumerate(spec):
+            if dim > 0 and axis is not None:
+                return dim
+        return None
+
+    def describe(self) -> str:
+        """One paragraph for ``explain``: the axes, their sizes and the collectives they imply."""
+        parts = []
+        if self.expert_axis:
+            parts.append(
+                f"expert parallel over {self.expert_axis!r} ({self.expert_parallel_size} ranks x "
+                f"{self.local_experts} experts): all-to-all of token rows and of the counts matrix"
+            )
+        else:
+            parts.append("no expert-parallel axis: every device holds all experts")
+        if self.fsdp_axis:
+            dims = [self.fsdp_dim(i) for i in range(len(self.expert_param_specs))]
+            parts.append(
+                f"FSDP over {self.fsdp_axis!r} ({self.fsdp_size} shards, expert-param dims {dims}): "
+                "all-gather of weights before the grouped GEMMs, reduce-scatter of their gradients"
+            )
+        token_axes = ", ".join(repr(a) for a in self.token_axes) or "none"
+        parts.append(
+            f"tokens sharded by the caller over ({token_axes}); split inside over "
+            f"{self.compute_axes} ({math.prod(self.mesh.shape[a] for a in self.compute_axes)} slices)"
+        )
+        return "; ".join(parts)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _single_axis(entry, what: str) -> str | None:
+    axes = _axes_of(entry)
+    if len(axes) > 1:
+        raise ValueError(
+            f"{what} is sharded over several mesh axes {axes}; the sharded MoE lowering supports one axis there"
+        )
+    return axes[0] if axes else None
+
+
+def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[PartitionSpec | None], num_experts: int
+                ) -> Layout | None:
+    """The layout for tokens ``[T, D]`` sharded as ``tokens_spec`` and expert-indexed params as ``weight_specs``.
+
+    ``weight_specs`` has one entry per parameter whose leading dimension is E (``EXPERT_WEIGHT``
+    and ``PER_EXPERT`` inputs, in program order); ``None`` means replicated. Returns ``None``
+    when nothing is sharded (the single-device lowering is then the right one) and raises
+    ``ValueError`` for a layout the lowering cannot honour.
+    """
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be positive, got {num_experts}")
+    axis_names = tuple(mesh.axis_names)
+    tokens_spec = PartitionSpec() if tokens_spec is None else tokens_spec
+    if len(tokens_spec) > 2:
+        raise ValueError(f"tokens must be 2-D [T, D]; got a spec of rank {len(tokens_spec)}: {tokens_spec}")
+    if len(tokens_spec) == 2 and tokens_spec[1] is not None:
+        raise ValueError(
+            f"tokens are sharded along d_model ({tokens_spec}); the sharded MoE lowering needs whole token rows"
+        )
+    token_axes = _axes_of(tokens_spec[0]) if len(tokens_spec) else ()
+    for axis in token_axes:
+        if axis not in axis_names:
+            raise ValueError(f"token spec names axis {axis!r}, which the mesh {axis_names} lacks")
+
+    specs = [PartitionSpec() if s is None else s for s in weight_specs]
+    expert_axes, fsdp_axes = set(), set()
+    for position, spec in enumerate(specs):
+        for dim, entry in enumerate(spec):
+            axis = _single_axis(entry, f"dimension {dim} of expert parameter {position} ({spec})")
+            if axis is None:
+                continue
+            if axis not in axis_names:
+                raise ValueError(f"expert parameter {position} ({spec}) names axis {axis!r}, which the mesh lacks")
+            (expert_axes if dim == 0 else fsdp_axes).add(axis)
+    if len(expert_axes) > 1:
+        raise ValueError(f"expert parameters shard E over different axes {sorted(expert_axes)}")
+    if len(fsdp_axes) > 1:
+        raise ValueError(f"expert parameters shard their feature dims over several axes {sorted(fsdp_axes)}")
+    expert_axis = next(iter(expert_axes), None)
+    fsdp_axis = next(iter(fsdp_axes), None)
+    if expert_axis is not None and expert_axis == fsdp_axis:
+        raise ValueError(f"axis {expert_axis!r} shards both E and a feature dimension of the expert weights")
+    for position, spec in enumerate(specs):
+        feature_axes = [a for a in spec[1:] if a is not None]
+        if len(feature_axes) > 1:
+            raise ValueError(f"expert parameter {position} ({spec}) shards two feature dims over FSDP")
+
+    if expert_axis is not None and num_experts % mesh.shape[expert_axis]:
+        raise ValueError(
+            f"{num_experts} experts cannot be split evenly over the {mesh.shape[expert_axis]} ranks of "
+            f"expert axis {expert_axis!r}"
+        )
+    if mesh.size == 1 or (not token_axes and expert_axis is None and fsdp_axis is None):
+        return None
+
+    normalised = tuple(
+        PartitionSpec(expert_axis, *[_single_axis(e, "feature dim") for e in spec[1:]]) for spec in specs
+    )
+    return Layout(
+        mesh=mesh,
+        num_experts=num_experts,
+        expert_axis=expert_axis,
+        fsdp_axis=fsdp_axis,
+        token_axes=token_axes,
+        expert_param_specs=normalised,
+    )

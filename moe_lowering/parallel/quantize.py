@@ -1,0 +1,113 @@
+"""FSDP all-gather of expert weights, optionally in FP8 with per-expert, per-block scales.
+
+Each device quantises only its own shard (no communication for the scales' statistics), then
+gathers FP8 bytes (as ``uint8``) plus scales: about half the bytes of a bf16 gather. Formats:
+
+* ``"fp8_e4m3"``: ``float8_e4m3fn`` with one float32 scale per expert and per 128x128 block of
+  the ``[K, N]`` matrix (the block shrinks to the largest power of two dividing a small shard);
+* ``"mxfp8"``: OCP MX-style, one power-of-two scale per 1x32 block along the contraction dim
+  K, sent as its 8-bit exponent (E8M0), so the scales cost 1/32 of the FP8 bytes.
+
+The gather is a ``custom_vjp``: the backward is straight-through, the gathered-weight gradient
+reduce-scattered in the weights' own dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+WEIGHT_GATHER_QUANTS = (None, "fp8_e4m3", "mxfp8")
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+FP8_BLOCK = 128
+MX_BLOCK = 32
+_E8M0_BIAS = 127
+
+
+def _block_size(dim: int, preferred: int) -> int:
+    """The largest power of two <= ``preferred`` that divides ``dim``."""
+    block = preferred
+    while dim % block:
+        block //= 2
+    return block
+
+
+def check_quantizable(shape, quant: str | None) -> None:
+    """Raises ``ValueError`` when a weight shard ``[E, K, N]`` cannot be quantised as ``quant``."""
+    if quant not in WEIGHT_GATHER_QUANTS:
+        raise ValueError(f"weight_gather_quant must be one of {WEIGHT_GATHER_QUANTS}, got {quant!r}")
+    if quant is None:
+        return
+    if len(shape) != 3:
+        raise ValueError(f"weight-gather quantisation needs expert weights [E, K, N]; got shape {shape}")
+    if quant == "mxfp8" and shape[1] % MX_BLOCK:
+        raise ValueError(
+            f"mxfp8 needs the local shard's contraction dim K to be a multiple of {MX_BLOCK}; got shape {shape}"
+        )
+
+
+def quantize_blocks(w, quant: str):
+    """``w [E, K, N]`` -> (FP8 values ``[E, K, N]``, scales); ``dequantize_blocks`` inverts it."""
+    num_experts, k, n = w.shape
+    if quant == "fp8_e4m3":
+        bk, bn = _block_size(k, FP8_BLOCK), _block_size(n, FP8_BLOCK)
+    else:
+        bk, bn = MX_BLOCK, 1
+    blocks = w.astype(jnp.float32).reshape(num_experts, k // bk, bk, n // bn, bn)
+    amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
+    if quant == "fp8_e4m3":
+        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+        stored_scale = scale[:, :, 0, :, 0]
+    else:
+        # Smallest power of two that keeps the block's amax within FP8 range: no saturation.
+        exponent = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0) / FP8_MAX))
+        exponent = jnp.clip(exponent, -_E8M0_BIAS, _E8M0_BIAS)
+        scale = jnp.exp2(exponent)
+        stored_scale = (exponent[:, :, 0, :, 0] + _E8M0_BIAS).astype(jnp.uint8)
+    values = jnp.clip(blocks / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
+    return values, stored_scale
+
+
+def dequantize_blocks(values, stored_scale, quant: str, dtype):
+    """The ``[E, K, N]`` weights in ``dtype`` from FP8 ``values`` and their block scales."""
+    num_experts, k, n = values.shape
+    if quant == "fp8_e4m3":
+        scale = stored_scale
+    else:
+        scale = jnp.exp2(stored_scale.astype(jnp.float32) - _E8M0_BIAS)
+    blocks_k, blocks_n = scale.shape[1], scale.shape[2]
+    blocks = values.astype(jnp.float32).reshape(num_experts, blocks_k, k // blocks_k, blocks_n, n // blocks_n)
+    return (blocks * scale[:, :, None, :, None]).reshape(values.shape).astype(dtype)
+
+
+def gather_weight(w, axis_name: str, dim: int, quant: str | None):
+    """All-gathers the FSDP shard ``w`` along ``dim`` over ``axis_name`` (inside ``shard_map``)."""
+    if quant is None:
+        return jax.lax.all_gather(w, axis_name, axis=dim, tiled=True)
+    return _quantized_gather(w, axis_name, dim, quant)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _quantized_gather(w, axis_name, dim, quant):
+    values, scales = quantize_blocks(w, quant)
+    # Sent as raw bytes: some backends (XLA:CPU) would widen an f8 all-gather to f16.
+    wire = jax.lax.bitcast_convert_type(values, jnp.uint8)
+    wire = jax.lax.all_gather(wire, axis_name, axis=dim, tiled=True)
+    values = jax.lax.bitcast_convert_type(wire, FP8_DTYPE)
+    scales = jax.lax.all_gather(scales, axis_name, axis=dim, tiled=True)
+    return dequantize_blocks(values, scales, quant, w.dtype)
+
+
+def _quantized_gather_fwd(w, axis_name, dim, quant):
+    return _quantized_gather(w, axis_name, dim, quant), None
+
+
+def _quantized_gather_bwd(axis_name, dim, quant, _, d_full):
+    return (jax.lax.psum_scatter(d_full, axis_name, scatter_dimension=dim, tiled=True),)
+
+
+_quantized_gather.defvjp(_quantized_gather_fwd, _quantized_gather_bwd)

@@ -1,0 +1,203 @@
+"""The sharded sparse MoE: ``sparse_moe`` under a mesh, with expert parallelism and FSDP.
+
+Per device (inside ``jax.shard_map`` over the whole mesh): route and sort the local token
+copies, all-gather the FSDP shards of the expert weights (optionally FP8), exchange rows with
+the ranks that own their experts (see :mod:`exchange`), combine locally. Nothing of size
+``[all tokens, local experts, f]`` exists anywhere: each device computes only rows routed to its
+experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from moe_lowering.expert_program import ExpertProgram, ParamKind
+from moe_lowering.parallel import _jax_shim
+from moe_lowering.parallel.capacity import (
+    drop_over_capacity,
+    earlier_device_counts,
+    expert_capacity,
+    local_expert_counts,
+)
+from moe_lowering.parallel.exchange import exchange_config, exchange_expert_rows
+from moe_lowering.parallel.layout import Layout
+from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight
+from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
+
+log = logging.getLogger(__name__)
+
+# Rows per (source, destination) pair per exchange round, relative to a perfectly balanced
+# split: random routing over-fills some pairs by a few percent, so 1.25 keeps it to one round.
+EXCHANGE_SLACK = 1.25
+
+_EXPERT_INDEXED = (ParamKind.EXPERT_WEIGHT, ParamKind.PER_EXPERT)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class ShardedMoEStats:
+    """What the sharded lowering did at run time (replicated scalars)."""
+
+    dropped_copies: jax.Array  # token copies dropped by ``capacity_factor`` (0 when dropless)
+    exchange_rounds: jax.Array  # all-to-all rounds of the largest exchange (1 for balanced routing)
+
+
+def _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, quant):
+    if quant not in WEIGHT_GATHER_QUANTS:
+        raise ValueError(f"weight_gather_quant must be one of {WEIGHT_GATHER_QUANTS}, got {quant!r}")
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be [T, D]; got shape {tokens.shape}")
+    if expert_indices.ndim != 2 or expert_indices.shape[0] != tokens.shape[0]:
+        raise ValueError(f"expert_indices must be [T, k] with T={tokens.shape[0]}; got {expert_indices.shape}")
+    if expert_weights.shape != expert_indices.shape:
+        raise ValueError(f"expert_weights {expert_weights.shape} must match expert_indices {expert_indices.shape}")
+    if len(params) != len(program.param_kinds):
+        raise ValueError(f"the expert program takes {len(program.param_kinds)} params, got {len(params)}")
+    if num_experts != layout.num_experts:
+        raise ValueError(f"num_experts={num_experts} but the layout was planned for {layout.num_experts}")
+    indexed = [p for p, kind in zip(params, program.param_kinds) if kind in _EXPERT_INDEXED]
+    if len(indexed) != len(layout.expert_param_specs):
+        raise ValueError(
+            f"the layout has specs for {len(layout.expert_param_specs)} expert-indexed params, the program "
+            f"has {len(indexed)}"
+        )
+    for p, kind in zip(params, program.param_kinds):
+        if kind in _EXPERT_INDEXED and p.shape[0] != num_experts:
+            raise ValueError(f"an expert-indexed param has leading dim {p.shape[0]}, expected {num_experts}")
+        if kind is ParamKind.PER_TOKEN and p.shape[0] != tokens.shape[0]:
+            raise ValueError(f"a per-token param has leading dim {p.shape[0]}, expected {tokens.shape[0]}")
+    if quant is not None and layout.fsdp_axis is not None:
+        position = 0
+        for p, kind in zip(params, program.param_kinds):
+            if kind not in _EXPERT_INDEXED:
+                continue
+            dim = layout.fsdp_dim(position)
+            if kind is ParamKind.EXPERT_WEIGHT and dim is not None:
+                shard = list(p.shape)
+                shard[0] //= layout.expert_parallel_size
+                if shard[dim] % layout.fsdp_size:
+                    raise ValueError(f"expert weight dim {dim} ({p.shape}) does not split over {layout.fsdp_size} "
+                                     f"FSDP shards")
+                shard[dim] //= layout.fsdp_size
+                check_quantizable(tuple(shard), quant)
+            position += 1
+
+
+def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSpec):
+    specs, position = [], 0
+    for kind in program.param_kinds:
+        if kind in _EXPERT_INDEXED:
+            specs.append(layout.expert_param_specs[position])
+            position += 1
+        elif kind is ParamKind.PER_TOKEN:
+            specs.append(token_spec)
+        else:
+            specs.append(PartitionSpec())
+    return specs
+
+
+def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
+                       num_experts: int, layout: Layout, backend: str = "auto", capacity_factor: float | None = None,
+                       weight_gather_quant: str | None = None, use_ragged_all_to_all: bool = False,
+                       exchange_capacity: int | None = None, return_stats: bool = False):
+    """``sparse_moe`` over ``layout.mesh``: same result (up to float reordering), callable inside ``jit``.
+
+    ``capacity_factor``: drop copies beyond ``ceil(factor * T * k / E)`` per expert (see
+    :mod:`capacity`); ``None`` is dropless. ``weight_gather_quant``: ``None`` (exact),
+    ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``use_ragged_all_to_all``:
+    exchange rows with ``jax.lax.ragged_all_to_all`` (not on XLA:CPU). ``exchange_capacity``:
+    rows per (source, destination) pair per round (default: the balanced share times
+    ``EXCHANGE_SLACK``). With ``return_stats`` the result is ``(out, ShardedMoEStats)``.
+    """
+    params = tuple(params)
+    _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
+    if weight_gather_quant is not None and layout.fsdp_axis is None:
+        warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored: the expert weights are not FSDP-sharded",
+                      stacklevel=2)
+        weight_gather_quant = None
+    mesh = layout.mesh
+    axes = layout.compute_axes
+    num_slices = math.prod(mesh.shape[a] for a in axes)
+    num_tokens, top_k = expert_indices.shape
+    pad = -num_tokens % num_slices
+    local_tokens = (num_tokens + pad) // num_slices
+    ep = layout.expert_parallel_size
+    capacity = None if capacity_factor is None else expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    rows_per_pair = exchange_capacity or max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
+    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange capacity %d rows/pair/round, expert capacity %s",
+             layout.describe(), local_tokens, rows_per_pair, capacity)
+
+    if pad:
+        log.info("sharded_sparse_moe: padding %d tokens to a multiple of %d devices", pad, num_slices)
+        tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
+        expert_indices = jnp.pad(expert_indices, ((0, pad), (0, 0)), constant_values=-1)
+        expert_weights = jnp.pad(expert_weights, ((0, pad), (0, 0)))
+        params = tuple(jnp.pad(p, ((0, pad),) + ((0, 0),) * (p.ndim - 1)) if kind is ParamKind.PER_TOKEN else p
+                       for p, kind in zip(params, program.param_kinds))
+
+    token_spec = PartitionSpec(axes)
+    param_specs = _param_specs(program, layout, token_spec)
+    in_specs = (token_spec, token_spec, token_spec, *param_specs)
+    args = [tokens, expert_indices, expert_weights, *params]
+    args = [_jax_shim.reshard(a, mesh, s) for a, s in zip(args, in_specs)]
+    cfg = None
+    if ep > 1:
+        cfg = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
+                              local_experts=layout.local_experts, capacity=rows_per_pair,
+                              backend=backend, transport="ragged" if use_ragged_all_to_all else "all_to_all")
+
+    def local_moe(tokens, expert_indices, expert_weights, *params):
+        expert_indices = expert_indices.astype(jnp.int32)
+        dropped = jnp.zeros((), jnp.int32)
+        if capacity is not None:
+            earlier = earlier_device_counts(local_expert_counts(expert_indices, num_experts), axes)
+            expert_indices, dropped = drop_over_capacity(expert_indices, num_experts, capacity, earlier)
+        routing = sort_by_expert(expert_indices, num_experts)
+        rows = permute(tokens, routing)
+        params = _gather_fsdp(params, program, layout, weight_gather_quant)
+        if cfg is None:
+            out_rows = run_expert_program(program, params, rows, routing, backend=backend)
+            valid = (routing.expert_of_row < num_experts)[:, None]
+            out_rows = jnp.where(valid, out_rows, jnp.zeros((), out_rows.dtype))
+            rounds = jnp.zeros((), jnp.int32)
+        else:
+            payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)
+                             for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
+            counts = jax.lax.all_gather(routing.group_sizes, layout.expert_axis)
+            out_rows = exchange_expert_rows(cfg, rows, payloads, params, counts)
+            pair_totals = counts.reshape(ep, ep, layout.local_experts).sum(axis=2)
+            rounds = (jnp.max(pair_totals) + rows_per_pair - 1) // rows_per_pair
+        out = combine(out_rows, expert_weights, routing)
+        stats = ShardedMoEStats(dropped_copies=jax.lax.psum(dropped, axes), exchange_rounds=jax.lax.pmax(rounds, axes))
+        return out, stats
+
+    stats_spec = ShardedMoEStats(PartitionSpec(), PartitionSpec())
+    mapped = _jax_shim.shard_map(local_moe, mesh=mesh, in_specs=tuple(in_specs), out_specs=(token_spec, stats_spec))
+    out, stats = mapped(*args)
+    if pad:
+        out = out[:num_tokens]
+    out = _jax_shim.reshard(out, mesh, layout.tokens_spec)
+    return (out, stats) if return_stats else out
+
+
+def _gather_fsdp(params, program: ExpertProgram, layout: Layout, quant):
+    """Expert-indexed params all-gathered over the FSDP axis (expert weights in ``quant`` if set)."""
+    if layout.fsdp_axis is None:
+        return params
+    gathered, position = [], 0
+    for p, kind in zip(params, program.param_kinds):
+        if kind in _EXPERT_INDEXED:
+            dim = layout.fsdp_dim(position)
+            position += 1
+            if dim is not None:
+                p = gather_weight(p, layout.fsdp_axis, dim, quant if kind is ParamKind.EXPERT_WEIGHT else None)
+        gathered.append(p)
+    return tuple(gathered)
