@@ -946,6 +946,10 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap, out_ro
     if isinstance(ax, Gate) and isinstance(aw, Rows) and aw.space == "dense":
         if ax.boolean or CHOICE in ax.roles or aw.gate is not None:
             return None
+        if not xc and [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and EXPERT in [ax.roles[i] for i in xb]:
+            # an einsum's elementwise step ('te,tef->tef'): gating before the down-projection
+            roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
+            return replace(aw, roles=roles, gate=replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT)))
         if len(xc) == 1 and ax.roles[xc[0]] == EXPERT and aw.roles[wc[0]] == EXPERT:
             if [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and all(is_token(ax.roles[i]) for i in xb):
                 roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
