@@ -45,32 +45,32 @@ class TileConfig:
 
 _F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 _SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
-_NARROW = TileConfig(128, 128, 64, num_warps=8, num_stages=4)
+_WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4)
 _WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
 
-TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _NARROW, _WIDE)
+TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _WIDE_SHORT_K, _WIDE)
 """Every configuration the tables below can pick, so tests can run each one."""
 
 
 def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
-    """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class."""
+    """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class.
+
+    From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
+    groups average under 256 rows (less padding in each group's last tile), a 4-deep pipeline
+    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep.
+    """
     if compute_f32:
         return _F32_CONFIG
-    rows_per_group = num_rows / max(num_groups, 1)
-    if rows_per_group < 256:
+    if num_rows / max(num_groups, 1) < 256:
         return _SMALL_GROUPS
-    if n <= 1024:
-        return _NARROW
+    if k <= 2048:
+        return _WIDE_SHORT_K
     return _WIDE
 
 
 def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
-    """Tile shape for the per-group ``[k, n]`` weight gradient by shape class."""
-    if compute_f32:
-        return _F32_CONFIG
-    if n <= 1024 or k <= 1024:
-        return _NARROW
-    return _WIDE
+    """Tile shape for the per-group ``[k, n]`` weight gradient: 128 x 256 blocks won on every layer shape."""
+    return _F32_CONFIG if compute_f32 else _WIDE
 
 
 @functools.cache

@@ -1,0 +1,61 @@
+"""plan_layout: which axis is EP, which FSDP, which shard tokens; clear errors for the rest."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from moe_lowering.parallel import plan_layout
+
+
+def mesh(shape, names, axis_type=AxisType.Explicit):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape), devices=jax.devices("cpu")[:8])
+
+
+W_FSDP = [P("expert", "fsdp", None), P("expert", "fsdp", None), P("expert", None, "fsdp")]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_expert_fsdp_and_token_axes(axis_type):
+    layout = plan_layout(mesh((2, 2, 2), ("data", "expert", "fsdp"), axis_type), P("data"), W_FSDP, 8)
+    assert (layout.expert_axis, layout.fsdp_axis, layout.token_axes) == ("expert", "fsdp", ("data",))
+    assert layout.expert_parallel_size == 2 and layout.local_experts == 4 and layout.fsdp_size == 2
+    assert [layout.fsdp_dim(i) for i in range(3)] == [1, 1, 2]
+    assert layout.compute_axes == ("data", "expert", "fsdp")
+    assert layout.tokens_spec == P("data", None)
+    text = layout.describe()
+    assert "'expert'" in text and "'fsdp'" in text and "all-to-all" in text and "all-gather" in text
+
+
+def test_pure_expert_parallel_and_replicated_bias():
+    layout = plan_layout(mesh((8,), ("expert",)), P("expert"), [P("expert"), None], 16)
+    assert (layout.expert_axis, layout.fsdp_axis, layout.local_experts) == ("expert", None, 2)
+    assert layout.expert_param_specs[1] == P("expert")  # a replicated [E, F] bias is sliced like the weights
+
+
+def test_fsdp_without_expert_axis():
+    layout = plan_layout(mesh((2, 4), ("data", "fsdp")), P(("data", "fsdp")), [P(None, "fsdp")], 8)
+    assert layout.expert_axis is None and layout.fsdp_axis == "fsdp" and layout.expert_parallel_size == 1
+
+
+def test_nothing_sharded_means_single_device_path():
+    assert plan_layout(mesh((8,), ("expert",)), P(), [None, None, None], 8) is None
+    assert plan_layout(mesh((1,), ("x",)), P("x"), [P("x")], 8) is None
+
+
+@pytest.mark.parametrize(
+    "tokens_spec, weight_specs, num_experts, message",
+    [
+        (P("expert"), [P("expert")], 5, "cannot be split evenly"),
+        (P(None, "fsdp"), [P("expert")], 8, "along d_model"),
+        (P("expert"), [P(("expert", "fsdp"))], 8, "several mesh axes"),
+        (P("expert"), [P("expert"), P("fsdp")], 8, "different axes"),
+        (P("expert"), [P("expert", "fsdp", None), P("expert", None, "data")], 8, "several axes"),
+        (P("expert"), [P("expert", "expert")], 8, "both E and a feature"),
+        (P("nope"), [P("expert")], 8, "lacks"),
+    ],
+)
+def test_unsupported_layouts_raise(tokens_spec, weight_specs, num_experts, message):
+    with pytest.raises(ValueError, match=message):
+        plan_layout(mesh((2, 2, 2), ("data", "expert", "fsdp")), tokens_spec, weight_specs, num_experts)
