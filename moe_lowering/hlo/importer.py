@@ -386,7 +386,7 @@ class _Interpreter:
         for op in block.operations:
             op = op.operation
             if op.name in ("func.return", "stablehlo.return", "mhlo.return"):
-                return [env[v] for v in op.operands]
+                return [_materialize(env[v]) for v in op.operands]
             results = self.eval_op(op, env)
             if len(results) != len(op.results):
                 raise UnsupportedModuleError(f"{op.name}: produced {len(results)} values for {len(op.results)} results")
@@ -406,6 +406,10 @@ class _Interpreter:
         except KeyError:
             raise UnsupportedModuleError(f"{op.name}: operand defined outside its scope") from None
         name = _short_name(op.name)
+        if any(isinstance(x, _Broadcast) for x in operands):
+            operands = self._resolve_broadcasts(op, name, operands, env)
+            if isinstance(operands, tuple):  # folded to a constant broadcast
+                return list(operands)
         if (
             len(op.regions) == 0
             and operands
@@ -416,6 +420,34 @@ class _Interpreter:
             with jax.ensure_compile_time_eval():
                 return [np.asarray(v) for v in self._dispatch(op, name, operands, env)]
         return self._dispatch(op, name, operands, env)
+
+    def _resolve_broadcasts(self, op, name, operands, env):
+        """Operands with pending broadcasts resolved the way a traced JAX program has them.
+
+        Elementwise ops take the un-broadcast value (a scalar, or size-1 dimensions lax broadcasts
+        implicitly); ops on constant scalars stay folded; anything else gets the full tensor.
+        Returns a tuple of results instead when the whole op folded.
+        """
+        out_shape = _tensor_type(op.results[0].type)[0] if len(op.results) == 1 else None
+        scalars = all(isinstance(x, _Broadcast) and x.is_constant_scalar for x in operands)
+        if scalars and (name in _ELEMENTWISE or name == "broadcast_in_dim"):
+            if name == "broadcast_in_dim":
+                return (_Broadcast(operands[0].value, out_shape),)
+            with jax.ensure_compile_time_eval():
+                values = self._dispatch(op, name, [x.value for x in operands], env)
+            return tuple(_Broadcast(np.asarray(v), _tensor_type(r.type)[0]) for v, r in zip(values, op.results))
+        if name in _ELEMENTWISE and len(operands) > 1:
+            values = [x.value if isinstance(x, _Broadcast) else x for x in operands]
+            if name == "clamp":
+                values = [v if i == 1 or np.ndim(v) == 0 else _materialize(operands[i]) for i, v in enumerate(values)]
+                values[1] = _materialize(operands[1])
+                return values
+            try:
+                if tuple(np.broadcast_shapes(*(np.shape(v) for v in values))) == out_shape:
+                    return values
+            except ValueError:
+                pass
+        return [_materialize(x) for x in operands]
 
     def _dispatch(self, op, name, operands, env) -> list:
         if name in _UNARY and len(operands) == 1:
@@ -456,7 +488,14 @@ class _Interpreter:
 
     def op_broadcast_in_dim(self, op, operands, env):
         shape, _ = _tensor_type(op.results[0].type)
-        return [lax.broadcast_in_dim(operands[0], shape, _ints(_attr(op, "broadcast_dimensions")))]
+        x = operands[0]
+        dims = _ints(_attr(op, "broadcast_dimensions"))
+        if _is_concrete(x) and np.ndim(x) == 0 and math.prod(shape) > _FOLD_MAX_SIZE:
+            return [_Broadcast(np.asarray(x), shape)]
+        in_shape = np.shape(x)
+        if dims == list(range(len(shape))) and all(a in (1, b) for a, b in zip(in_shape, shape)) and in_shape != shape:
+            return [_Broadcast(x, shape)]
+        return [lax.broadcast_in_dim(x, shape, dims)]
 
     def op_reshape(self, op, operands, env):
         shape, _ = _tensor_type(op.results[0].type)
@@ -745,6 +784,9 @@ class _Interpreter:
         return self.passthrough(op, operands)
 
 
+# Ops lax lets take a scalar (or size-1 dimensions) for a full tensor operand.
+_ELEMENTWISE = set(_UNARY) | set(_BINARY) | {"compare", "clamp", "convert"}
+
 _FOLDABLE = {
     "broadcast_in_dim",
     "reshape",
@@ -760,6 +802,31 @@ _FOLDABLE = {
 def _attribute_names(op) -> list[str]:
     """Attribute names; iterating ``op.attributes`` yields names or NamedAttributes by version."""
     return [item if isinstance(item, str) else item.name for item in op.attributes]
+
+
+@dataclass(frozen=True)
+class _Broadcast:
+    """``value`` (a constant scalar, or a tensor with size-1 dimensions) pending a broadcast to ``shape``.
+
+    StableHLO spells out every broadcast; a traced JAX program lets elementwise ops take a
+    scalar or size-1 dimensions (``mul x 0.5:f32[]``, ``eq idx[T,k,1] iota[1,1,E]``). Deferring
+    the broadcast to the consumer reproduces that form, which is the one the matcher knows.
+    """
+
+    value: object
+    shape: tuple[int, ...]
+
+    @property
+    def is_constant_scalar(self) -> bool:
+        return _is_concrete(self.value) and np.ndim(self.value) == 0
+
+
+def _materialize(x):
+    if not isinstance(x, _Broadcast):
+        return x
+    if np.ndim(x.value) == 0:
+        return lax.broadcast_in_dim(x.value, x.shape, ())
+    return lax.broadcast_in_dim(x.value, x.shape, tuple(range(len(x.shape))))
 
 
 class _Env(dict):
