@@ -33,10 +33,11 @@ MESHES = {
 }
 
 
-def make_layout(name):
+def make_layout(name, expert_bias=False):
+    """The layout for ``swiglu_program(expert_bias=...)``: specs of w1, w3, w2 (and the bias)."""
     shape, names, axis_type, tokens_spec, weight_specs = MESHES[name]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape), devices=jax.devices("cpu")[:8])
-    return plan_layout(mesh, tokens_spec, weight_specs, E)
+    return plan_layout(mesh, tokens_spec, weight_specs[: 4 if expert_bias else 3], E)
 
 
 def assert_close(actual, expected, tol):
@@ -73,7 +74,7 @@ def case(seed, num_tokens=64, **kwargs):
     ("data2_expert2_fsdp2", 64, None),
 ])
 def test_matches_unsharded_and_dense(mesh_name, num_tokens, exchange_capacity):
-    layout = make_layout(mesh_name)
+    layout = make_layout(mesh_name, expert_bias=True)
     tokens, indices, weights, params, cotangent = case(1, num_tokens)
     indices = indices.at[5, 1].set(-1).at[17, 0].set(E)  # copies the caller dropped
     program = swiglu_program(expert_bias=True, token_scale=True)
@@ -137,7 +138,7 @@ def test_block_quantization_bounds(quant):
         scale = jnp.exp2(scales.astype(jnp.float32) - 127)
         assert bool(jnp.all(block_amax / scale <= 448)) and bool(jnp.all(block_amax / scale > 224))
     else:
-        assert scales.shape == (2, 1, 1)  # 64x48 shard: one block (largest power-of-two tiles: 64x16)
+        assert scales.shape == (2, 1, 3)  # 64x48: blocks of 64x16 (largest powers of two <= 128 dividing)
 
 
 def test_skewed_routing_stays_dropless():
