@@ -492,9 +492,21 @@ class _Interpreter:
         dims = _ints(_attr(op, "broadcast_dimensions"))
         if _is_concrete(x) and np.ndim(x) == 0 and math.prod(shape) > _FOLD_MAX_SIZE:
             return [_Broadcast(np.asarray(x), shape)]
-        in_shape = np.shape(x)
-        if dims == list(range(len(shape))) and all(a in (1, b) for a, b in zip(in_shape, shape)) and in_shape != shape:
-            return [_Broadcast(x, shape)]
+        if dims == sorted(dims) and len(set(dims)) == len(dims) and np.ndim(x) > 0:
+            # Increasing dims: the broadcast is an expand_dims to rank(shape) then size-1 broadcasting.
+            in_shape = np.shape(x)
+            compact = [1] * len(shape)
+            for d, size in zip(dims, in_shape):
+                compact[d] = size
+            if tuple(compact) != shape:
+                source = _defining_op(op.operands[0])
+                if source is not None and _short_name(source.name) == "iota" and np.ndim(x) == 1:
+                    value = lax.broadcasted_iota(np.dtype(x.dtype), compact, dims[0])
+                elif list(in_shape) == compact:
+                    value = x
+                else:
+                    value = lax.broadcast_in_dim(x, compact, dims)
+                return [_Broadcast(value, shape, lambda: lax.broadcast_in_dim(x, shape, dims))]
         return [lax.broadcast_in_dim(x, shape, dims)]
 
     def op_reshape(self, op, operands, env):
@@ -815,6 +827,7 @@ class _Broadcast:
 
     value: object
     shape: tuple[int, ...]
+    full: Callable | None = None  # builds the broadcast tensor itself, when not consumed elementwise
 
     @property
     def is_constant_scalar(self) -> bool:
@@ -824,6 +837,8 @@ class _Broadcast:
 def _materialize(x):
     if not isinstance(x, _Broadcast):
         return x
+    if x.full is not None:
+        return x.full()
     if np.ndim(x.value) == 0:
         return lax.broadcast_in_dim(x.value, x.shape, ())
     return lax.broadcast_in_dim(x.value, x.shape, tuple(range(len(x.shape))))
