@@ -1,0 +1,94 @@
+"""Rewrite one StableHLO module: import -> jaxpr -> shared matcher/rewrite -> re-lower.
+
+The module is interpreted with ``jax.lax`` (:mod:`importer`), traced, and handed to
+``moe_lowering.api.optimize_jaxpr`` -- the decorator's own entry point. The rewritten function is
+lowered again with ``jax.jit``; the sparse MoE arrives as private functions plus calls because
+the rewrite wraps it in named jits. Nothing found: the caller keeps the input as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+from jaxlib.mlir import ir
+
+from moe_lowering.hlo import _compat
+from moe_lowering.hlo.importer import ImportedProgram, import_module
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    """``stablehlo`` is the rewritten module's text, or None when nothing was rewritten."""
+
+    stablehlo: str | None
+    report: object  # moe_lowering.report.ExplainReport
+    program: ImportedProgram
+
+    @property
+    def changed(self) -> bool:
+        return self.stablehlo is not None
+
+
+def rewrite_module(module: ir.Module, context: ir.Context, *, backend: str = "auto") -> RewriteResult:
+    """Rewrite ``module``'s MoE regions; the returned text keeps its signature attributes."""
+    from moe_lowering.api import optimize_jaxpr
+
+    with context:
+        program = import_module(module)
+    with _compat.enable_x64(program.needs_x64):
+        closed = jax.make_jaxpr(program.fn)(*program.in_avals)
+        run, report = optimize_jaxpr(closed, backend=backend)
+        if not report.regions:
+            return RewriteResult(None, report, program)
+
+        def rewritten(*args):
+            return list(run(*args))
+
+        rewritten.__name__ = rewritten.__qualname__ = program.fn.__name__
+        lowered = jax.jit(rewritten, keep_unused=True).lower(*program.in_avals)
+        text = lowered.as_text()
+    return RewriteResult(_carry_signature(module, text, context), report, program)
+
+
+def _carry_signature(original: ir.Module, rewritten_text: str, context: ir.Context) -> str:
+    """``rewritten_text`` with the original module name, module attributes and ``main`` arg/result
+    attributes (shardings, donation, result names), which the re-lowering does not know."""
+    with context:
+        rewritten = ir.Module.parse(rewritten_text)
+        old_main = _function(original, "main")
+        new_main = _function(rewritten, "main")
+        for name in ("arg_attrs", "res_attrs"):
+            if name in old_main.attributes:
+                new_main.attributes[name] = ir.Attribute.parse(str(old_main.attributes[name]))
+            elif name in new_main.attributes:
+                del new_main.attributes[name]
+        for name in _attribute_names(original.operation):
+            if name == "sym_name" or name not in rewritten.operation.attributes:
+                rewritten.operation.attributes[name] = ir.Attribute.parse(str(original.operation.attributes[name]))
+        _carry_meshes(original, rewritten)
+        return str(rewritten)
+
+
+def _carry_meshes(original: ir.Module, rewritten: ir.Module) -> None:
+    """Shardy meshes the copied attributes may refer to."""
+    present = {str(op.attributes["sym_name"]) for op in rewritten.body.operations if op.operation.name == "sdy.mesh"}
+    first = next(iter(rewritten.body.operations), None)
+    for op in original.body.operations:
+        if op.operation.name == "sdy.mesh" and str(op.attributes["sym_name"]) not in present:
+            clone = op.operation.clone()
+            clone.move_before(first) if first is not None else rewritten.body.append(clone)
+
+
+def _function(module: ir.Module, name: str):
+    for op in module.body.operations:
+        if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == name:
+            return op
+    raise ValueError(f"module has no @{name}")
+
+
+def _attribute_names(op) -> list[str]:
+    return [item if isinstance(item, str) else item.name for item in op.attributes]
