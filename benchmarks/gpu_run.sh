@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv |
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
-    tests) python3 -m pytest tests/gpu tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    tests) python3 -m pytest tests/gpu tests/kernels -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     sweep) timeout 330 python3 benchmarks/gmm_sweep.py --out "$OUT/gmm_sweep.json" 2>&1 | tee "$OUT/gmm_sweep.log" | tail -22 ;;
     bench) python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -16 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
