@@ -30,7 +30,7 @@ def hlo_text_to_stablehlo_bytecode(hlo_text: str) -> bytes:
     try:
         module = xla_client.hlo.hlo_module_from_text(hlo_text)
     except Exception as err:  # the binding raises XlaRuntimeError or a bare RuntimeError
-        raise ValueError(_first_line(err)) from None
+        raise ValueError(_hlo_parse_message(err)) from None
     return _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
 
 
@@ -68,6 +68,12 @@ def enable_x64(enabled: bool):
     return experimental_enable_x64()
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
+def _hlo_parse_message(err: BaseException) -> str:
+    """The HLO parser's ``was parsing L:C: error: ...`` line when present, else the first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if "error:" in line:
+            return line.replace("was parsing ", "line ")
+    return lines[0] if lines else type(err).__name__
+
+

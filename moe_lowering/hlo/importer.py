@@ -934,7 +934,7 @@ def _arg_reduction(op, region, axis: int):
         for o in region.blocks[0].operations
         if _short_name(o.operation.name) == "compare"
         and {_block_argument_index(v) for v in o.operation.operands} == {0, 2}
-    }
+    } - {"EQ", "NE"}
     if kinds == {"GT"}:
         return (lax.reduce_max, lambda x, a, dt: lax.argmax(x, a, dt))
     if kinds == {"LT"}:
