@@ -14,6 +14,7 @@ rebuilds a model at other sizes (benchmarks use it for large shapes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -99,61 +100,89 @@ class ZooModel:
 
 
 # --------------------------------------------------------------------------------------------
-# Parameter initialisation: w ~ N(0, 1/fan_in) like a lecun-normal init; never zeros.
+# Parameter initialisation: w ~ N(0, 1/fan_in) like a lecun-normal init, biases ~ N(0, 0.01); never zeros.
 
 
-def _normal(key, shape, fan_in, dtype):
-    return (jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+@dataclass(frozen=True)
+class _Normal:
+    """A parameter ``N(0, std**2)`` of ``shape``; param makers return trees of these."""
+
+    shape: tuple[int, ...]
+    std: float
 
 
-def _bias(key, shape, dtype, scale=0.1):
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def _weight(shape, fan_in) -> _Normal:
+    return _Normal(tuple(shape), 1.0 / math.sqrt(fan_in))
 
 
-def _swiglu_experts(key, sizes: Sizes, dtype):
-    k_gate, k_up, k_down = jax.random.split(key, 3)
+def _bias(shape, std=0.1) -> _Normal:
+    return _Normal(tuple(shape), std)
+
+
+def _swiglu_experts(sizes: Sizes) -> dict:
     E, d, f = sizes.E, sizes.d, sizes.f
-    return {
-        "w_gate": _normal(k_gate, (E, d, f), d, dtype),
-        "w_up": _normal(k_up, (E, d, f), d, dtype),
-        "w_down": _normal(k_down, (E, f, d), f, dtype),
-    }
+    return {"w_gate": _weight((E, d, f), d), "w_up": _weight((E, d, f), d), "w_down": _weight((E, f, d), f)}
 
 
-def _mlp_experts(key, sizes: Sizes, dtype, biases: bool):
-    keys = jax.random.split(key, 4)
+def _mlp_experts(sizes: Sizes, biases: bool) -> dict:
     E, d, f = sizes.E, sizes.d, sizes.f
-    params = {"w_up": _normal(keys[0], (E, d, f), d, dtype), "w_down": _normal(keys[1], (E, f, d), f, dtype)}
+    params = {"w_up": _weight((E, d, f), d), "w_down": _weight((E, f, d), f)}
     if biases:
-        params["b_up"] = _bias(keys[2], (E, f), dtype)
-        params["b_down"] = _bias(keys[3], (E, d), dtype)
+        params["b_up"] = _bias((E, f))
+        params["b_down"] = _bias((E, d))
     return params
 
 
-def _with_router(key, sizes: Sizes, dtype, experts: dict) -> dict:
-    return {"router": _normal(key, (sizes.d, sizes.E), sizes.d, dtype), **experts}
+def _with_router(sizes: Sizes, experts: dict) -> dict:
+    return {"router": _weight((sizes.d, sizes.E), sizes.d), **experts}
+
+
+def _draw(key, spec, dtype):
+    """Arrays for a tree of ``_Normal`` specs, all cut from one normal draw (one compiled program)."""
+    leaves, treedef = jax.tree.flatten(spec)
+    return _draw_leaves(key, treedef, tuple(leaves), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_leaves(key, treedef, leaves, dtype):
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    arrays, offset = [], 0
+    for leaf, size in zip(leaves, sizes):
+        arrays.append((flat[offset:offset + size].reshape(leaf.shape) * leaf.std).astype(dtype))
+        offset += size
+    return jax.tree.unflatten(treedef, arrays)
 
 
 def _token_inputs(sizes: Sizes):
     def make_inputs(key, dtype=jnp.float32, **overrides):
         s = dataclasses.replace(sizes, **overrides)
-        return jax.random.normal(key, (s.T, s.d), jnp.float32).astype(dtype)
+        return _random_tokens(key, s.T * s.d, jnp.dtype(dtype)).reshape(s.T, s.d)
 
     return make_inputs
 
 
-def _params_maker(sizes: Sizes, make):
-    """``make(key, sizes, dtype)`` as ``make_params(key, dtype=float32, **size_overrides)``."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_tokens(key, size, dtype):
+    """``size`` unit normals, drawn flat so that ``[T, d]`` and ``[B, S, d]`` share one compile."""
+    return jax.random.normal(key, (size,), jnp.float32).astype(dtype)
+
+
+def _params_maker(sizes: Sizes, spec):
+    """``spec(sizes)`` (a tree of ``_Normal``) as ``make_params(key, dtype=float32, **size_overrides)``.
+
+    All of a model's params come from one jitted normal draw: one small compile per model instead
+    of one per weight shape, and made on device at benchmark sizes.
+    """
 
     def make_params(key, dtype=jnp.float32, **overrides):
-        return make(key, dataclasses.replace(sizes, **overrides), dtype)
+        return _draw(key, spec(dataclasses.replace(sizes, **overrides)), dtype)
 
     return make_params
 
 
-def _mixtral_params(key, sizes, dtype):
-    k_router, k_experts = jax.random.split(key)
-    return _with_router(k_router, sizes, dtype, _swiglu_experts(k_experts, sizes, dtype))
+def _mixtral_params(sizes):
+    return _with_router(sizes, _swiglu_experts(sizes))
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,14 +247,9 @@ def _mixtral_logits_topk_fn(k: int):
     return mixtral_logits_topk
 
 
-def _fused_swiglu_params(key, sizes, dtype):
-    k_router, k_gate_up, k_down = jax.random.split(key, 3)
+def _fused_swiglu_params(sizes):
     E, d, f = sizes.E, sizes.d, sizes.f
-    return {
-        "router": _normal(k_router, (d, E), d, dtype),
-        "w_gate_up": _normal(k_gate_up, (E, d, 2 * f), d, dtype),
-        "w_down": _normal(k_down, (E, f, d), f, dtype),
-    }
+    return _with_router(sizes, {"w_gate_up": _weight((E, d, 2 * f), d), "w_down": _weight((E, f, d), f)})
 
 
 def build_mixtral_logits_topk(sizes: Sizes = Sizes()) -> ZooModel:
@@ -258,7 +282,7 @@ def _bsd_inputs(sizes: Sizes):
         s = dataclasses.replace(sizes, **overrides)
         if s.T % s.B:
             raise ValueError(f"tokens T={s.T} must be a multiple of the batch B={s.B} for [B, S, d] inputs")
-        return jax.random.normal(key, (s.B, s.T // s.B, s.d), jnp.float32).astype(dtype)
+        return _random_tokens(key, s.T * s.d, jnp.dtype(dtype)).reshape(s.B, s.T // s.B, s.d)
 
     return make_inputs
 
@@ -315,12 +339,11 @@ def _build_mlp(name: str):
     activation, biases, notes = _MLP_VARIANTS[name]
 
     def build(sizes: Sizes = Sizes()) -> ZooModel:
-        def make(key, s, dtype):
-            k_router, k_experts = jax.random.split(key)
-            return _with_router(k_router, s, dtype, _mlp_experts(k_experts, s, dtype, biases))
+        def spec(s):
+            return _with_router(s, _mlp_experts(s, biases))
 
         return ZooModel(
-            name=name, fn=_mlp_fn(name, sizes.k, activation, biases), make_params=_params_maker(sizes, make),
+            name=name, fn=_mlp_fn(name, sizes.k, activation, biases), make_params=_params_maker(sizes, spec),
             make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
             num_experts=sizes.E, capacity=None, sizes=sizes, builder=build, notes=notes,
         )
@@ -352,17 +375,15 @@ def _gpt_oss_fn(k: int, limit: float, alpha: float):
     return gpt_oss
 
 
-def _gpt_oss_params(key, sizes, dtype):
-    keys = jax.random.split(key, 6)
+def _gpt_oss_params(sizes):
     E, d, f = sizes.E, sizes.d, sizes.f
-    return {
-        "router": _normal(keys[0], (d, E), d, dtype),
-        "router_bias": _bias(keys[1], (E,), dtype),
-        "w_gate_up": _normal(keys[2], (E, d, 2 * f), d, dtype),
-        "b_gate_up": _bias(keys[3], (E, 2 * f), dtype),
-        "w_down": _normal(keys[4], (E, f, d), f, dtype),
-        "b_down": _bias(keys[5], (E, d), dtype),
-    }
+    return _with_router(sizes, {
+        "router_bias": _bias((E,)),
+        "w_gate_up": _weight((E, d, 2 * f), d),
+        "b_gate_up": _bias((E, 2 * f)),
+        "w_down": _weight((E, f, d), f),
+        "b_down": _bias((E, d)),
+    })
 
 
 def build_gpt_oss(sizes: Sizes = Sizes(), *, limit: float = 1.0, alpha: float = 1.702) -> ZooModel:
@@ -410,15 +431,14 @@ def _deepseek_v3_fn(k: int, n_group: int, topk_group: int, routed_scaling_factor
     return deepseek_v3
 
 
-def _deepseek_v3_params(key, sizes, dtype):
-    keys = jax.random.split(key, 6)
+def _deepseek_v3_params(sizes):
     d, f = sizes.d, sizes.f
     return {
-        **_with_router(keys[0], sizes, dtype, _swiglu_experts(keys[1], sizes, dtype)),
-        "e_score_correction_bias": _bias(keys[2], (sizes.E,), dtype),
-        "shared_gate": _normal(keys[3], (d, f), d, dtype),
-        "shared_up": _normal(keys[4], (d, f), d, dtype),
-        "shared_down": _normal(keys[5], (f, d), f, dtype),
+        **_with_router(sizes, _swiglu_experts(sizes)),
+        "e_score_correction_bias": _bias((sizes.E,)),
+        "shared_gate": _weight((d, f), d),
+        "shared_up": _weight((d, f), d),
+        "shared_down": _weight((f, d), f),
     }
 
 
@@ -505,9 +525,8 @@ def _gshard_top2_fn(capacity_factor: float):
     return gshard_top2
 
 
-def _capacity_params(key, sizes, dtype):
-    k_router, k_experts = jax.random.split(key)
-    return _with_router(k_router, sizes, dtype, _mlp_experts(k_experts, sizes, dtype, biases=False))
+def _capacity_params(sizes):
+    return _with_router(sizes, _mlp_experts(sizes, biases=False))
 
 
 def build_switch(sizes: Sizes = Sizes(E=4, k=1), *, capacity_factor: float = 1.0) -> ZooModel:
@@ -519,7 +538,7 @@ def build_switch(sizes: Sizes = Sizes(E=4, k=1), *, capacity_factor: float = 1.0
         capacity=expert_capacity(sizes.T, sizes.E, 1, capacity_factor), sizes=sizes,
         hyper=(("capacity_factor", capacity_factor),), builder=build_switch,
         notes="top-1 (argmax) with capacity, [T, E, C] dispatch/combine einsums, ReLU experts. At the default "
-              "sizes (T=32, E=4, C=8) and args(jax.random.key(0)) 6 of 32 tokens are dropped.",
+              "sizes (T=32, E=4, C=8) and args(jax.random.key(0)) 4 of 32 tokens are dropped.",
     )
 
 
@@ -532,7 +551,7 @@ def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float 
         capacity=expert_capacity(sizes.T, sizes.E, 2, capacity_factor), sizes=sizes,
         hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2,
         notes="top-2 with capacity, second choices after all first choices, GELU (tanh) experts. At the default "
-              "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 4 of 64 token copies are dropped.",
+              "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 7 of 64 token copies are dropped.",
     )
 
 
@@ -604,12 +623,11 @@ def _two_layers_fn(k: int):
 
 
 def build_two_layers(sizes: Sizes = Sizes()) -> ZooModel:
-    def make(key, s, dtype):
-        k0, k1 = jax.random.split(key)
-        return {"layer_0": _mixtral_params(k0, s, dtype), "layer_1": _mixtral_params(k1, s, dtype)}
+    def spec(s):
+        return {"layer_0": _mixtral_params(s), "layer_1": _mixtral_params(s)}
 
     return ZooModel(
-        name="two_layers", fn=_two_layers_fn(sizes.k), make_params=_params_maker(sizes, make),
+        name="two_layers", fn=_two_layers_fn(sizes.k), make_params=_params_maker(sizes, spec),
         make_inputs=_token_inputs(sizes), expected_regions=2, style="mixtral", top_k=sizes.k,
         num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_two_layers,
         notes="x + moe(x), then h + moe(h): two Mixtral layers with their own weights, two regions.",
@@ -632,12 +650,11 @@ def _scan_layers_fn(k: int):
 
 
 def build_scan_layers(sizes: Sizes = Sizes(), *, num_layers: int = 2) -> ZooModel:
-    def make(key, s, dtype):
-        layers = [_mixtral_params(k, s, dtype) for k in jax.random.split(key, num_layers)]
-        return jax.tree.map(lambda *leaves: jnp.stack(leaves), *layers)
+    def spec(s):
+        return {name: _Normal((num_layers, *w.shape), w.std) for name, w in _mixtral_params(s).items()}
 
     return ZooModel(
-        name="scan_layers", fn=_scan_layers_fn(sizes.k), make_params=_params_maker(sizes, make),
+        name="scan_layers", fn=_scan_layers_fn(sizes.k), make_params=_params_maker(sizes, spec),
         make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
         num_experts=sizes.E, capacity=None, sizes=sizes, hyper=(("num_layers", num_layers),),
         builder=build_scan_layers,
@@ -678,7 +695,7 @@ if nn is not None:
     def init_flax_moe(key, dtype=jnp.float32, *, d: int = 16, f: int = 32, E: int = 8, k: int = 2):
         """``(module, params)`` for a ``FlaxMoE`` with ``params`` in ``dtype``."""
         module = FlaxMoE(num_experts=E, top_k=k, d_ff=f, param_dtype=dtype)
-        params = module.init(key, jnp.zeros((1, d), dtype))["params"]
+        params = jax.jit(module.init)(key, jnp.zeros((1, d), dtype))["params"]
         return module, params
 
     def build_flax_moe(sizes: Sizes = Sizes()) -> ZooModel:
@@ -723,13 +740,11 @@ def _topk_attention_fn(k: int):
 
 
 def build_topk_attention(sizes: Sizes = Sizes(k=4)) -> ZooModel:
-    def make(key, s, dtype):
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        return {name: _normal(k_, (s.d, s.d), s.d, dtype) for name, k_ in
-                (("w_q", kq), ("w_k", kk), ("w_v", kv), ("w_o", ko))}
+    def spec(s):
+        return {name: _weight((s.d, s.d), s.d) for name in ("w_q", "w_k", "w_v", "w_o")}
 
     return ZooModel(
-        name="topk_attention", fn=_topk_attention_fn(sizes.k), make_params=_params_maker(sizes, make),
+        name="topk_attention", fn=_topk_attention_fn(sizes.k), make_params=_params_maker(sizes, spec),
         make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=sizes.k, num_experts=None,
         capacity=None, sizes=sizes, builder=build_topk_attention,
         notes="attention scores sparsified by lax.top_k; routes keys, not tokens to expert weights.",
@@ -743,11 +758,11 @@ def _ensemble_average(params, x):
 
 
 def build_ensemble_average(sizes: Sizes = Sizes()) -> ZooModel:
-    def make(key, s, dtype):
-        return _mlp_experts(key, s, dtype, biases=False)
+    def spec(s):
+        return _mlp_experts(s, biases=False)
 
     return ZooModel(
-        name="ensemble_average", fn=_ensemble_average, make_params=_params_maker(sizes, make),
+        name="ensemble_average", fn=_ensemble_average, make_params=_params_maker(sizes, spec),
         make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=None, num_experts=sizes.E,
         capacity=None, sizes=sizes, builder=build_ensemble_average,
         notes="mean over E expert MLPs applied to all tokens: nothing is routed.",
@@ -772,16 +787,15 @@ def _batched_matmul_unrouted_fn(k: int):
 
 
 def build_batched_matmul_unrouted(sizes: Sizes = Sizes()) -> ZooModel:
-    def make(key, s, dtype):
-        k_heads, k_score, k_out = jax.random.split(key, 3)
+    def spec(s):
         return {
-            "w_heads": _normal(k_heads, (s.E, s.d, s.f), s.d, dtype),
-            "w_score": _normal(k_score, (s.d, s.E), s.d, dtype),
-            "w_out": _normal(k_out, (s.E * s.f, s.d), s.E * s.f, dtype),
+            "w_heads": _weight((s.E, s.d, s.f), s.d),
+            "w_score": _weight((s.d, s.E), s.d),
+            "w_out": _weight((s.E * s.f, s.d), s.E * s.f),
         }
 
     return ZooModel(
-        name="batched_matmul_unrouted", fn=_batched_matmul_unrouted_fn(sizes.k), make_params=_params_maker(sizes, make),
+        name="batched_matmul_unrouted", fn=_batched_matmul_unrouted_fn(sizes.k), make_params=_params_maker(sizes, spec),
         make_inputs=_token_inputs(sizes), expected_regions=0, style="negative", top_k=sizes.k, num_experts=sizes.E,
         capacity=None, sizes=sizes, builder=build_batched_matmul_unrouted,
         notes="einsum 'td,edf->tef' over heads, all heads used; top_k values scale tokens, indices unused.",

@@ -8,6 +8,7 @@ derivatives against central differences of the same float64 references.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -264,6 +265,12 @@ RESIZED = {
 }
 
 
+@functools.cache
+def _args(case: str, dtype=jnp.float32):
+    return _model(case).args(KEY, dtype)
+
+
+@functools.cache
 def _model(case: str) -> ZooModel:
     if case in RESIZED:
         name, overrides = RESIZED[case]
@@ -284,7 +291,7 @@ def test_every_model_has_an_independent_reference():
 @pytest.mark.parametrize("case", list(ZOO) + list(RESIZED))
 def test_forward_matches_per_token_reference(case):
     model = _model(case)
-    params, x = model.args(KEY)
+    params, x = _args(case)
     out = jax.jit(model.fn)(params, x)
     expected = reference(model, params, x)
     assert out.shape == x.shape and out.dtype == jnp.float32
@@ -295,7 +302,7 @@ def test_forward_matches_per_token_reference(case):
 def test_gradient_matches_reference_directional_derivative(name):
     """``<grad, v>`` of ``sum(fn * c)`` over params and x against a float64 central difference."""
     model = ZOO[name]
-    params, x = model.args(KEY)
+    params, x = _args(name)
     rng = np.random.default_rng(1)
     cotangent = rng.standard_normal(x.shape)
 
@@ -323,7 +330,7 @@ def test_gradient_matches_reference_directional_derivative(name):
 @pytest.mark.parametrize("name", ["switch", "gshard_top2"])
 def test_capacity_models_drop_tokens_as_documented(name):
     model = ZOO[name]
-    params, x = model.args(KEY)
+    params, x = _args(name)
     logits = np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64)
     _, dropped = route_with_capacity(logits, model.top_k, model.capacity)
     assert model.capacity == math.ceil(model.hyperparams["capacity_factor"] * x.shape[0] * model.top_k
@@ -337,7 +344,7 @@ def test_capacity_models_drop_tokens_as_documented(name):
 def test_deepseek_bias_and_group_limit_change_the_selection():
     """Both routing refinements matter at the default sizes, so the reference checks them for real."""
     model = ZOO["deepseek_v3"]
-    params, x = as_float64(model.args(KEY))
+    params, x = as_float64(_args("deepseek_v3"))
     hyper = _deepseek_hyper(model)
 
     def selections(bias, grouped):
@@ -353,13 +360,15 @@ def test_deepseek_bias_and_group_limit_change_the_selection():
 @pytest.mark.parametrize("name", list(ZOO))
 def test_bfloat16_keeps_dtype_and_stays_close(name):
     model = ZOO[name]
-    params, x = model.args(KEY, jnp.bfloat16)
+    params, x = _args(name, jnp.bfloat16)
     assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(params)) and x.dtype == jnp.bfloat16
     out = jax.jit(model.fn)(params, x)
     assert out.dtype == jnp.bfloat16 and out.shape == x.shape
     exact = np.asarray(jax.jit(model.fn)(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x))))
-    error = np.linalg.norm(np.asarray(out, np.float32) - exact) / np.linalg.norm(exact)
-    assert error < 5e-2, error
+    token_error = np.linalg.norm(np.asarray(out, np.float32) - exact, axis=-1) / np.linalg.norm(exact, axis=-1).mean()
+    # bf16 rounds each value by ~0.4%; a near-tie in the routing may flip for the odd token.
+    assert np.median(token_error) < 2e-2, token_error
+    assert np.mean(token_error > 5e-2) <= 1 / 16, token_error
 
 
 def test_params_are_random_and_scaled_by_fan_in():
