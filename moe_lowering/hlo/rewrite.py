@@ -12,7 +12,11 @@ import logging
 from dataclasses import dataclass
 
 import jax
+from jax._src import core as jax_core
+from jax._src.interpreters import partial_eval as pe
 from jaxlib.mlir import ir
+
+from moe_lowering import _compat as jaxpr_compat
 
 from moe_lowering.hlo import _compat
 from moe_lowering.hlo.importer import ImportedProgram, import_module
@@ -45,13 +49,26 @@ def rewrite_module(module: ir.Module, context: ir.Context, *, backend: str = "au
         if not report.regions:
             return RewriteResult(None, report, program)
 
+        rewritten_jaxpr, consts = _dead_code_eliminated(jax.make_jaxpr(run)(*program.in_avals))
+
         def rewritten(*args):
-            return list(run(*args))
+            return jax_core.eval_jaxpr(rewritten_jaxpr, consts, *args)
 
         rewritten.__name__ = rewritten.__qualname__ = program.fn.__name__
         lowered = jax.jit(rewritten, keep_unused=True).lower(*program.in_avals)
         text = lowered.as_text()
     return RewriteResult(_carry_signature(module, text, context), report, program)
+
+
+def _dead_code_eliminated(closed):
+    """The rewritten jaxpr without the dense computations it no longer uses (the dense one-hot
+    combine weights, broadcast constants of the replaced expert body): JAX lowers dead
+    equations, and the output module should not carry them."""
+    jaxpr, consts = jaxpr_compat.jaxpr_parts(closed)
+    pruned, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    if not all(used_inputs):  # keep the signature: unused inputs stay as (unused) parameters
+        pruned = pruned.replace(invars=jaxpr.invars)
+    return pruned, consts
 
 
 def _carry_signature(original: ir.Module, rewritten_text: str, context: ir.Context) -> str:
