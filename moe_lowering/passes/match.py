@@ -181,7 +181,8 @@ def _register_rules() -> None:
     names = (
         "add sub mul div max min neg exp exp2 log log1p expm1 logistic tanh erf erf_inv integer_pow pow "
         "sqrt rsqrt cbrt abs sign select_n convert_element_type clamp square sin cos tan reduce_precision "
-        "copy eq lt gt le ge ne and or not"
+        "copy eq lt gt le ge ne and or not erfc is_finite floor ceil round sinh cosh asinh acosh atanh "
+        "asin acos atan atan2 rem nextafter"
     ).split()
     for name in names:
         primitive = getattr(lax, f"{name}_p", None)
@@ -260,6 +261,8 @@ class Analysis:
         result = fn(self, eqn, abstracts)
         if isinstance(result, FailedMatch):
             self.fail(result.reason, result.eqn or eqn)
+        elif isinstance(result, tuple):
+            self.values.update(zip(eqn.outputs, result))
         elif result is not None:
             self.values[eqn.outputs[0]] = result
 
@@ -457,6 +460,8 @@ def _with_factor(an: Analysis, gate: Gate, atom, out, eqn):
     if isinstance(atom, Const) and _is_scalar(atom):
         return replace(gate, factors=gate.factors + (Factor(atom, ()),))
     source, roles = _plain_roles(an.graph, atom, gate.roles, out.shape)
+    if any(r in (ONE, BROADCAST) and n != 1 for r, n in zip(roles, source.shape)):
+        return None  # varies along an axis routing weights do not have (a capacity slot, say)
     if not all(is_token(r) or r in (CHOICE, EXPERT, ONE) for r in roles) or (CHOICE in roles and EXPERT in roles):
         return FailedMatch("routing mask multiplied by a tensor that is not indexed by (token, choice) or (token, expert)", eqn)
     return replace(gate, factors=gate.factors + (Factor(source, roles),))
@@ -725,6 +730,22 @@ def _squeeze(an: Analysis, eqn: Eqn, abstracts):
     if isinstance(value, ExpertParamSlice):
         return replace(value, roles=kept)
     return replace(value, roles=kept)
+
+
+@rule(lax.split_p)
+def _split(an: Analysis, eqn: Eqn, abstracts):
+    """``jnp.split`` of a fused gate/up projection along the features."""
+    value = abstracts[0]
+    if not isinstance(value, Rows):
+        return None
+    axis = eqn.params["axis"]
+    if value.roles[axis] != FEATURE or value.gate is not None:
+        return FailedMatch("expert activations are split along a token or expert axis", eqn)
+    pieces, start = [], 0
+    for size in eqn.params["sizes"]:
+        pieces.append(replace(value, node=FeatureSlice(value.node, start, start + size)))
+        start += size
+    return tuple(pieces)
 
 
 @rule(lax.concatenate_p)
@@ -1054,7 +1075,7 @@ def _feeds_later_anchor(graph: JaxprGraph, anchor: RoutingAnchor, anchors) -> bo
 
 def _why_not(analysis: Analysis) -> FailedMatch:
     if analysis.failures:
-        return analysis.failures[-1]
+        return analysis.failures[0]
     kinds = {type(v) for v in analysis.values.values()}
     if Gate not in kinds and Rows not in kinds:
         return FailedMatch(

@@ -121,18 +121,12 @@ def _evaluate(scope: ScopeResult, backend: str, *args):
 
 
 def _rebind_scope(eqn, child: ScopeResult, inputs, backend):
+    """Re-emits a scan (its primitive, with the rewritten body traced in) or a remat."""
     body = make_rewritten(child, backend)
     if eqn.primitive is lax.scan_p:
-        p = eqn.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
-        consts, init, xs = inputs[:n_consts], inputs[n_consts : n_consts + n_carry], inputs[n_consts + n_carry :]
-
-        def step(carry, x):
-            outs = body(*consts, *carry, *x)
-            return list(outs[:n_carry]), list(outs[n_carry:])
-
-        carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-        return [*carry, *ys]
+        body_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in child.graph.inputs]
+        new_body = jax.make_jaxpr(body)(*body_avals)
+        return eqn.primitive.bind(*inputs, **{**eqn.params, "jaxpr": new_body})
     return _compat.remat_wrapper(eqn.params)(lambda *a: body(*a))(*inputs)
 
 
