@@ -87,6 +87,8 @@ class ZooModel:
 
     def sized(self, **overrides) -> "ZooModel":
         """This model rebuilt with other sizes (``T, d, f, E, k, B``) or routing hyperparameters."""
+        if self.builder is None:
+            raise TypeError(f"{self.name} has no builder, so it cannot be rebuilt at other sizes")
         size_names = {f.name for f in dataclasses.fields(Sizes)}
         unknown = set(overrides) - size_names - set(self.hyperparams)
         if unknown:

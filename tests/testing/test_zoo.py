@@ -179,7 +179,8 @@ def _deepseek_hyper(model):
 
 def capacity_reference(activation):
     def reference(p, x, model):
-        capacity = math.ceil(model.hyperparams["capacity_factor"] * len(x) * model.top_k / model.num_experts)
+        num_experts = p["router"].shape[-1]
+        capacity = math.ceil(model.hyperparams["capacity_factor"] * len(x) * model.top_k / num_experts)
         routes, _ = route_with_capacity(x @ p["router"], model.top_k, capacity)
         return moe_loop(x, routes, mlp_expert(activation), p)
 
@@ -295,6 +296,19 @@ def test_forward_matches_per_token_reference(case):
     out = jax.jit(model.fn)(params, x)
     expected = reference(model, params, x)
     assert out.shape == x.shape and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "switch", "hf_loop", "scan_layers"])
+def test_size_overrides_of_make_functions_reach_the_same_fn(name):
+    """``fn`` reads T, d, f and E from the shapes, so make_* overrides need no rebuilt model."""
+    model = ZOO[name]
+    overrides = dict(T=16, d=8, f=12, E=4)
+    params = model.make_params(jax.random.key(3), **overrides)
+    x = model.make_inputs(jax.random.key(4), **overrides)
+    assert x.shape == (16, 8)
+    out = jax.jit(model.fn)(params, x)
+    expected = reference(model, params, x)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
