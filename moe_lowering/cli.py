@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 
 DESCRIPTION = """\
 Find dense-reference Mixture-of-Experts layers in a compiled JAX program and rewrite them to
@@ -26,6 +27,7 @@ exit status:
   0  rewritten, or nothing to rewrite (the module is written unchanged; the report says which)
   1  --verify found the rewritten module disagreeing with the original
   2  unreadable or invalid input, or an unsupported construct (one-line message, nothing written)
+  3  internal error in the rewrite (one-line message; -v prints the traceback; nothing written)
 
 examples:
   moe-rewrite model.mlir -o model.moe.mlir --report regions.json --verify
@@ -77,6 +79,13 @@ def main(argv=None) -> int:
     except CliError as err:
         print(f"moe-rewrite: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a bug in the importer or the rewrite, not in the input
+        if args.verbose:
+            traceback.print_exc()
+        first_line = (str(err).strip().splitlines() or [""])[0]
+        print(f"moe-rewrite: internal error: {type(err).__name__}: {first_line} (rerun with -v for the traceback)",
+              file=sys.stderr)
+        return 3
 
 
 def _run(args) -> int:

@@ -136,3 +136,18 @@ def test_console_script_help():
 def test_missing_directory_output(tmp_path, capsys):
     code, _, err = _run([tmp_path], capsys)
     assert code == 2 and "-o OUTPUT_DIR" in err
+
+
+def test_internal_error_is_one_line_exit_3(mixtral_text, tmp_path, capsys, monkeypatch):
+    from moe_lowering.hlo import rewrite as rewrite_mod
+
+    def broken(module, context, *, backend="auto"):
+        raise RuntimeError("matcher exploded\nsecond line")
+
+    monkeypatch.setattr(rewrite_mod, "rewrite_module", broken)
+    source = tmp_path / "m.mlir"
+    source.write_text(mixtral_text)
+    code, _, err = _run([source, "-o", tmp_path / "o.mlir"], capsys)
+    assert code == 3 and err.strip() == (
+        "moe-rewrite: internal error: RuntimeError: matcher exploded (rerun with -v for the traceback)")
+    assert not (tmp_path / "o.mlir").exists()
