@@ -708,10 +708,15 @@ if nn is not None:
             return module.apply({"params": params}, x)
 
         def make_params(key, dtype=jnp.float32, **overrides):
+            """The tree ``init_flax_moe`` makes, with the same N(0, 1/fan_in) law, from one cheap draw.
+
+            ``module.init`` compiles one random program per parameter, seconds on CPU per model;
+            the zoo's tests check that both trees have the same structure, shapes and dtypes.
+            """
             s = dataclasses.replace(sizes, **overrides)
             if (s.E, s.f, s.k) != (sizes.E, sizes.f, sizes.k):
                 raise ValueError("flax_moe's module fixes E, f and k: use ZOO['flax_moe'].sized(...) to change them")
-            return init_flax_moe(key, dtype, d=s.d, f=s.f, E=s.E, k=s.k)[1]
+            return _draw(key, _mixtral_params(s), dtype)
 
         return ZooModel(
             name="flax_moe", fn=flax_moe, make_params=make_params, make_inputs=_token_inputs(sizes),

@@ -392,6 +392,25 @@ def test_params_are_random_and_scaled_by_fan_in():
     assert params["w_gate"].shape == (4, 64, 128) and params["w_down"].shape == (4, 128, 64)
 
 
+def test_flax_params_have_the_structure_of_module_init():
+    from moe_lowering.testing.zoo import init_flax_moe
+
+    model = ZOO["flax_moe"]
+    sizes = dict(d=model.sizes.d, f=model.sizes.f, E=model.num_experts, k=model.top_k)
+
+    def structure(tree):
+        return jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+
+    assert structure(jax.eval_shape(lambda key: init_flax_moe(key, jnp.bfloat16, **sizes)[1], KEY)) == structure(
+        model.make_params(KEY, jnp.bfloat16)
+    )
+    _, initialised = init_flax_moe(KEY, jnp.float32, **sizes)
+    assert structure(initialised) == structure(model.make_params(KEY))
+    # Flax's own init draws with the same N(0, 1/fan_in) law: standard deviations agree.
+    for name, fan_in in (("router", model.sizes.d), ("w_up", model.sizes.d), ("w_down", model.sizes.f)):
+        assert np.std(np.asarray(initialised[name])) == pytest.approx(1 / math.sqrt(fan_in), rel=0.2)
+
+
 def test_sized_rejects_unknown_overrides_and_impossible_routing():
     with pytest.raises(TypeError, match="unknown overrides"):
         ZOO["mixtral"].sized(capacity_factor=2.0)
