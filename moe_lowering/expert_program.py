@@ -158,9 +158,9 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
     """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``."""
     values: dict[int, jax.Array] = {}
 
-    def operand(op, like):
+    def operand(op, like, primitive):
         if isinstance(op, Literal):
-            return op.value
+            return jnp.broadcast_to(op.value, like.shape) if primitive is lax.select_n_p else op.value
         if isinstance(op, ParamRef):
             return _row_param(params[op.index], program.param_kinds[op.index], context, like)
         return values[id(op)]
@@ -179,7 +179,7 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             out = jnp.concatenate([values[id(s)] for s in node.sources], axis=1)
         else:
             like = next(values[id(o)] for o in node.operands if id(o) in values)
-            operands = [operand(o, like) for o in node.operands]
+            operands = [operand(o, like, node.primitive) for o in node.operands]
             out = node.primitive.bind(*operands, **dict(node.params))
         values[id(node)] = out
     return values[id(program.output)]
