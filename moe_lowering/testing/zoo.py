@@ -60,6 +60,9 @@ class ZooModel:
     ``expected_regions`` is how many MoE regions a correct matcher rewrites (0 for negatives);
     ``top_k``, ``num_experts`` and ``capacity`` describe the default sizes (``capacity`` is None
     for dropless models). ``hyper`` holds the static routing hyperparameters ``sized`` accepts.
+    ``style`` is the idiom: ``mixtral`` (one-hot or scatter ``[T, E]`` combine of dense experts),
+    ``deepseek``, ``capacity`` (Switch/GShard ``[T, E, C]`` dispatch), ``hf_loop``, ``gather`` or
+    ``negative``.
     """
 
     name: str
@@ -139,8 +142,14 @@ def _with_router(sizes: Sizes, experts: dict) -> dict:
     return {"router": _weight((sizes.d, sizes.E), sizes.d), **experts}
 
 
+# Up to this many elements, a model's params are cut from one normal draw: at test sizes the compile
+# of one random program per weight dominates. Above it, each weight gets its own draw, so that no
+# float32 buffer of all the params is ever live (benchmark sizes).
+_ONE_DRAW_LIMIT = 1 << 24
+
+
 def _draw(key, spec, dtype):
-    """Arrays for a tree of ``_Normal`` specs, all cut from one normal draw (one compiled program)."""
+    """Arrays for a tree of ``_Normal`` specs, made by one jitted program."""
     leaves, treedef = jax.tree.flatten(spec)
     return _draw_leaves(key, treedef, tuple(leaves), jnp.dtype(dtype))
 
@@ -148,12 +157,13 @@ def _draw(key, spec, dtype):
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _draw_leaves(key, treedef, leaves, dtype):
     sizes = [math.prod(leaf.shape) for leaf in leaves]
-    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
-    arrays, offset = [], 0
-    for leaf, size in zip(leaves, sizes):
-        arrays.append((flat[offset:offset + size].reshape(leaf.shape) * leaf.std).astype(dtype))
-        offset += size
-    return jax.tree.unflatten(treedef, arrays)
+    if sum(sizes) <= _ONE_DRAW_LIMIT:
+        flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        units = [flat[start:start + size].reshape(leaf.shape) for start, size, leaf in zip(starts, sizes, leaves)]
+    else:
+        units = [jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32) for i, leaf in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, [(unit * leaf.std).astype(dtype) for unit, leaf in zip(units, leaves)])
 
 
 def _token_inputs(sizes: Sizes):

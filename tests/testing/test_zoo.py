@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_lowering.testing import NEGATIVE, POSITIVE, ZOO, Sizes, ZooModel
+from moe_lowering.testing import NEGATIVE, POSITIVE, ZOO, Sizes, ZooModel, zoo
 
 KEY = jax.random.key(0)
 TIE_MARGIN = 1e-6  # the reference refuses routing decisions closer than this: they would be ties
@@ -390,6 +390,11 @@ def test_params_are_random_and_scaled_by_fan_in():
     for name, fan_in in (("router", 64), ("w_gate", 64), ("w_up", 64), ("w_down", 128)):
         assert np.std(np.asarray(params[name])) == pytest.approx(1 / math.sqrt(fan_in), rel=0.1), name
     assert params["w_gate"].shape == (4, 64, 128) and params["w_down"].shape == (4, 128, 64)
+    # Past the one-draw limit every weight has its own draw; the law is the same.
+    big = ZOO["switch"].make_params(KEY, jnp.bfloat16, d=512, f=2048, E=16)
+    assert sum(a.size for a in jax.tree.leaves(big)) > zoo._ONE_DRAW_LIMIT
+    assert np.std(np.asarray(big["w_down"], np.float32)) == pytest.approx(1 / math.sqrt(2048), rel=0.05)
+    assert not np.allclose(np.asarray(big["w_up"][0, :8, :8], np.float32), 0)
 
 
 def test_flax_params_have_the_structure_of_module_init():
