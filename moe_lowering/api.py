@@ -11,7 +11,7 @@ import numpy as np
 
 from moe_lowering import _compat
 from moe_lowering.kernels import BACKEND_NAMES
-from moe_lowering.passes.rewrite import ScopeResult, analyse_program, make_rewritten
+from moe_lowering.passes.rewrite import RewriteOptions, ScopeResult, analyse_program, make_rewritten, region_layout
 from moe_lowering.report import ExplainReport, NearMiss, region_report
 
 log = logging.getLogger("moe_lowering")
@@ -25,26 +25,46 @@ class NoMoeFoundWarning(UserWarning):
     """``moe_optimize`` found nothing to rewrite; the function runs unchanged."""
 
 
-def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False):
+WEIGHT_GATHER_QUANT = (None, "fp8_e4m3", "mxfp8")
+
+
+def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False, weight_gather_quant=None,
+                   input_shardings=()):
     """``(fn, report)``: ``fn(*flat_args)`` runs ``closed_jaxpr`` with its MoE regions rewritten.
 
-    The shared entry point of the decorator and the ``moe-rewrite`` tool.
+    The shared entry point of the decorator and the ``moe-rewrite`` tool. ``input_shardings``
+    (one ``NamedSharding`` or ``None`` per flat input) lets regions whose operands are sharded
+    over a mesh take the expert-parallel lowering.
     """
     _check_backend(backend)
+    _check_quant(weight_gather_quant)
     scope = analyse_program(closed_jaxpr)
-    report = build_report(scope)
+    report = build_report(scope, input_shardings)
     if strict and not report.regions:
         raise MoeNotFoundError(_not_found_message(report))
-    return make_rewritten(scope, backend), report
+    return make_rewritten(scope, RewriteOptions(backend, weight_gather_quant, tuple(input_shardings))), report
 
 
-def build_report(scope: ScopeResult) -> ExplainReport:
-    regions = tuple(region_report(r, path) for path, r in scope.all_regions())
+def build_report(scope: ScopeResult, input_shardings=()) -> ExplainReport:
+    regions = []
+    for path, region in scope.all_regions():
+        owner = _scope_at(scope, path)
+        layout = region_layout(owner, region, input_shardings)
+        regions.append(region_report(region, path, layout.describe() if layout is not None else None))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())
         for _, anchor, failure in scope.all_near_misses()
     )
-    return ExplainReport(regions, misses)
+    return ExplainReport(tuple(regions), misses)
+
+
+def _scope_at(scope: ScopeResult, path: str) -> ScopeResult:
+    if scope.path == path:
+        return scope
+    for child in scope.nested.values():
+        if path.startswith(child.path):
+            return _scope_at(child, path)
+    return scope
 
 
 def _not_found_message(report: ExplainReport) -> str:
@@ -57,6 +77,13 @@ def _not_found_message(report: ExplainReport) -> str:
 def _check_backend(backend: str) -> None:
     if backend not in BACKEND_NAMES:
         raise ValueError(f"moe_optimize: unknown backend {backend!r}; expected one of {', '.join(BACKEND_NAMES)}")
+
+
+def _check_quant(weight_gather_quant) -> None:
+    if weight_gather_quant not in WEIGHT_GATHER_QUANT:
+        raise ValueError(
+            f"moe_optimize: unknown weight_gather_quant {weight_gather_quant!r}; expected None, 'fp8_e4m3' or 'mxfp8'"
+        )
 
 
 def _split_static(args, kwargs):
@@ -85,30 +112,39 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     target = fn.__wrapped__ if _compat.is_jitted(fn) else fn
     target = getattr(target, "__moe_original__", target)
     closed, _, _ = _trace(target, args, kwargs)
-    return build_report(analyse_program(closed))
+    declared = _compat.jit_options(fn).get("in_shardings") if _compat.is_jitted(fn) else None
+    return build_report(analyse_program(closed), _input_shardings(args, kwargs, declared))
 
 
-def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False):
+def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None):
     """Rewrites the dense-reference MoE layers of ``fn`` into sorted, dropless grouped-GEMM MoE.
 
     Usable bare (``@moe_optimize``) or with options, on a plain or a ``jax.jit``-wrapped
     function (the result is jitted the same way: shardings, static and donated arguments kept).
     With nothing to rewrite the function runs unchanged after one ``NoMoeFoundWarning``;
     ``strict=True`` raises ``MoeNotFoundError`` naming the piece that did not match.
+
+    Operands sharded over a mesh (explicit axes) get the expert-parallel lowering; with
+    ``weight_gather_quant="fp8_e4m3"`` or ``"mxfp8"`` the FSDP-sharded expert weights are
+    quantised per expert and block before their all-gather (``None`` keeps results exact).
     """
     _check_backend(backend)
+    _check_quant(weight_gather_quant)
     if fn is None:
-        return functools.partial(moe_optimize, backend=backend, strict=strict)
+        return functools.partial(moe_optimize, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant)
     if not callable(fn):
         raise TypeError(f"moe_optimize expects a function, got {type(fn).__name__}")
     jitted = _compat.is_jitted(fn)
     original = fn.__wrapped__ if jitted else fn
+    declared = _compat.jit_options(fn).get("in_shardings") if jitted else None
     warned = []
 
     @functools.wraps(original)
     def rewritten(*args, **kwargs):
         closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
-        run, report = optimize_jaxpr(closed, backend=backend, strict=strict)
+        shardings = _input_shardings(args, kwargs, declared)
+        run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
+                                     input_shardings=shardings)
         if report.regions:
             log.info("moe_lowering: rewrote %d MoE region(s) in %s", len(report.regions), _name(original))
         elif not warned:
@@ -126,6 +162,31 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False):
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))
     return rewritten
+
+
+def _input_shardings(args, kwargs, declared) -> tuple:
+    """Per traced leaf: the ``NamedSharding`` a committed array carries or ``jit`` declared for it."""
+    from jax.sharding import NamedSharding
+
+    leaves, _, dynamic = _split_static(args, kwargs)
+    declared_leaves = [None] * len(leaves)
+    if declared is not None:
+        per_arg = declared if isinstance(declared, (tuple, list)) else (declared,) * len(args)
+        expanded = []
+        for arg, sharding in zip(args, per_arg):
+            count = len(jax.tree_util.tree_leaves(arg))
+            expanded.extend(jax.tree_util.tree_leaves(sharding, is_leaf=lambda s: isinstance(s, NamedSharding))
+                            if not isinstance(sharding, NamedSharding) and sharding is not None
+                            and len(jax.tree_util.tree_leaves(sharding)) == count else [sharding] * count)
+        declared_leaves[: len(expanded)] = expanded
+    out = []
+    for leaf, is_dynamic, sharding in zip(leaves, dynamic, declared_leaves):
+        if not is_dynamic:
+            continue
+        concrete = getattr(leaf, "sharding", None) if not isinstance(leaf, jax.core.Tracer) else None
+        chosen = sharding if isinstance(sharding, NamedSharding) else concrete
+        out.append(chosen if isinstance(chosen, NamedSharding) else None)
+    return tuple(out)
 
 
 def _name(fn) -> str:

@@ -28,6 +28,7 @@ class RegionReport:
     rewritten_peak_intermediate_bytes: int
     expert_body: str
     scope: str = ""
+    parallel_layout: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,6 +45,7 @@ class RegionReport:
             f"  FLOPs: dense {_si(self.dense_flops)} -> sorted {_si(self.rewritten_flops)} ({ratio:.1f}x fewer)\n"
             f"  peak intermediate: dense {_bytes(self.dense_peak_intermediate_bytes)} -> "
             f"sorted {_bytes(self.rewritten_peak_intermediate_bytes)}"
+            + (f"\n  sharded: {self.parallel_layout}" if self.parallel_layout else "")
         )
 
 
@@ -81,7 +83,7 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def region_report(region, scope: str = "") -> RegionReport:
+def region_report(region, scope: str = "", parallel_layout: str | None = None) -> RegionReport:
     """Costs from the matched shapes: the dense reference runs every expert on every token."""
     T, E, k = region.num_tokens, region.num_experts, region.top_k
     dtype = np.dtype(region.output.dtype)
@@ -113,6 +115,7 @@ def region_report(region, scope: str = "") -> RegionReport:
         rewritten_peak_intermediate_bytes=int(T * k * widest * dtype.itemsize),
         expert_body=region.program.describe(),
         scope=scope,
+        parallel_layout=parallel_layout,
     )
 
 

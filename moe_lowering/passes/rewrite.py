@@ -21,7 +21,7 @@ from jax import lax
 from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, is_token, token_roles
-from moe_lowering.passes.graph import Const, JaxprGraph, build_graph
+from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,15 @@ def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
     return result
 
 
-def make_rewritten(scope: ScopeResult, backend: str) -> Callable:
+def make_rewritten(scope: ScopeResult, options: "RewriteOptions") -> Callable:
     """``fn(*flat_inputs) -> list of flat outputs`` with every region replaced."""
-    return functools.partial(_evaluate, scope, backend)
+    return functools.partial(_evaluate, scope, options)
 
 
-def _evaluate(scope: ScopeResult, backend: str, *args):
+def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
     graph = scope.graph
     env = dict(zip(graph.inputs, args))
+    sharding_of = functools.partial(_sharding_of, graph, declared_shardings(scope, options.input_shardings))
 
     def read(atom):
         return atom.value if isinstance(atom, Const) else env[atom]
@@ -106,12 +107,12 @@ def _evaluate(scope: ScopeResult, backend: str, *args):
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
             if region is not None:
-                env[region.output] = lower_region(region, read, backend)
+                env[region.output] = lower_region(region, read, options, sharding_of)
             continue
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
         if child is not None:
-            outputs = _rebind_scope(eqn, child, inputs, backend)
+            outputs = _rebind_scope(eqn, child, inputs, options)
         else:
             outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
         if not eqn.primitive.multiple_results:
@@ -120,9 +121,9 @@ def _evaluate(scope: ScopeResult, backend: str, *args):
     return [read(a) for a in graph.outputs]
 
 
-def _rebind_scope(eqn, child: ScopeResult, inputs, backend):
+def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
     """Re-emits a scan (its primitive, with the rewritten body traced in) or a remat."""
-    body = make_rewritten(child, backend)
+    body = make_rewritten(child, options)
     if eqn.primitive is lax.scan_p:
         body_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in child.graph.inputs]
         new_body = jax.make_jaxpr(body)(*body_avals)
@@ -133,7 +134,7 @@ def _rebind_scope(eqn, child: ScopeResult, inputs, backend):
 # --------------------------------------------------------------------------- one region
 
 
-def lower_region(region: MoeRegion, read, backend: str):
+def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None):
     """The sparse replacement of ``region``, built from the values its inputs have now."""
     from moe_lowering.sparse_moe import sparse_moe
 
@@ -145,16 +146,100 @@ def lower_region(region: MoeRegion, read, backend: str):
     else:
         expert_indices = _index_matrix(anchor, read(anchor.indices))
         expert_weights = _routing_weights(region, read, expert_indices)
-    params = [_normalise_param(p, read(p.source) if not isinstance(p.source, Const) else p.source.value, region)
-              for p in region.params]
+    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
+    params = [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
+    layout = _sharded_layout(region, sharding_of)
+    if layout is not None:
+        from moe_lowering.parallel import sharded_sparse_moe
+
+        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe())
+        out = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
+                                 num_experts=region.num_experts, layout=layout, backend=options.backend,
+                                 weight_gather_quant=options.weight_gather_quant)
+        return _to_output_layout(out, region)
 
     def sparse(tokens, expert_indices, expert_weights, *params):
         return sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
-                          num_experts=region.num_experts, backend=backend)
+                          num_experts=region.num_experts, backend=options.backend)
 
     sparse.__name__ = "moe_lowering_sparse_moe"
     out = jax.jit(sparse)(tokens, expert_indices, expert_weights, *params)
     return _to_output_layout(out, region)
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """How regions are lowered: the kernel backend, and the FSDP weight-gather quantisation."""
+
+    backend: str = "auto"
+    weight_gather_quant: str | None = None
+    input_shardings: tuple = ()  # per top-level input: a NamedSharding or None
+
+
+def declared_shardings(scope: ScopeResult, input_shardings) -> dict:
+    """Shardings known for values of ``scope``: its arguments' (top level only) and inlined jits'."""
+    declared = dict(zip(scope.graph.inputs, input_shardings)) if not scope.path else {}
+    declared.update(scope.graph.input_shardings)
+    return {value: sharding for value, sharding in declared.items() if sharding is not None}
+
+
+def region_layout(scope: ScopeResult, region: MoeRegion, input_shardings=()):
+    """The expert-parallel layout of ``region`` (or None), as ``explain`` and the rewrite see it."""
+    return _sharded_layout(region, functools.partial(_sharding_of, scope.graph, declared_shardings(scope, input_shardings)))
+
+
+def _sharding_of(graph: JaxprGraph, declared: dict, atom):
+    """``(mesh, spec)`` of a region input: its explicit-sharding type, a ``with_sharding_constraint``
+    that produced it, or the sharding its top-level argument was given. ``None`` if unsharded."""
+    typed = getattr(getattr(atom, "aval", None), "sharding", None)
+    explicit = typed is not None and not getattr(typed.mesh, "empty", True) and any(tuple(typed.spec))
+    sharding = typed if explicit else None
+    while sharding is None and isinstance(atom, Value):
+        if atom in declared:
+            sharding = declared[atom]
+            break
+        eqn = graph.producer.get(atom)
+        if eqn is None:
+            break
+        if eqn.primitive is _compat.sharding_constraint_p:
+            sharding = eqn.params["sharding"]
+        elif eqn.primitive in (lax.convert_element_type_p, lax.reduce_precision_p):
+            atom = eqn.inputs[0]
+        else:
+            break
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is None or spec is None or not getattr(mesh, "shape_tuple", ()):
+        return None
+    rank = len(atom.shape)
+    return mesh, tuple(spec) + (None,) * (rank - len(tuple(spec)))
+
+
+def _sharded_layout(region: MoeRegion, sharding_of):
+    """The expert-parallel layout read off the operands' shardings, or None for one device."""
+    from jax.sharding import PartitionSpec
+
+    token_sharding = sharding_of(region.tokens)
+    mesh = token_sharding[0] if token_sharding else None
+    weight_specs = []
+    for param in region.params:
+        if param.kind not in (ParamKind.EXPERT_WEIGHT, ParamKind.PER_EXPERT):
+            continue
+        found = sharding_of(param.source) if not isinstance(param.source, Const) else None
+        if found is None:
+            weight_specs.append(None)
+            continue
+        mesh = mesh or found[0]
+        order = ("E", "K", "N") if param.kind is ParamKind.EXPERT_WEIGHT else (EXPERT, FEATURE)
+        weight_specs.append(PartitionSpec(*[found[1][param.roles.index(r)] if r in param.roles else None for r in order]))
+    if mesh is None or all(s is None for s in weight_specs) and not token_sharding:
+        return None
+    token_axes = ()
+    if token_sharding:
+        for entry in token_sharding[1][: len(region.anchor.token_shape)]:
+            token_axes += (entry,) if isinstance(entry, str) else tuple(entry or ())
+    from moe_lowering.parallel import plan_layout
+
+    return plan_layout(mesh, PartitionSpec(token_axes or None, None), weight_specs, region.num_experts)
 
 
 def _index_matrix(anchor: RoutingAnchor, indices):

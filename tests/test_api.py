@@ -1,0 +1,77 @@
+"""Contracts of the public API: explain's report, the warning and the strict error, word for word."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from moe_lowering import MoeNotFoundError, NoMoeFoundWarning, explain, moe_optimize
+from moe_lowering.testing.zoo import ZOO
+
+
+def _escaping_moe(params, x):
+    """Mixtral, except the dense expert activations are also returned: the rewrite must decline."""
+    weights, idx = jax.lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+    gate = (jax.nn.one_hot(idx, params["router"].shape[-1]) * weights[..., None]).sum(1)
+    hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+    out = jnp.einsum("tef,efd->ted", hidden, params["w_down"])
+    return jnp.einsum("te,ted->td", gate, out), hidden.mean()
+
+
+def _params(T=8, d=4, f=6, E=4):
+    k = jax.random.split(jax.random.key(0), 4)
+    return {"router": jax.random.normal(k[0], (d, E)), "w_up": jax.random.normal(k[1], (E, d, f)),
+            "w_down": jax.random.normal(k[2], (E, f, d))}, jax.random.normal(k[3], (T, d))
+
+
+def test_explain_summary_of_a_region():
+    model = ZOO["mixtral"]
+    params, x = model.args(jax.random.key(0))
+    report = explain(model.fn, params, x)
+    text = str(report)
+    assert text.startswith("moe_lowering: 1 MoE region(s) found\nMoE region (one-hot gate) at ")
+    s = model.sizes
+    assert f"  tokens={s.T} experts={s.E} top_k={s.k} d_model={s.d} d_ff={s.f} dtype=float32\n" in text
+    region = report.regions[0]
+    assert region.dense_flops == s.E * region.rewritten_flops // s.k
+    assert region.to_dict()["style"] == "one-hot gate"
+
+
+def test_interior_value_used_outside_declines_with_reason():
+    params, x = _params()
+    report = explain(_escaping_moe, params, x)
+    assert report.regions == ()
+    reason = report.near_misses[0].reason
+    assert reason.startswith("an interior value of the MoE (the expert activations [8, 4, 6]) is also used outside it")
+    with pytest.raises(MoeNotFoundError) as err:
+        moe_optimize(_escaping_moe, strict=True)(params, x)
+    assert "an interior value of the MoE" in str(err.value)
+
+
+def test_ensemble_near_miss_names_the_missing_piece():
+    def ensemble_with_router(params, x):
+        _, idx = jax.lax.top_k(x @ params["router"], 2)
+        out = jnp.einsum("td,edf->tef", x, params["w_up"]).sum(1)
+        return out, idx
+
+    params, x = _params()
+    report = explain(ensemble_with_router, params, x)
+    assert [m.reason for m in report.near_misses] == [
+        "expert outputs are summed over experts without routing weights (an ensemble, not a routed MoE)"
+    ]
+
+
+def test_no_routing_at_all():
+    report = explain(lambda x: x * 2, jnp.ones(3))
+    assert str(report) == (
+        "moe_lowering: 0 MoE region(s) found\n"
+        "no routing decision (top_k or argmax over an expert axis) in the traced program"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert moe_optimize(lambda x: x * 2)(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    assert len(caught) == 1 and caught[0].category is NoMoeFoundWarning
+    assert str(caught[0].message).startswith("moe_optimize: no MoE region rewritten in ")
