@@ -82,6 +82,15 @@ class FailedMatch:
 
 
 @dataclass(frozen=True)
+class IndexInBounds:
+    """``0 <= idx`` and/or ``idx < E`` of the routing indices: always true for a top-k's output."""
+
+    roles: Roles
+    lower: bool
+    upper: bool
+
+
+@dataclass(frozen=True)
 class RoutingAnchor:
     """A routing decision: ``indices [*tokens, k]`` choosing among ``num_experts``."""
 
@@ -245,8 +254,9 @@ class Analysis:
         index = self.anchor.indices
         roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind == "top_k" else ())
         self.values[index] = ExpertIndex(roles)
-        for eqn in self.graph.eqns[self.anchor.eqn.index + 1 :]:
-            self._step(eqn, table)
+        for eqn in self.graph.eqns:  # expert matmuls may precede the routing in program order
+            if eqn is not self.anchor.eqn:
+                self._step(eqn, table)
 
     def _step(self, eqn: Eqn, table) -> None:
         abstracts = [self.abstract(a) for a in eqn.inputs]
@@ -362,6 +372,8 @@ def _rows_like(a, b) -> bool:
 
 def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
     prim = eqn.primitive
+    if any(isinstance(a, IndexInBounds) for a in abstracts):
+        return _bounds_arith(an, eqn, abstracts)
     if prim is lax.add_p and any(_is_contribution(a) for a in abstracts):
         abstracts = [_as_contribution(a) for a in abstracts]
     kinds = {type(a) for a in abstracts if a is not None}
@@ -375,6 +387,18 @@ def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
         return _gate_arith(an, eqn, abstracts)
     if prim is lax.convert_element_type_p and isinstance(abstracts[0], ExpertParamSlice):
         return abstracts[0]
+    return None
+
+
+def _bounds_arith(an: Analysis, eqn: Eqn, abstracts):
+    """Range checks combine with ``and``; selecting on a complete one keeps the in-range case."""
+    a = abstracts[0]
+    if eqn.primitive is lax.and_p and all(isinstance(x, IndexInBounds) for x in abstracts):
+        b = abstracts[1]
+        return IndexInBounds(_merge_roles(a.roles, b.roles) or a.roles, a.lower or b.lower, a.upper or b.upper)
+    if eqn.primitive is lax.select_n_p and isinstance(a, IndexInBounds) and a.lower and a.upper:
+        if len(abstracts) == 3 and abstracts[1] is None and isinstance(abstracts[2], Rows):
+            return abstracts[2]
     return None
 
 
@@ -409,7 +433,18 @@ def _index_arith(an: Analysis, eqn: Eqn, abstracts):
         return a
     if prim is lax.eq_p:
         return _one_hot(an, eqn, a, b)
+    if isinstance(a, ExpertIndex) and b is None and prim in (lax.ge_p, lax.gt_p, lax.le_p, lax.lt_p):
+        bound, _ = _broadcast_source(an.graph, eqn.inputs[1])
+        if isinstance(bound, Const) and np.size(bound.value) == 1:
+            return _bounds_check(an, prim, a, float(np.asarray(bound.value).reshape(())))
     return None
+
+
+def _bounds_check(an: Analysis, prim, index: ExpertIndex, bound: float):
+    """``idx >= 0``, ``idx <= E - 1``, ``idx < E``: the range checks of a clamped or filled gather."""
+    lower = (prim is lax.ge_p and bound <= 0) or (prim is lax.gt_p and bound < 0)
+    upper = (prim is lax.le_p and bound >= an.num_experts - 1) or (prim is lax.lt_p and bound >= an.num_experts)
+    return IndexInBounds(index.roles, lower, upper) if lower or upper else None
 
 
 def _one_hot(an: Analysis, eqn: Eqn, a, b):
@@ -584,6 +619,15 @@ def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
     return replace(a, experts=a.experts | b.experts)
 
 
+@rule(lax.reduce_and_p)
+def _reduce_and(an: Analysis, eqn: Eqn, abstracts):
+    value = abstracts[0]
+    axes = tuple(eqn.params["axes"])
+    if isinstance(value, IndexInBounds) and all(value.roles[a] == ONE for a in axes):
+        return replace(value, roles=tuple(r for i, r in enumerate(value.roles) if i not in axes))
+    return None
+
+
 @rule(lax.iota_p)
 def _iota(an: Analysis, eqn: Eqn, abstracts):
     shape = eqn.params["shape"]
@@ -607,7 +651,7 @@ def _broadcast(an: Analysis, eqn: Eqn, abstracts):
         if BROADCAST in roles:
             return FailedMatch("expert activations are broadcast to a larger shape", eqn)
         return replace(value, roles=roles)
-    if isinstance(value, (ExpertIndex, Iota, Gate)):
+    if isinstance(value, (ExpertIndex, Iota, Gate, IndexInBounds)):
         return replace(value, roles=roles)
     return None
 

@@ -57,7 +57,7 @@ _SCOPE_PARAM = {}
 
 def _scope_primitives():
     if not _SCOPE_PARAM:
-        _SCOPE_PARAM.update({lax.scan_p: "jaxpr", _compat.remat_p: "jaxpr"})
+        _SCOPE_PARAM.update({lax.scan_p: "jaxpr", lax.while_p: "body_jaxpr", _compat.remat_p: "jaxpr"})
     return _SCOPE_PARAM
 
 
@@ -122,12 +122,12 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
 
 
 def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
-    """Re-emits a scan (its primitive, with the rewritten body traced in) or a remat."""
+    """Re-emits a scan or while loop (its primitive, with the rewritten body traced in) or a remat."""
     body = make_rewritten(child, options)
-    if eqn.primitive is lax.scan_p:
+    if eqn.primitive is not _compat.remat_p:
         body_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in child.graph.inputs]
         new_body = jax.make_jaxpr(body)(*body_avals)
-        return eqn.primitive.bind(*inputs, **{**eqn.params, "jaxpr": new_body})
+        return eqn.primitive.bind(*inputs, **{**eqn.params, _scope_primitives()[eqn.primitive]: new_body})
     return _compat.remat_wrapper(eqn.params)(lambda *a: body(*a))(*inputs)
 
 

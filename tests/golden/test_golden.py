@@ -23,12 +23,7 @@ from moe_lowering.testing.zoo import NEGATIVE, POSITIVE, ZOO
 GOLDEN_DIR = Path(__file__).parent
 # Models the shared matcher does not yet find once lowered to StableHLO (it does on the jaxpr the
 # decorator traces); each is an xfail with the reason the matcher gives, and flips when fixed.
-IMPORT_GAPS = {
-    "gather_combine": "jnp.take(mode='fill') lowers to gather(clip) + select(in_bounds, ., NaN); "
-    "the matcher does not see the combine weights through the select",
-    "scan_layers": "MoE inside the while loop a lowered lax.scan becomes; the matcher does not "
-    "look into while bodies",
-}
+IMPORT_GAPS: dict[str, str] = {}  # zoo models the importer + matcher cannot rewrite yet, with why
 
 
 def _prefixes(check_text: str) -> list[str]:
