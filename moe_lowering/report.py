@@ -35,7 +35,7 @@ class RegionReport:
 
     def summary(self) -> str:
         cap = f", capacity {self.capacity}" if self.capacity else ""
-        act = f"{'gated ' if self.gated else ''}{self.activation}"
+        act = self.activation
         ratio = self.dense_flops / max(1, self.rewritten_flops)
         return (
             f"MoE region ({self.style}) at {self.location}{' in ' + self.scope if self.scope else ''}:\n"

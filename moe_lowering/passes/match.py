@@ -157,8 +157,23 @@ class MoeRegion:
         return len(ups) > 1 or has_split
 
     def activation(self) -> str:
-        prims = [str(n.primitive) for n in self.program.nodes if isinstance(n, Elementwise)]
-        return ", ".join(dict.fromkeys(prims)) or "identity"
+        """A readable name for the lifted body: ``swiglu``, ``gelu (tanh)``, ``squared relu``, ..."""
+        prims = {str(n.primitive) for n in self.program.nodes if isinstance(n, Elementwise)}
+        if "logistic" in prims or {"neg", "exp", "div"} <= prims:
+            name = "silu"
+        elif prims & {"erf", "erfc"}:
+            name = "gelu (erf)"
+        elif "tanh" in prims:
+            name = "gelu (tanh)"
+        elif "max" in prims:
+            name = "squared relu" if prims & {"square", "integer_pow"} else "relu"
+        else:
+            name = ", ".join(sorted(prims)) or "identity"
+        if self.gated_activation and name == "silu":
+            name = "swiglu"
+        elif self.gated_activation:
+            name = f"gated {name}"
+        return f"clipped {name}" if prims & {"clamp", "min"} else name
 
 
 def _weight_dims(param: ParamSource) -> tuple[int, int, int]:
