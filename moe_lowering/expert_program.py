@@ -109,6 +109,8 @@ class ExpertProgram:
                 names.append("split")
             elif isinstance(node, FeatureConcat):
                 names.append("concat")
+        if len(names) > 12:
+            names = names[:5] + [f"... {len(names) - 10} more ..."] + names[-5:]
         return ", ".join(names)
 
 
@@ -160,10 +162,13 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
 
     def operand(op, like, primitive):
         if isinstance(op, Literal):
-            return jnp.broadcast_to(op.value, like.shape) if primitive is lax.select_n_p else op.value
-        if isinstance(op, ParamRef):
-            return _row_param(params[op.index], program.param_kinds[op.index], context, like)
-        return values[id(op)]
+            value = op.value
+        elif isinstance(op, ParamRef):
+            value = _row_param(params[op.index], program.param_kinds[op.index], context, like)
+        else:
+            return values[id(op)]
+        # lax.select_n wants every case at full shape; the dense program's were, the rows' must be too
+        return jnp.broadcast_to(value, like.shape) if primitive is lax.select_n_p else value
 
     for node in program.nodes or topological_nodes(program.output):
         if isinstance(node, RowInput):

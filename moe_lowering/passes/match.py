@@ -159,7 +159,7 @@ class MoeRegion:
     def activation(self) -> str:
         """A readable name for the lifted body: ``swiglu``, ``gelu (tanh)``, ``squared relu``, ..."""
         prims = {str(n.primitive) for n in self.program.nodes if isinstance(n, Elementwise)}
-        if "logistic" in prims or {"neg", "exp", "div"} <= prims:
+        if "logistic" in prims or prims - {"mul", "convert_element_type"} == {"neg", "exp", "add", "div"}:
             name = "silu"
         elif prims & {"erf", "erfc"}:
             name = "gelu (erf)"
