@@ -8,26 +8,20 @@ looked up as objects here, so the passes identify them by identity, never by nam
 from __future__ import annotations
 
 import jax
-from jax import lax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import pjit as _pjit
 from jax.extend import core as jex_core
 
-JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
 Var = jex_core.Var
 Literal = jex_core.Literal
-DropVar = jex_core.DropVar
-Primitive = jex_core.Primitive
 
 jit_p = _pjit.jit_p
 sharding_constraint_p = _pjit.sharding_constraint_p
 closed_call_p = _core.closed_call_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
-custom_vjp_call_p = _custom_derivatives.custom_vjp_call_p
 
 
 def jaxpr_parts(closed):
@@ -53,26 +47,9 @@ def is_literal(atom) -> bool:
     return isinstance(atom, Literal)
 
 
-def make_closed_jaxpr(fn, *avals_or_args, return_shape=False):
-    return jax.make_jaxpr(fn, return_shape=return_shape)(*avals_or_args)
-
-
 def remat_wrapper(params):
     """``jax.checkpoint`` configured like a ``remat`` eqn's params."""
     return lambda fn: jax.checkpoint(fn, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy"))
-
-
-def sort_p():
-    return lax.sort_p
-
-
-def get_abstract_mesh():
-    """The mesh in context at trace time (``jax.sharding.get_abstract_mesh``), or None."""
-    getter = getattr(jax.sharding, "get_abstract_mesh", None)
-    if getter is None:
-        return None
-    mesh = getter()
-    return None if mesh is None or getattr(mesh, "empty", False) else mesh
 
 
 def as_closed(jaxpr_like):

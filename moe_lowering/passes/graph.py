@@ -136,7 +136,7 @@ def build_graph(closed_jaxpr) -> JaxprGraph:
     env.update(zip(jaxpr.invars, inputs))
     eqns: list[Eqn] = []
     shardings: dict = {}
-    outputs = _inline(jaxpr, env, eqns, shardings)
+    outputs = inline_jaxpr(jaxpr, env, eqns, shardings)
     return JaxprGraph(tuple(eqns), inputs, tuple(outputs), shardings)
 
 
@@ -146,7 +146,8 @@ def _read(env, atom):
     return env[atom]
 
 
-def _inline(jaxpr, env, eqns: list, shardings: dict):
+def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict):
+    """Appends ``jaxpr``'s eqns to ``eqns`` (jit and closed_call bodies inlined); returns its outputs."""
     for source in jaxpr.eqns:
         inputs = tuple(_read(env, a) for a in source.invars)
         if source.primitive in _INLINED:
@@ -157,7 +158,7 @@ def _inline(jaxpr, env, eqns: list, shardings: dict):
             for value, sharding in zip(inputs, source.params.get("in_shardings", ())):
                 if isinstance(value, Value) and not _is_unspecified(sharding):
                     shardings.setdefault(value, sharding)
-            results = _inline(sub_open, sub_env, eqns, shardings)
+            results = inline_jaxpr(sub_open, sub_env, eqns, shardings)
             for var, result in zip(source.outvars, results):
                 env[var] = result
             continue

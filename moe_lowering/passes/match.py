@@ -58,7 +58,7 @@ from moe_lowering.passes.abstract import (
     is_token,
     token_roles,
 )
-from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, inline_jaxpr
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,8 @@ class Analysis:
 
     def _step(self, eqn: Eqn, table) -> None:
         abstracts = [self.abstract(a) for a in eqn.inputs]
-        starts_something = eqn.primitive in (lax.iota_p,) or _is_dispatch_candidate(self, eqn, abstracts)
+        # iotas and matmuls of plain values can start a pattern (the one-hot's iota, x @ W[E, d, f])
+        starts_something = eqn.primitive in (lax.iota_p, lax.dot_general_p)
         if not starts_something and all(a is None for a in abstracts) and not _maybe_param_slice(self, eqn):
             return
         fn = table.get(eqn.primitive)
@@ -893,14 +894,12 @@ def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
     """An elementwise ``custom_jvp`` function (``relu``, ...) on expert activations: read its body."""
     if not any(isinstance(a, Rows) for a in abstracts):
         return None
-    from moe_lowering.passes.graph import _inline
-
     body = eqn.params["call_jaxpr"]
     inner = _compat.open_jaxpr(body)
     env = {v: Const(c, v.aval) for v, c in zip(inner.constvars, _compat.sub_jaxpr_consts(body))}
     env.update(zip(inner.invars, eqn.inputs))
     inner_eqns: list = []
-    outputs = _inline(inner, env, inner_eqns, {})
+    outputs = inline_jaxpr(inner, env, inner_eqns, {})
     table = rules()
     for inner_eqn in inner_eqns:
         if inner_eqn.primitive not in _ELEMENTWISE and inner_eqn.primitive is not lax.broadcast_in_dim_p:
@@ -1095,10 +1094,6 @@ def _slice_weight(an: Analysis, slice_: ExpertParamSlice, contract_dim: int) -> 
     k_src = slice_.roles[contract_dim]
     roles = tuple(EXPERT if d == slice_.expert_axis else ("K" if d == k_src else "N") for d in range(len(source.shape)))
     return an.param(source, ParamKind.EXPERT_WEIGHT, roles)
-
-
-def _is_dispatch_candidate(an: Analysis, eqn: Eqn, abstracts) -> bool:
-    return eqn.primitive is lax.dot_general_p
 
 
 # --------------------------------------------------------------------------- regions
