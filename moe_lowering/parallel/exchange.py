@@ -7,21 +7,31 @@ communication, how many rows each pair of ranks exchanges and in which expert or
 
 One *round* moves at most ``capacity`` rows from every rank to every rank:
 
-1. dispatch: row chunk ``[ep, capacity, D]`` -> ``all_to_all`` over the expert axis;
-2. the receiver sorts the ``ep * capacity`` rows it got by local expert (a counting sort from
-   the counts matrix, no ``argsort``), runs the expert program with grouped GEMMs over its
-   ``E / ep`` experts, and un-sorts;
-3. combine: the reverse ``all_to_all`` brings each row's result home to its sorted position.
+1. dispatch: ``ep`` blocks of ``capacity`` rows (one per peer, gathered from the sorted rows)
+   go out; the receiver gets ``ep`` blocks, one per source;
+2. the receiver sorts the rows it got by local expert (a counting sort from the counts matrix,
+   no ``argsort``), runs the expert program with grouped GEMMs over its ``E / ep`` experts, and
+   un-sorts them into blocks again;
+3. combine: the reverse transport brings each block home, where every sorted row *gathers* its
+   result from the returned blocks (no scatter).
 
-Rounds repeat (``while_loop``) until the largest pair count is covered, so the exchange is
-dropless under any skew, while balanced routing takes one round and per-device buffers stay at
-``ep * capacity`` rows whatever the skew. With ``transport="ragged"`` each round uses
-``jax.lax.ragged_all_to_all`` instead (same rounds, no padding bytes; unsupported on XLA:CPU).
+Round 0 is straight-line code, so XLA schedules it like the rest of the layer; further rounds
+run in a ``while_loop`` that takes zero trips unless some pair exceeds ``capacity`` rows. The
+exchange is dropless under any skew, and per-device buffers stay ``ep * capacity`` rows.
 
-The backward is the transposed exchange written out (``custom_vjp``): rows and output
-cotangents are dispatched together, the expert program is recomputed per round under
-``jax.vjp`` (nothing of size ``rounds x capacity`` is kept from the forward), the row
-cotangents travel back, and weight gradients accumulate in float32 across rounds.
+Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one collective per
+direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending block ``s`` to
+rank ``me + s``; the own block never leaves the device) and ``"ragged"``
+(``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU).
+On one host, XLA can run the first two on the GPUs' copy engines instead of NCCL
+(``--xla_gpu_use_memcpy_local_p2p``, see ``benchmarks/EP_NOTES.md``).
+
+The backward is the transposed exchange written out (``custom_vjp``). Round 0 keeps the expert
+program's residuals from the forward (as single-device autodiff would), so its backward sends
+only the output cotangents and runs no forward GEMM again; the rare further rounds dispatch rows
+and cotangents together and recompute their program under ``jax.vjp`` (nothing of size
+``rounds x capacity`` is kept). Weight gradients of further rounds are added in float32 and
+rounded to the weights' dtype once per round.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import jax.numpy as jnp
 from moe_lowering.expert_program import ExpertProgram, ParamKind, RowContext, evaluate
 from moe_lowering.sparse_moe import grouped_matmul
 
-TRANSPORTS = ("all_to_all", "ragged")
+TRANSPORTS = ("all_to_all", "ppermute", "ragged")
 
 
 @dataclass(frozen=True)
@@ -54,37 +64,61 @@ class ExchangeConfig:
 
 @dataclass(frozen=True)
 class _RoundPlan:
-    """Index arithmetic of one round, identical on sender and receiver sides."""
+    """Index arithmetic of one round, identical on sender and receiver sides.
 
-    send_index: jax.Array  # [ep, C] my sorted row sent to rank d in slot i (num_rows if unused)
+    Blocks: the ``ep`` groups of ``capacity`` slots a rank sends (block ``b`` to rank
+    ``dest_of_block(b)``) and receives (block ``b`` from rank ``source_of_block(b)``); the
+    returned results come home in the order of the sent blocks.
+    """
+
+    send_index: jax.Array  # [ep, C] my sorted row in slot i of sent block b (num_rows if unused)
     send_sizes: jax.Array  # [ep] rows I send to rank d this round
     send_offsets: jax.Array  # [ep] first of those rows in my sorted rows
     recv_sizes: jax.Array  # [ep] rows rank s sends me this round
-    remote_offsets: jax.Array  # [ep] where my results land in rank s's sorted rows
-    position_of_slot: jax.Array  # [ep * C] received (source, slot) -> position in the expert-sorted buffer
+    position_of_slot: jax.Array  # [ep * C] received (block, slot) -> position in the expert-sorted buffer
     slot_of_position: jax.Array  # [ep * C] its inverse
+    home_index: jax.Array  # [N] my sorted row -> (block, slot) of its result; ep * C if not in this round
     local_group_sizes: jax.Array  # [E / ep]
     local_expert_of_row: jax.Array  # [ep * C], clipped into range
+
+
+def _blocks_by_shift(cfg: ExchangeConfig) -> bool:
+    return cfg.transport == "ppermute"
 
 
 def _round_plan(counts, round_index, num_rows: int, cfg: ExchangeConfig) -> _RoundPlan:
     ep, local, capacity = cfg.ep_size, cfg.local_experts, cfg.capacity
     me = jax.lax.axis_index(cfg.axis_name)
+    ranks = jnp.arange(ep, dtype=jnp.int32)
+    if _blocks_by_shift(cfg):  # block b goes to me + b and comes from me - b
+        dest_of_block, source_of_block = (me + ranks) % ep, (me - ranks) % ep
+    else:
+        dest_of_block = source_of_block = ranks
     by_rank = counts.reshape(ep, ep, local)  # [source, destination rank, local expert]
     pair_totals = by_rank.sum(axis=2)  # [source, destination]
     window = round_index * capacity
-
-    my_totals = pair_totals[me]
-    send_offsets = jnp.cumsum(my_totals) - my_totals + window
-    send_sizes = jnp.clip(my_totals - window, 0, capacity)
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    send_index = jnp.where(slot[None, :] < send_sizes[:, None], send_offsets[:, None] + slot[None, :], num_rows)
 
+    # Sender side: my run for rank d starts at run_starts[d]; this round sends [window, window + C) of it.
+    my_totals = pair_totals[me]
+    run_starts = jnp.cumsum(my_totals) - my_totals
+    send_offsets = run_starts + window
+    send_sizes = jnp.clip(my_totals - window, 0, capacity)
+    send_index = jnp.where(slot[None, :] < send_sizes[:, None], send_offsets[:, None] + slot[None, :], num_rows)
+    send_index = send_index[dest_of_block]
+    # Home side: sorted row r (bound for rank d) finds its result in the block sent to d.
+    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
+    dest_of_row = jnp.searchsorted(jnp.cumsum(my_totals), row_ids, side="right").astype(jnp.int32)
+    in_run = dest_of_row < ep
+    dest_clipped = jnp.minimum(dest_of_row, ep - 1)
+    slot_of_row = row_ids - run_starts[dest_clipped] - window
+    block_of_row = (dest_clipped - me) % ep if _blocks_by_shift(cfg) else dest_clipped
+    in_round = in_run & (slot_of_row >= 0) & (slot_of_row < capacity)
+    home_index = jnp.where(in_round, block_of_row * capacity + slot_of_row, ep * capacity).astype(jnp.int32)
+
+    # Receiver side: this round's slice [window, window + C) of each source's expert-ordered run.
     to_me = by_rank[:, me, :]  # [source, local expert]
     recv_sizes = jnp.clip(to_me.sum(axis=1) - window, 0, capacity)
-    remote_offsets = (jnp.cumsum(pair_totals, axis=1) - pair_totals)[:, me] + window
-
-    # This round's slice [window, window + C) of each source's expert-ordered run, per expert.
     run_ends = jnp.cumsum(to_me, axis=1)
     chunk_ends = jnp.clip(run_ends - window, 0, capacity)  # [source, local expert]
     chunk_sizes = chunk_ends - jnp.concatenate([jnp.zeros((ep, 1), chunk_ends.dtype), chunk_ends[:, :-1]], axis=1)
@@ -96,25 +130,34 @@ def _round_plan(counts, round_index, num_rows: int, cfg: ExchangeConfig) -> _Rou
     valid = expert_of_slot < local
     expert_clipped = jnp.minimum(expert_of_slot, local - 1)
     start_in_chunk = jnp.take_along_axis(chunk_ends - chunk_sizes, expert_clipped, axis=1)
-    source = jnp.arange(ep, dtype=jnp.int32)[:, None]
-    position = group_starts[expert_clipped] + earlier_sources[source, expert_clipped] + slot[None, :] - start_in_chunk
+    position = group_starts[expert_clipped] + earlier_sources[ranks[:, None], expert_clipped] + slot - start_in_chunk
+    position, valid = position[source_of_block], valid[source_of_block]  # source-major -> block order
     num_valid = local_group_sizes.sum()
     padding_rank = jnp.cumsum(~valid.reshape(-1)) - 1
     position_of_slot = jnp.where(valid.reshape(-1), position.reshape(-1), num_valid + padding_rank).astype(jnp.int32)
     slot_of_position = jnp.zeros_like(position_of_slot).at[position_of_slot].set(
-        jnp.arange(ep * capacity, dtype=jnp.int32))
-    row_ids = jnp.arange(ep * capacity, dtype=jnp.int32)
+        jnp.arange(ep * capacity, dtype=jnp.int32), unique_indices=True)
+    positions = jnp.arange(ep * capacity, dtype=jnp.int32)
     local_expert_of_row = jnp.minimum(
-        jnp.searchsorted(jnp.cumsum(local_group_sizes), row_ids, side="right"), local - 1
+        jnp.searchsorted(jnp.cumsum(local_group_sizes), positions, side="right"), local - 1
     ).astype(jnp.int32)
     send_offsets = jnp.where(send_sizes > 0, send_offsets, 0)
-    remote_offsets = jnp.where(recv_sizes > 0, remote_offsets, 0)
-    return _RoundPlan(send_index, send_sizes, send_offsets, recv_sizes, remote_offsets, position_of_slot,
-                      slot_of_position, local_group_sizes.astype(jnp.int32), local_expert_of_row)
+    return _RoundPlan(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot, slot_of_position,
+                      home_index, local_group_sizes.astype(jnp.int32), local_expert_of_row)
+
+
+def _shifted(blocks, shift_sign: int, cfg: ExchangeConfig):
+    """``ppermute`` transport: block ``b`` travels to rank ``me + shift_sign * b``; block 0 stays."""
+    ep = cfg.ep_size
+    moved = [blocks[0]] + [
+        jax.lax.ppermute(blocks[b], cfg.axis_name, [(i, (i + shift_sign * b) % ep) for i in range(ep)])
+        for b in range(1, ep)
+    ]
+    return jnp.stack(moved)
 
 
 def _dispatch(x, plan: _RoundPlan, cfg: ExchangeConfig):
-    """My rows of this round -> ``[ep * C, ...]`` rows received, in (source, slot) order."""
+    """My sorted rows of this round -> ``[ep * C, ...]`` rows received, in (block, slot) order."""
     ep, capacity = cfg.ep_size, cfg.capacity
     if cfg.transport == "ragged":
         me = jax.lax.axis_index(cfg.axis_name)
@@ -122,21 +165,31 @@ def _dispatch(x, plan: _RoundPlan, cfg: ExchangeConfig):
         output_offsets = jnp.full((ep,), me * capacity, jnp.int32)
         return jax.lax.ragged_all_to_all(x, out, plan.send_offsets.astype(jnp.int32), plan.send_sizes.astype(jnp.int32),
                                          output_offsets, plan.recv_sizes.astype(jnp.int32), axis_name=cfg.axis_name)
-    chunk = jnp.take(x, plan.send_index, axis=0, mode="fill", fill_value=0)  # [ep, C, ...]
-    received = jax.lax.all_to_all(chunk, cfg.axis_name, 0, 0)
+    blocks = jnp.take(x, plan.send_index, axis=0, mode="fill", fill_value=0)  # [ep, C, ...]
+    if cfg.transport == "ppermute":
+        received = _shifted(blocks, 1, cfg)
+    else:
+        received = jax.lax.all_to_all(blocks, cfg.axis_name, 0, 0)
     return received.reshape((ep * capacity,) + x.shape[1:])
 
 
-def _return_rows(y, into, plan: _RoundPlan, cfg: ExchangeConfig):
-    """Results ``[ep * C, ...]`` in (source, slot) order -> written at their rows of ``into`` at home."""
+def _return_rows(y, plan: _RoundPlan, cfg: ExchangeConfig):
+    """Results ``[ep * C, ...]`` in received (block, slot) order -> ``[N, ...]`` at home (zeros off-round)."""
     ep, capacity = cfg.ep_size, cfg.capacity
     if cfg.transport == "ragged":
+        me = jax.lax.axis_index(cfg.axis_name)
         input_offsets = jnp.arange(ep, dtype=jnp.int32) * capacity
-        return jax.lax.ragged_all_to_all(y, into, input_offsets, plan.recv_sizes.astype(jnp.int32),
-                                         plan.remote_offsets.astype(jnp.int32), plan.send_sizes.astype(jnp.int32),
-                                         axis_name=cfg.axis_name)
-    returned = jax.lax.all_to_all(y.reshape((ep, capacity) + y.shape[1:]), cfg.axis_name, 0, 0)
-    return into.at[plan.send_index.reshape(-1)].set(returned.reshape((ep * capacity,) + y.shape[1:]), mode="drop")
+        returned = jax.lax.ragged_all_to_all(y, jnp.zeros_like(y), input_offsets, plan.recv_sizes.astype(jnp.int32),
+                                             jnp.full((ep,), me * capacity, jnp.int32),
+                                             plan.send_sizes.astype(jnp.int32), axis_name=cfg.axis_name)
+    else:
+        blocks = y.reshape((ep, capacity) + y.shape[1:])
+        if cfg.transport == "ppermute":
+            returned = _shifted(blocks, -1, cfg)
+        else:
+            returned = jax.lax.all_to_all(blocks, cfg.axis_name, 0, 0)
+        returned = returned.reshape(y.shape)
+    return jnp.take(returned, plan.home_index, axis=0, mode="fill", fill_value=0)
 
 
 def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows, sorted_payloads, params):
@@ -163,32 +216,49 @@ def _num_rounds(counts, cfg: ExchangeConfig):
     return (jnp.max(pair_totals) + cfg.capacity - 1) // cfg.capacity
 
 
-def _forward(cfg: ExchangeConfig, rows, payloads, params, counts, out_features: int, out_dtype):
-    num_rows = rows.shape[0]
+def _dispatch_sorted(x, plan: _RoundPlan, cfg: ExchangeConfig):
+    """Rows received this round, sorted by local expert."""
+    return _dispatch(x, plan, cfg)[plan.slot_of_position]
 
-    def body(state):
-        round_index, out = state
-        plan = _round_plan(counts, round_index, num_rows, cfg)
-        received = _dispatch(rows, plan, cfg)
-        received_payloads = tuple(_dispatch(p, plan, cfg) for p in payloads)
-        result = _local_program(cfg, plan.local_group_sizes, plan.local_expert_of_row,
-                                received[plan.slot_of_position],
-                                tuple(p[plan.slot_of_position] for p in received_payloads), params)
-        result = result.astype(out_dtype)[plan.position_of_slot]
-        return round_index + 1, _return_rows(result, out, plan, cfg)
 
+def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool):
+    """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and the program's vjp if asked."""
+    plan = _round_plan(counts, round_index, rows.shape[0], cfg)
+    sorted_rows = _dispatch_sorted(rows, plan, cfg)
+    sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
+    program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+    if keep_vjp:
+        result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
+    else:
+        result, vjp = program(sorted_rows, sorted_payloads, params), None
+    out = _return_rows(result.astype(out_dtype)[plan.position_of_slot], plan, cfg)
+    return out, vjp
+
+
+def _further_rounds(counts, cfg: ExchangeConfig, body, init):
+    """``body(round_index, state)`` for rounds 1, 2, ... while the largest pair has rows left (usually none)."""
     rounds = _num_rounds(counts, cfg)
-    out = jnp.zeros((num_rows, out_features), out_dtype)
-    _, out = jax.lax.while_loop(lambda s: s[0] < rounds, body, (jnp.zeros((), jnp.int32), out))
-    return out
+    _, state = jax.lax.while_loop(lambda s: s[0] < rounds, lambda s: (s[0] + 1, body(s[0], s[1])),
+                                  (jnp.ones((), jnp.int32), init))
+    return state
 
 
-def _output_shape(cfg: ExchangeConfig, rows, payloads, params):
-    """Feature count and dtype of the program's output rows (abstract evaluation, no FLOPs)."""
+def _forward(cfg: ExchangeConfig, rows, payloads, params, counts, out_dtype, keep_vjp: bool):
+    out, vjp = _round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
+
+    def body(round_index, out):
+        more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_dtype, False)
+        return out + more  # rounds cover disjoint rows: exact
+
+    return _further_rounds(counts, cfg, body, out), vjp
+
+
+def _output_dtype(cfg: ExchangeConfig, rows, payloads, params):
+    """Dtype of the program's output rows (abstract evaluation, no FLOPs)."""
     group_sizes = jax.ShapeDtypeStruct((cfg.local_experts,), jnp.int32)
     expert_of_row = jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32)
-    shape = jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads, params)
-    return shape.shape[1], shape.dtype
+    return jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads,
+                          params).dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -200,47 +270,51 @@ def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, counts):
     program inputs with expert-indexed ones sliced to this rank's experts; ``counts [ep, E]``
     the all-gathered group sizes. Rows that were not sent come back as zeros.
     """
-    out_features, out_dtype = _output_shape(cfg, rows, payloads, params)
-    return _forward(cfg, rows, payloads, params, counts, out_features, out_dtype)
+    out, _ = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), False)
+    return out
 
 
 def _exchange_fwd(cfg, rows, payloads, params, counts):
-    return exchange_expert_rows(cfg, rows, payloads, params, counts), (rows, payloads, params, counts)
+    out, vjp = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), True)
+    return out, (rows, payloads, params, counts, vjp)
 
 
-def _accumulator(p):
-    return jnp.zeros(p.shape, jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else None
+def _add_rounded(total, more):
+    """``total + more`` in float32, rounded to ``total``'s dtype (``None`` for non-float params)."""
+    if total is None or more is None:
+        return total
+    return (total.astype(jnp.float32) + more.astype(jnp.float32)).astype(total.dtype)
 
 
 def _exchange_bwd(cfg, residuals, d_out):
-    rows, payloads, params, counts = residuals
+    rows, payloads, params, counts, vjp = residuals
     num_rows = rows.shape[0]
 
-    def body(state):
-        round_index, d_rows, d_payloads, d_params = state
-        plan = _round_plan(counts, round_index, num_rows, cfg)
-        sorted_rows = _dispatch(rows, plan, cfg)[plan.slot_of_position]
-        sorted_payloads = tuple(_dispatch(p, plan, cfg)[plan.slot_of_position] for p in payloads)
-        sorted_d_out = _dispatch(d_out, plan, cfg)[plan.slot_of_position]
-        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
-        _, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
-        g_rows, g_payloads, g_params = vjp(sorted_d_out)
-        d_rows = _return_rows(g_rows.astype(rows.dtype)[plan.position_of_slot], d_rows, plan, cfg)
-        d_payloads = tuple(_return_rows(g.astype(p.dtype)[plan.position_of_slot], acc, plan, cfg)
-                           for g, p, acc in zip(g_payloads, payloads, d_payloads))
-        d_params = tuple(acc if acc is None else acc + g.astype(jnp.float32)
-                         for acc, g in zip(d_params, g_params))
-        return round_index + 1, d_rows, d_payloads, d_params
+    def returned_grads(plan, g_rows, g_payloads):
+        d_rows = _return_rows(g_rows.astype(rows.dtype)[plan.position_of_slot], plan, cfg)
+        d_payloads = tuple(_return_rows(g.astype(p.dtype)[plan.position_of_slot], plan, cfg)
+                           for g, p in zip(g_payloads, payloads))
+        return d_rows, d_payloads
 
-    init = (
-        jnp.zeros((), jnp.int32),
-        jnp.zeros_like(rows),
-        tuple(jnp.zeros_like(p) for p in payloads),
-        tuple(_accumulator(p) for p in params),
-    )
-    rounds = _num_rounds(counts, cfg)
-    _, d_rows, d_payloads, d_params = jax.lax.while_loop(lambda s: s[0] < rounds, body, init)
-    d_params = tuple(None if g is None else g.astype(p.dtype) for g, p in zip(d_params, params))
+    # Round 0: the forward's residuals; only the output cotangents travel.
+    plan = _round_plan(counts, 0, num_rows, cfg)
+    g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg))
+    d_rows, d_payloads = returned_grads(plan, g_rows, g_payloads)
+    d_params = tuple(g.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else None
+                     for g, p in zip(g_params, params))
+
+    def body(round_index, state):
+        d_rows, d_payloads, d_params = state
+        plan = _round_plan(counts, round_index, num_rows, cfg)
+        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+        sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
+        _, round_vjp = jax.vjp(program, _dispatch_sorted(rows, plan, cfg), sorted_payloads, params)
+        g_rows, g_payloads, g_params = round_vjp(_dispatch_sorted(d_out, plan, cfg))
+        more_rows, more_payloads = returned_grads(plan, g_rows, g_payloads)
+        return (d_rows + more_rows, tuple(a + b for a, b in zip(d_payloads, more_payloads)),
+                tuple(_add_rounded(a, g) for a, g in zip(d_params, g_params)))
+
+    d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, (d_rows, d_payloads, d_params))
     return d_rows, d_payloads, d_params, None
 
 
@@ -251,7 +325,7 @@ def exchange_config(**kwargs: Any) -> ExchangeConfig:
     """Validated :class:`ExchangeConfig`."""
     cfg = ExchangeConfig(**kwargs)
     if cfg.transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {cfg.transport!r}")
+        raise ValueError(f"exchange transport must be one of {TRANSPORTS}, got {cfg.transport!r}")
     if cfg.capacity <= 0:
         raise ValueError(f"exchange capacity must be positive, got {cfg.capacity}")
     return cfg

@@ -27,7 +27,7 @@ from moe_lowering.parallel.capacity import (
     expert_capacity,
     local_expert_counts,
 )
-from moe_lowering.parallel.exchange import exchange_config, exchange_expert_rows
+from moe_lowering.parallel.exchange import TRANSPORTS, exchange_config, exchange_expert_rows
 from moe_lowering.parallel.layout import Layout
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight
 from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
@@ -106,19 +106,22 @@ def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSp
 
 def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
                        num_experts: int, layout: Layout, backend: str = "auto", capacity_factor: float | None = None,
-                       weight_gather_quant: str | None = None, use_ragged_all_to_all: bool = False,
+                       weight_gather_quant: str | None = None, exchange_transport: str = "all_to_all",
                        exchange_capacity: int | None = None, return_stats: bool = False):
     """``sparse_moe`` over ``layout.mesh``: same result (up to float reordering), callable inside ``jit``.
 
     ``capacity_factor``: drop copies beyond ``ceil(factor * T * k / E)`` per expert (see
     :mod:`capacity`); ``None`` is dropless. ``weight_gather_quant``: ``None`` (exact),
-    ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``use_ragged_all_to_all``:
-    exchange rows with ``jax.lax.ragged_all_to_all`` (not on XLA:CPU). ``exchange_capacity``:
+    ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``exchange_transport``: how
+    token rows travel, one of ``TRANSPORTS`` (``"ragged"``, ``jax.lax.ragged_all_to_all``, is
+    not implemented on XLA:CPU; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
     rows per (source, destination) pair per round (default: the balanced share times
     ``EXCHANGE_SLACK``). With ``return_stats`` the result is ``(out, ShardedMoEStats)``.
     """
     params = tuple(params)
     _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
+    if exchange_transport not in TRANSPORTS:
+        raise ValueError(f"exchange_transport must be one of {TRANSPORTS}, got {exchange_transport!r}")
     if weight_gather_quant is not None and layout.fsdp_axis is None:
         warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored: the expert weights are not FSDP-sharded",
                       stacklevel=2)
@@ -152,7 +155,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     if ep > 1:
         cfg = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
                               local_experts=layout.local_experts, capacity=rows_per_pair,
-                              backend=backend, transport="ragged" if use_ragged_all_to_all else "all_to_all")
+                              backend=backend, transport=exchange_transport)
 
     def local_moe(tokens, expert_indices, expert_weights, *params):
         expert_indices = expert_indices.astype(jnp.int32)

@@ -152,6 +152,28 @@ def test_skewed_routing_stays_dropless():
     assert int(stats.exchange_rounds) == 4 and int(stats.dropped_copies) == 0
 
 
+@pytest.mark.parametrize("mesh_name, exchange_capacity, skew_to", [
+    ("expert8", None, None),  # 8 ranks: 7 shifts each way, one round
+    ("fsdp2_expert4", 3, None),  # several rounds: the while_loop path forward and backward
+    ("fsdp2_expert4", None, 0),  # every copy to rank 0: 4 rounds
+])
+def test_ppermute_transport(mesh_name, exchange_capacity, skew_to):
+    layout = make_layout(mesh_name, expert_bias=True)
+    tokens, indices, weights, params, cotangent = case(10, num_tokens=128, skew_to=skew_to)
+    program = swiglu_program(expert_bias=True, token_scale=True)
+    moe = sharded(layout, indices, program, exchange_transport="ppermute", exchange_capacity=exchange_capacity)
+    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, params, cotangent)
+    assert_close(got, want, 1e-5)
+    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
+    assert collectives(hlo, "collective-permute") and not collectives(hlo, "all-to-all")
+    _, stats = jax.jit(sharded(layout, indices, program, exchange_transport="ppermute",
+                               exchange_capacity=exchange_capacity, return_stats=True))(tokens, weights, params)
+    if exchange_capacity is not None or skew_to is not None:
+        assert int(stats.exchange_rounds) >= 2
+
+
 def test_drop_over_capacity_semantics():
     rng = np.random.default_rng(5)
     indices = rng.integers(-1, E, size=(40, 2)).astype(np.int32)
@@ -229,7 +251,7 @@ def test_ragged_all_to_all_transport():
     layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
     tokens, indices, weights, params, cotangent = case(8, expert_bias=False, token_scale=False)
     program = swiglu_program()
-    got = jax.jit(lambda *a: out_and_grads(sharded(layout, indices, program, use_ragged_all_to_all=True,
+    got = jax.jit(lambda *a: out_and_grads(sharded(layout, indices, program, exchange_transport="ragged",
                                                    exchange_capacity=5), *a))(tokens, weights, params, cotangent)
     want = out_and_grads(lambda t, w, p: dense_reference(t, indices, w, p, num_experts=E),
                          tokens, weights, params, cotangent)
@@ -244,6 +266,8 @@ def test_bad_arguments_raise():
         sharded(layout, indices, program, weight_gather_quant="int4")(tokens, weights, params)
     with pytest.raises(ValueError, match="takes 3 params"):
         sharded(layout, indices, program)(tokens, weights, params[:2])
+    with pytest.raises(ValueError, match="exchange_transport"):
+        sharded(layout, indices, program, exchange_transport="nvshmem")(tokens, weights, params)
     tokens, indices, weights, params = random_case(9, num_tokens=64, d_model=32, d_ff=32, num_experts=E, top_k=2)
     with pytest.raises(ValueError, match="mxfp8"):  # w1's local K shard is 32 / 2 = 16: no whole 1x32 block
         sharded(layout, indices, program, weight_gather_quant="mxfp8")(tokens, weights, params)
