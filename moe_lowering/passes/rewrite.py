@@ -107,7 +107,7 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
             if region is not None:
-                env[region.output] = lower_region(region, read, options, sharding_of)
+                env[region.output] = lower_region(region, read, options, sharding_of, graph)
             continue
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
@@ -134,8 +134,35 @@ def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
 # --------------------------------------------------------------------------- one region
 
 
-def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None):
-    """The sparse replacement of ``region``, built from the values its inputs have now."""
+def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None, graph=None):
+    """The sparse replacement of ``region``, built from the values its inputs have now.
+
+    Capacity-style regions keep at most ``top_k`` experts per token (the routing's own count);
+    should a dispatch tensor ever select more, the original dense computation runs instead
+    (an on-device ``lax.cond``), so the rewrite never changes results.
+    """
+    out = _sparse_region(region, read, options, sharding_of)
+    if region.combine is None or graph is None:
+        return out
+    overflow = _capacity_overflow(region, read)
+    return lax.cond(overflow, lambda: _dense_region(graph, region, read), lambda: out)
+
+
+def _dense_region(graph: JaxprGraph, region: MoeRegion, read):
+    """The region's original eqns, re-bound as traced: the fallback that is always right."""
+    local = {}
+
+    def value(atom):
+        return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
+
+    for index in sorted(region.replaced):
+        eqn = graph.eqns[index]
+        outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs], **eqn.primitive.get_bind_params(eqn.params))
+        local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+    return local[region.output]
+
+
+def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of):
     from moe_lowering.sparse_moe import sparse_moe
 
     anchor = region.anchor
@@ -275,8 +302,10 @@ def _routing_weights(region: MoeRegion, read, expert_indices):
             for d in range(n_tok):
                 lead *= piece.shape[d]
             piece = piece.reshape((lead,) + piece.shape[n_tok:]) if n_tok else piece.reshape((1,) + piece.shape)
-            if EXPERT in roles:
-                piece = jnp.take_along_axis(piece, expert_indices if piece.shape[0] != 1 else expert_indices[:1], axis=1)
+            if EXPERT in roles and piece.shape[0] == 1:  # a per-expert scale, the same for every token
+                piece = jnp.take(piece[0], expert_indices, axis=0)
+            elif EXPERT in roles:
+                piece = jnp.take_along_axis(piece, expert_indices, axis=1)
             elif CHOICE not in roles:
                 piece = piece.reshape(piece.shape[0], 1)
         weights = piece if weights is None else weights * piece
@@ -286,19 +315,28 @@ def _routing_weights(region: MoeRegion, read, expert_indices):
     return jnp.broadcast_to(weights, (num_tokens, top_k))
 
 
+def _slot_tensor(region: MoeRegion, read, which):
+    """The dispatch or combine tensor as ``[T, E, C]``."""
+    value, roles = which
+    order = token_roles(len(region.anchor.token_shape)) + (EXPERT, SLOT)
+    tensor, _ = _canonical(read(value), roles, order)
+    return tensor.reshape(-1, region.num_experts, tensor.shape[-1])
+
+
+def _kept(region: MoeRegion, read):
+    """``[T, E]``: which experts the dispatch tensor sends each token to."""
+    return jnp.any(_slot_tensor(region, read, region.dispatch) != 0, axis=-1)
+
+
+def _capacity_overflow(region: MoeRegion, read):
+    return jnp.any(jnp.sum(_kept(region, read), axis=-1) > region.top_k)
+
+
 def _capacity_choices(region: MoeRegion, read):
     """Capacity style: each token's kept experts and weights, read off dispatch and combine."""
-    tokens = token_roles(len(region.anchor.token_shape))
-    order = tokens + (EXPERT, SLOT)
-    dispatch_value, dispatch_roles = region.dispatch
-    combine_value, combine_roles = region.combine
-    dispatch, _ = _canonical(read(dispatch_value), dispatch_roles, order)
-    combine, _ = _canonical(read(combine_value), combine_roles, order)
     num_experts = region.num_experts
-    dispatch = dispatch.reshape(-1, num_experts, dispatch.shape[-1])
-    combine = combine.reshape(-1, num_experts, combine.shape[-1])
-    kept = jnp.sum(dispatch != 0, axis=-1) > 0
-    gate = jnp.sum(combine, axis=-1)
+    kept = _kept(region, read)
+    gate = jnp.sum(_slot_tensor(region, read, region.combine), axis=-1)
     _, choices = lax.top_k(kept.astype(jnp.float32), region.top_k)
     kept_choice = jnp.take_along_axis(kept, choices, axis=1)
     weights = jnp.take_along_axis(gate, choices, axis=1)
