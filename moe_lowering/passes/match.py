@@ -224,9 +224,11 @@ def rules() -> dict:
 
 
 def find_anchors(graph: JaxprGraph) -> list[RoutingAnchor]:
-    """Routing decisions: ``top_k`` over the last axis and ``argmax`` over the last axis."""
+    """Routing decisions over the last axis: ``top_k``, ``argmax``, and ``argsort(...)[..., :k]``."""
     anchors = []
     for eqn in graph.eqns:
+        if eqn.primitive is lax.sort_p:
+            anchors.extend(_argsort_anchors(graph, eqn))
         if eqn.primitive is lax.top_k_p:
             scores = eqn.inputs[0]
             axis = eqn.params.get("axis", len(scores.shape) - 1)
@@ -239,6 +241,44 @@ def find_anchors(graph: JaxprGraph) -> list[RoutingAnchor]:
             if tuple(eqn.params["axes"]) != (len(scores.shape) - 1,) or len(scores.shape) < 2:
                 continue
             anchors.append(RoutingAnchor(eqn, eqn.outputs[0], scores.shape[-1], 1, scores.shape[:-1], "argmax"))
+    return anchors
+
+
+def _through_rev(graph: JaxprGraph, value, last: int):
+    """``value`` with reversals along the last axis seen through (``argsort(descending=True)``)."""
+    eqn = graph.producer.get(value)
+    while eqn is not None and eqn.primitive is lax.rev_p and tuple(eqn.params["dimensions"]) == (last,):
+        value = eqn.inputs[0]
+        eqn = graph.producer.get(value)
+    return value, eqn
+
+
+def _argsort_anchors(graph: JaxprGraph, sort: Eqn) -> list[RoutingAnchor]:
+    """``jnp.argsort(scores)`` sliced to k entries along the sorted (last) axis: a top-k by another name."""
+    if len(sort.inputs) != 2 or sort.params.get("num_keys") != 1:
+        return []
+    last = len(sort.inputs[0].shape) - 1
+    if sort.params["dimension"] != last or last < 1:
+        return []
+    _, iota = _through_rev(graph, sort.inputs[1], last)
+    if iota is None or iota.primitive is not lax.iota_p or iota.params["dimension"] != last:
+        return []
+    indices = [sort.outputs[1]]
+    for user in graph.users.get(sort.outputs[1], ()):
+        if user.primitive is lax.rev_p and tuple(user.params["dimensions"]) == (last,):
+            indices.append(user.outputs[0])
+    num_experts = sort.inputs[0].shape[-1]
+    anchors = []
+    for value in indices:
+        for user in graph.users.get(value, ()):
+            if user.primitive is not lax.slice_p:
+                continue
+            out_shape = user.outputs[0].shape
+            if out_shape[:-1] != value.shape[:-1] or not 0 < out_shape[-1] < num_experts:
+                continue
+            if (user.params.get("strides") or (1,) * len(out_shape))[-1] != 1:
+                continue
+            anchors.append(RoutingAnchor(user, user.outputs[0], num_experts, out_shape[-1], out_shape[:-1], "argsort"))
     return anchors
 
 
@@ -267,7 +307,7 @@ class Analysis:
     def run(self) -> None:
         table = rules()
         index = self.anchor.indices
-        roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind == "top_k" else ())
+        roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind != "argmax" else ())
         self.values[index] = ExpertIndex(roles)
         for eqn in self.graph.eqns:  # expert matmuls may precede the routing in program order
             if eqn is not self.anchor.eqn:

@@ -63,3 +63,24 @@ def test_per_expert_scale_in_the_gate():
     g_new = jax.grad(lambda p: jnp.sum(moe_optimize(scaled)(p, x) ** 2))(params)
     for name in params:
         np.testing.assert_allclose(np.asarray(g_new[name]), np.asarray(g_ref[name]), rtol=1e-4, atol=1e-5)
+
+
+def test_argsort_routing_is_an_anchor():
+    """``argsort(scores)[..., -k:]`` and ``argsort(-scores)[..., :k]`` route like ``top_k``."""
+
+    def argsort_moe(params, x, descending):
+        probs = jax.nn.softmax(x @ params["router"])
+        idx = jnp.argsort(-probs, axis=-1)[..., :2] if descending else jnp.argsort(probs, axis=-1)[..., -2:]
+        weights = jnp.take_along_axis(probs, idx, axis=-1)
+        gate = (jax.nn.one_hot(idx, E) * weights[..., None]).sum(1)
+        hidden = jax.nn.silu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    params = _params(jax.random.key(4))
+    x = jax.random.normal(jax.random.key(5), (T, D))
+    for descending in (False, True):
+        fn = lambda p, x: argsort_moe(p, x, descending)  # noqa: E731
+        report = explain(fn, params, x)
+        assert [r.top_k for r in report.regions] == [2]
+        got = jax.jit(moe_optimize(fn, strict=True))(params, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(fn(params, x)), rtol=1e-5, atol=1e-6)
