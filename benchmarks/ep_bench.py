@@ -2,18 +2,22 @@
 
 Measures, in one process (so one call on the GPU machine), in priority order under a deadline:
 
-1. ``gather``: the FSDP all-gather of the Mixtral expert weights over 2 and 4 GPUs in bf16, FP8
-   (``fp8_e4m3``, ``mxfp8``: quantise + gather + dequantise) and the FP8 bytes alone; bytes
-   received per device and GB/s;
+1. ``transport``: a bare exchange of one padded DeepSeek-size dispatch buffer at EP=4 and EP=2,
+   as one ``all_to_all`` and as ``ep - 1`` ``ppermute`` shifts, each compiled with NCCL (default)
+   and with ``xla_gpu_use_memcpy_local_p2p`` (copy engines; a per-compile XLA option here, an
+   ``XLA_FLAGS`` entry for a user); bytes leaving each device and GB/s;
 2. ``exchange``: the token exchange alone (identity expert program: permute, dispatch, return,
-   combine) at EP=2 and EP=4 on padded ``all_to_all`` rounds vs ``ragged_all_to_all``, plus a bare
-   ``all_to_all`` of the same buffer as the ceiling; bytes per device and GB/s;
+   combine) at EP=4 and EP=2 for every (transport, options) pair, the ``ragged`` transport, and
+   the previous exchange (``--baseline-exchange``, same run) for comparison;
 3. ``layer`` forward: Mixtral-like and DeepSeek-like layers, dense reference and sparse MoE on one
-   GPU, then under EP=2 and EP=4 meshes (dense reference partitioned by XLA with the same shardings
-   vs ``sharded_sparse_moe``; also its ragged transport at EP=4); each sharded output is compared
-   with the single-GPU sparse output;
-4. ``layer`` forward under a (fsdp=2, expert=2) mesh with bf16 / FP8 / MXFP8 weight gathers;
-5. ``layer`` forward+backward for Mixtral on 1 GPU and EP=4.
+   GPU, then under EP=2 and EP=4 meshes (dense reference partitioned by XLA with the same shardings,
+   compiled with the same options, vs ``sharded_sparse_moe`` on the fastest exchange of step 2 and
+   on the library default); each sharded output is compared with the single-GPU sparse output;
+   plus the grouped GEMMs alone on one device's share of the rows (what EP cannot go below);
+4. ``layer`` forward+backward, Mixtral and DeepSeek, 1 GPU and EP=4;
+5. ``--gathers``: the FSDP all-gather of the Mixtral expert weights in bf16 / FP8 (unchanged
+   code; results of 2026-11-21 in ``EP_NOTES.md``);
+6. ``--nccl-env``: step 1 again in subprocesses under NCCL environment variants.
 
 Routing is fixed (random top-k, softmax weights) so every implementation computes the same
 function. Rows are written to ``ep_bench_<device>_<date>.json`` after each measurement, so a run cut
@@ -24,12 +28,15 @@ devices (the ragged transport is skipped there: XLA:CPU does not implement it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.util
 import json
 import logging
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -48,6 +55,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from moe_lowering.expert_program import ExpertProgram, RowInput  # noqa: E402
 from moe_lowering.parallel import Layout, plan_layout, sharded_sparse_moe  # noqa: E402
+from moe_lowering.parallel import sharded_moe as sharded_moe_module  # noqa: E402
+from moe_lowering.parallel.exchange import ExchangeConfig, _local_program  # noqa: E402
 from moe_lowering.parallel._jax_shim import shard_map  # noqa: E402
 from moe_lowering.parallel.quantize import gather_weight  # noqa: E402
 from moe_lowering.sparse_moe import sparse_moe  # noqa: E402
@@ -114,14 +123,49 @@ class Bench:
         self.record(row)
         return row
 
-    def time_ms(self, fn, *args) -> float:
-        jax.block_until_ready(fn(*args))  # compile + warm up
+    def time_ms(self, fn, *args, options: str = "nccl") -> float:
+        """Median ms of the jitted ``fn`` compiled with ``COMPILE_OPTIONS[options]``."""
+        fn = compiled(fn, args, options)
+        jax.block_until_ready(fn(*args))  # warm up
         times = []
         for _ in range(self.reps):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
+
+
+# XLA options per compile (a user sets the same through XLA_FLAGS or ``jax.jit(compiler_options=)``).
+COMPILE_OPTIONS = {
+    "nccl": {},
+    "memcpy": {"xla_gpu_use_memcpy_local_p2p": True},  # same-process peers: copy engines, not NCCL kernels
+}
+
+
+def compiled(fn, args, options: str):
+    """``fn`` (jitted) compiled for ``args`` with the named XLA options; as is for the defaults."""
+    if not COMPILE_OPTIONS[options]:
+        return fn
+    return fn.lower(*args).compile(compiler_options=COMPILE_OPTIONS[options])
+
+
+@contextlib.contextmanager
+def exchange_from(path: Path | None):
+    """``sharded_sparse_moe`` with the exchange module at ``path`` (the previous version), while tracing."""
+    if path is None:
+        yield
+        return
+    spec = importlib.util.spec_from_file_location("ep_bench_baseline_exchange", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    saved = sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config
+    sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config = (
+        module.exchange_expert_rows, module.exchange_config)
+    try:
+        yield
+    finally:
+        sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config = saved
 
 
 def make_mesh(shape, names):
@@ -215,16 +259,19 @@ def exchange_layout(mesh, num_experts) -> Layout:
                   token_axes=("expert",), expert_param_specs=())
 
 
-def bench_exchange(bench: Bench, cfg: LayerConfig, ep: int, ragged: bool):
+def bench_exchange(bench: Bench, cfg: LayerConfig, ep: int, transport: str, options: str,
+                   baseline: Path | None = None):
     mesh = make_mesh((ep,), ("expert",))
     layout = exchange_layout(mesh, cfg.E)
     tokens, indices, weights, _, _ = make_layer_data(cfg)
     sharding = NamedSharding(mesh, P("expert"))
-    tokens, indices, weights = (jax.device_put(a, sharding) for a in (tokens, indices, weights))
+    args = tuple(jax.device_put(a, sharding) for a in (tokens, indices, weights))
     fn = jax.jit(lambda t, i, w: sharded_sparse_moe(t, i, w, (), IDENTITY, num_experts=cfg.E, layout=layout,
-                                                    use_ragged_all_to_all=ragged, return_stats=True))
-    ms = bench.time_ms(fn, tokens, indices, weights)
-    out, stats = fn(tokens, indices, weights)
+                                                    exchange_transport=transport, return_stats=True))
+    with exchange_from(baseline):
+        fn = compiled(fn, args, options)
+        ms = bench.time_ms(fn, *args)
+    out, stats = fn(*args)
     local_rows = cfg.T // ep * cfg.k
     capacity = math.ceil(local_rows / ep * 1.25)
     rounds = int(stats.exchange_rounds)
@@ -232,24 +279,52 @@ def bench_exchange(bench: Bench, cfg: LayerConfig, ep: int, ragged: bool):
     padded = 2 * rounds * (ep - 1) * capacity * row_bytes  # dispatch + return, leaving each device
     useful = 2 * local_rows * (ep - 1) / ep * row_bytes  # expected rows to other ranks, both ways
     expected = jnp.einsum("tk,td->td", weights.astype(jnp.float32), tokens.astype(jnp.float32))
-    moved = padded if not ragged else useful
-    return {"kind": "exchange", "config": cfg.name, "ep": ep, "transport": "ragged" if ragged else "all_to_all",
+    moved = padded if transport != "ragged" else useful
+    return {"kind": "exchange", "config": cfg.name, "ep": ep, "transport": transport, "options": options,
+            "exchange_code": "previous" if baseline else "current",
             "ms": ms, "rounds": rounds, "bytes_sent_per_device": moved, "useful_bytes_per_device": useful,
             "GBps_wire": moved / (ms * 1e-3) / 1e9, "GBps_useful": useful / (ms * 1e-3) / 1e9,
             "rel_err_identity": rel_err(out, expected)}
 
 
-def bench_bare_all_to_all(bench: Bench, cfg: LayerConfig, ep: int):
+def bench_bare_transport(bench: Bench, cfg: LayerConfig, ep: int, transport: str, options: str):
+    """One padded dispatch buffer ``[ep, C, d]`` per device through the transport alone: the ceiling."""
     mesh = make_mesh((ep,), ("expert",))
     capacity = math.ceil(cfg.T // ep * cfg.k / ep * 1.25)
     buf = jax.device_put(jax.random.normal(jax.random.key(1), (ep * ep, capacity, cfg.d), jnp.bfloat16),
                          NamedSharding(mesh, P("expert")))
-    fn = jax.jit(shard_map(lambda x: jax.lax.all_to_all(x, "expert", 0, 0), mesh=mesh, in_specs=P("expert"),
-                           out_specs=P("expert")))
-    ms = bench.time_ms(fn, buf)
+
+    def shifts(x):
+        moved = [x[0]] + [jax.lax.ppermute(x[b], "expert", [(i, (i + b) % ep) for i in range(ep)])
+                          for b in range(1, ep)]
+        return jnp.stack(moved)
+
+    body = shifts if transport == "ppermute" else (lambda x: jax.lax.all_to_all(x, "expert", 0, 0))
+    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=P("expert"), out_specs=P("expert")))
+    ms = bench.time_ms(fn, buf, options=options)
     sent = (ep - 1) * capacity * cfg.d * 2
-    return {"kind": "bare_all_to_all", "config": cfg.name, "ep": ep, "ms": ms, "bytes_sent_per_device": sent,
+    return {"kind": "bare_transport", "config": cfg.name, "ep": ep, "transport": transport, "options": options,
+            "nccl_env": os.environ.get("EP_BENCH_NCCL_ENV", ""), "ms": ms, "bytes_sent_per_device": sent,
             "GBps": sent / (ms * 1e-3) / 1e9}
+
+
+def bench_gemm_only(bench: Bench, cfg: LayerConfig, ep: int):
+    """The grouped GEMMs of one device's balanced share at EP=ep, on one GPU: the floor for the EP layer."""
+    local = cfg.E // ep
+    rows_per_expert = cfg.T * cfg.k // cfg.E
+    capacity = math.ceil(cfg.T // ep * cfg.k / ep * 1.25)
+    tokens, _, _, params, _ = make_layer_data(cfg)
+    rows = jnp.resize(tokens, (ep * capacity, cfg.d))
+    params = tuple(p[:local] for p in params)
+    sizes = jnp.full((local,), rows_per_expert, jnp.int32)
+    expert_of_row = jnp.minimum(jnp.arange(ep * capacity, dtype=jnp.int32) // rows_per_expert, local - 1)
+    program_cfg = ExchangeConfig(program=swiglu_program(), axis_name="expert", ep_size=ep, local_experts=local,
+                                 capacity=capacity, backend=bench.backend)
+    fn = jax.jit(lambda r, p: _local_program(program_cfg, sizes, expert_of_row, r, (), p))
+    ms = bench.time_ms(fn, rows, params)
+    flops = cfg.useful_flops() / ep
+    return {"kind": "gemm_only", "config": cfg.name, "ep": ep, "fwd_ms": ms,
+            "useful_TFLOPs": flops / (ms * 1e-3) / 1e12}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,26 +339,28 @@ class LayerBench:
         self.tokens, self.indices, self.weights, self.params, self.cotangent = make_layer_data(cfg)
         self.program = swiglu_program()
         self.reference = None
+        self.grad_reference = None  # gradients of the first sharded fwd+bwd measured, to compare the others with
         self.dense_ms: dict[str, float] = {}
 
     def sparse_single(self, backend):
         cfg, program = self.cfg, self.program
         return lambda t, i, w, p: sparse_moe(t, i, w, p, program, num_experts=cfg.E, backend=backend)
 
-    def timed(self, build, args, extra: dict):
+    def timed(self, build, args, extra: dict, options: str = "nccl", baseline: Path | None = None):
         """``(ms, fn)`` for ``build(backend)``; if the Triton backend fails here, again on the XLA tile loop."""
         backend = self.bench.backend
-        try:
-            fn = build(backend)
-            ms = self.bench.time_ms(fn, *args)
-        except Exception as err:
-            if backend == "xla":
-                raise
-            log.error("backend %s failed (%s); retrying on xla", backend, str(err)[:300])
-            extra["backend_error"] = f"{type(err).__name__}: {str(err)[:300]}"
-            backend = "xla"
-            fn = build(backend)
-            ms = self.bench.time_ms(fn, *args)
+        with exchange_from(baseline):
+            try:
+                fn = compiled(build(backend), args, options)
+                ms = self.bench.time_ms(fn, *args)
+            except Exception as err:
+                if backend == "xla":
+                    raise
+                log.error("backend %s failed (%s); retrying on xla", backend, str(err)[:300])
+                extra["backend_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+                backend = "xla"
+                fn = compiled(build(backend), args, options)
+                ms = self.bench.time_ms(fn, *args)
         extra["backend"] = backend
         return ms, fn
 
@@ -315,28 +392,30 @@ class LayerBench:
         params = tuple(jax.device_put(p, NamedSharding(mesh, s)) for p, s in zip(self.params, weight_specs))
         return (*args, params)
 
-    def sharded(self, impl: str, mesh_shape, mesh_names, tokens_spec, weight_specs, *, ragged=False, quant=None):
+    def sharded(self, impl: str, mesh_shape, mesh_names, tokens_spec, weight_specs, *, transport="all_to_all",
+                options="nccl", quant=None, baseline: Path | None = None):
         cfg = self.cfg
         mesh = make_mesh(mesh_shape, mesh_names)
         mesh_name = "x".join(f"{n}{s}" for n, s in zip(mesh_names, mesh_shape))
         args = self.sharded_args(mesh, tokens_spec, weight_specs)
         if impl == "dense":
-            fn = jax.jit(lambda t, i, w, p: dense_layer(t, i, w, p, cfg.E),
-                         out_shardings=NamedSharding(mesh, tokens_spec))
+            fn = compiled(jax.jit(lambda t, i, w, p: dense_layer(t, i, w, p, cfg.E),
+                                  out_shardings=NamedSharding(mesh, tokens_spec)), args, options)
             ms = self.bench.time_ms(fn, *args)
-            return self.row(impl, mesh_name, ms, fn(*args))
+            return self.row(impl, mesh_name, ms, fn(*args), options=options)
         layout = plan_layout(mesh, tokens_spec, weight_specs, cfg.E)
         program = self.program
         extra = {}
         ms, fn = self.timed(lambda backend: jax.jit(lambda t, i, w, p: sharded_sparse_moe(
-            t, i, w, p, program, num_experts=cfg.E, layout=layout, backend=backend, use_ragged_all_to_all=ragged,
-            weight_gather_quant=quant, return_stats=True)), args, extra)
+            t, i, w, p, program, num_experts=cfg.E, layout=layout, backend=backend, exchange_transport=transport,
+            weight_gather_quant=quant, return_stats=True)), args, extra, options, baseline)
         out, stats = fn(*args)
-        name = impl + ("_ragged" if ragged else "") + (f"_{quant}" if quant else "")
-        return self.row(name, mesh_name, ms, out, rounds=int(stats.exchange_rounds), layout=layout.describe(),
-                        **extra)
+        name = impl + (f"_{quant}" if quant else "") + ("_previous_exchange" if baseline else "")
+        return self.row(name, mesh_name, ms, out, transport=transport, options=options,
+                        rounds=int(stats.exchange_rounds), layout=layout.describe(), **extra)
 
-    def fwd_bwd(self, impl: str, ep: int | None):
+    def fwd_bwd(self, impl: str, ep: int | None, transport="all_to_all", options="nccl",
+                baseline: Path | None = None):
         cfg = self.cfg
         extra = {}
         if ep is None:
@@ -363,24 +442,72 @@ class LayerBench:
                 if impl == "dense":
                     return jax.jit(with_grad(lambda t, p: dense_layer(t, indices, weights, p, cfg.E)))
                 return jax.jit(with_grad(lambda t, p: sharded_sparse_moe(
-                    t, indices, weights, p, program, num_experts=cfg.E, layout=layout, backend=backend)))
-        ms, _ = self.timed(build, args, extra)
+                    t, indices, weights, p, program, num_experts=cfg.E, layout=layout, backend=backend,
+                    exchange_transport=transport)))
+        ms, fn = self.timed(build, args, extra, options, baseline)
         key = f"fwdbwd_{mesh_name}"
-        row = {"kind": "layer_fwdbwd", "config": cfg.name, "impl": impl, "mesh": mesh_name, "fwdbwd_ms": ms,
+        row = {"kind": "layer_fwdbwd", "config": cfg.name, "impl": impl + ("_previous_exchange" if baseline else ""),
+               "mesh": mesh_name, "transport": transport, "options": options, "fwdbwd_ms": ms,
                "useful_TFLOPs": 3 * cfg.useful_flops() / (ms * 1e-3) / 1e12, **extra}
         if impl == "dense":
             self.dense_ms[key] = ms
         elif key in self.dense_ms:
             row["speedup_vs_dense_same_mesh"] = self.dense_ms[key] / ms
+        if ep is not None and impl != "dense":
+            grads = fn(*args)
+            if self.grad_reference is not None:
+                row["rel_err_grads_vs_first_sharded"] = max(rel_err(a, b) for a, b in zip(
+                    jax.tree.leaves(grads), jax.tree.leaves(self.grad_reference)))
+            else:
+                self.grad_reference = grads
         return row
+
+
+NCCL_ENV_VARIANTS = (
+    {"NCCL_MIN_P2P_NCHANNELS": "32"},
+    {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_P2P_NVL_CHUNKSIZE": "1048576"},
+)
+
+
+def transports_only(bench: Bench, wide: LayerConfig, eps, options_names):
+    for ep in eps[::-1]:
+        for transport in ("all_to_all", "ppermute"):
+            for options in options_names:
+                bench.run(f"bare {transport} ep{ep} {options}",
+                          lambda: bench_bare_transport(bench, wide, ep, transport, options), min_left=5)
+
+
+def nccl_env_probes(bench: Bench, out_dir: Path, smoke: bool):
+    """Step 1 under each NCCL variant in a fresh process (NCCL reads its environment once)."""
+    for variant in NCCL_ENV_VARIANTS:
+        label = " ".join(f"{k}={v}" for k, v in variant.items())
+        if bench.time_left() < 30:
+            bench.doc["skipped"].append(f"nccl env {label}")
+            continue
+        env = {**os.environ, **variant, "EP_BENCH_NCCL_ENV": label, "NCCL_DEBUG": "VERSION"}
+        sub_out = out_dir / "nccl_env_probe"
+        command = [sys.executable, __file__, "--transports-only", "--out", str(sub_out),
+                   "--deadline", str(min(60.0, bench.time_left() - 10))] + (["--smoke"] if smoke else [])
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=bench.time_left())
+        version = [line for line in done.stdout.splitlines() if "NCCL version" in line][:1]
+        for result in sorted(sub_out.glob("ep_bench_*.json")):
+            for row in json.loads(result.read_text())["rows"]:
+                bench.record({**row, "name": f"{row['name']} [{label}]", "nccl_version": "".join(version)})
+            result.unlink()
+        if done.returncode:
+            bench.record({"name": f"nccl env {label}", "error": done.stderr[-800:]})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
-    parser.add_argument("--deadline", type=float, default=220.0, help="seconds; later measurements are skipped")
+    parser.add_argument("--deadline", type=float, default=240.0, help="seconds; later measurements are skipped")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
+    parser.add_argument("--baseline-exchange", type=Path, help="a previous exchange.py to time beside this one")
+    parser.add_argument("--gathers", action="store_true", help="also time the FSDP weight gathers")
+    parser.add_argument("--nccl-env", action="store_true", help="also time the bare transports under NCCL variants")
+    parser.add_argument("--transports-only", action="store_true", help=argparse.SUPPRESS)  # an --nccl-env child
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     out_dir = Path(args.out)
@@ -391,15 +518,28 @@ def main(argv=None):
     big, wide = (CONFIGS["smoke"],) * 2 if args.smoke else (CONFIGS["mixtral"], CONFIGS["deepseek"])
     eps = [e for e in (2, 4) if e <= jax.device_count()]
     ragged_ok = jax.devices()[0].platform != "cpu"
+    options_names = tuple(COMPILE_OPTIONS)
+    baseline = args.baseline_exchange
+    if args.transports_only:
+        transports_only(bench, wide, eps, ("nccl",))
+        return
 
-    for fsdp in eps[::-1]:
-        for quant in (None, "fp8_e4m3", "mxfp8"):
-            bench.run(f"gather fsdp{fsdp} {quant}", lambda: bench_gather(bench, big, fsdp, quant))
-        bench.run(f"gather fsdp{fsdp} fp8 bytes", lambda: bench_gather(bench, big, fsdp, None, bytes_only=True))
+    transports_only(bench, wide, eps, options_names)
+    fastest = {}  # ep -> (transport, options) of the fastest exchange
     for ep in eps[::-1]:
-        bench.run(f"bare a2a ep{ep}", lambda: bench_bare_all_to_all(bench, wide, ep))
-        for ragged in (False, True) if ragged_ok else (False,):
-            bench.run(f"exchange ep{ep} ragged={ragged}", lambda: bench_exchange(bench, wide, ep, ragged))
+        best = None
+        if baseline:
+            bench.run(f"exchange ep{ep} previous", lambda: bench_exchange(bench, wide, ep, "all_to_all", "nccl", baseline))
+        for transport in ("all_to_all", "ppermute"):
+            for options in options_names:
+                row = bench.run(f"exchange ep{ep} {transport} {options}",
+                                lambda: bench_exchange(bench, wide, ep, transport, options))
+                if row and "ms" in row and (best is None or row["ms"] < best[0]):
+                    best = (row["ms"], transport, options)
+        if ragged_ok and ep == eps[-1]:
+            bench.run(f"exchange ep{ep} ragged", lambda: bench_exchange(bench, wide, ep, "ragged", "nccl"))
+        fastest[ep] = best[1:] if best else ("all_to_all", "nccl")
+    log.info("fastest exchange per ep: %s", fastest)
 
     layers = {}
     for cfg in (big, wide):
@@ -410,31 +550,47 @@ def main(argv=None):
         bench.run(f"{cfg.name} 1gpu dense", lambda: layer.single("dense"), min_left=30)
         for ep in eps:
             specs = [P("expert")] * 3
-            bench.run(f"{cfg.name} ep{ep} dense",
-                      lambda: layer.sharded("dense", (ep,), ("expert",), P("expert"), specs), min_left=30)
-            bench.run(f"{cfg.name} ep{ep} sparse",
-                      lambda: layer.sharded("sparse", (ep,), ("expert",), P("expert"), specs), min_left=30)
-        if ragged_ok and 4 in eps:
-            bench.run(f"{cfg.name} ep4 sparse ragged", lambda: layer.sharded(
-                "sparse", (4,), ("expert",), P("expert"), [P("expert")] * 3, ragged=True), min_left=30)
+            transport, options = fastest[ep]
+            bench.run(f"{cfg.name} gemm-only ep{ep}", lambda: bench_gemm_only(bench, cfg, ep), min_left=30)
+            bench.run(f"{cfg.name} ep{ep} dense {options}", lambda: layer.sharded(
+                "dense", (ep,), ("expert",), P("expert"), specs, options=options), min_left=30)
+            bench.run(f"{cfg.name} ep{ep} sparse {transport} {options}", lambda: layer.sharded(
+                "sparse", (ep,), ("expert",), P("expert"), specs, transport=transport, options=options), min_left=30)
+            if (transport, options) != ("all_to_all", "nccl"):
+                bench.run(f"{cfg.name} ep{ep} sparse all_to_all nccl", lambda: layer.sharded(
+                    "sparse", (ep,), ("expert",), P("expert"), specs), min_left=30)
+            if baseline and ep == eps[-1]:
+                bench.run(f"{cfg.name} ep{ep} sparse previous", lambda: layer.sharded(
+                    "sparse", (ep,), ("expert",), P("expert"), specs, baseline=baseline), min_left=30)
+
+    ep = eps[-1]
+    transport, options = fastest[ep]
+    for cfg in (big, wide):
+        layer = layers[cfg.name]
+        if baseline:
+            bench.run(f"{cfg.name} fwdbwd sparse ep{ep} previous",
+                      lambda: layer.fwd_bwd("sparse", ep, baseline=baseline), min_left=40)
+        for impl, mesh_ep in (("dense", None), ("sparse", None), ("dense", ep)):
+            bench.run(f"{cfg.name} fwdbwd {impl} ep{mesh_ep}",
+                      lambda: layer.fwd_bwd(impl, mesh_ep, options=options), min_left=40)
+        bench.run(f"{cfg.name} fwdbwd sparse ep{ep} {transport} {options}",
+                  lambda: layer.fwd_bwd("sparse", ep, transport, options), min_left=40)
         if cfg is wide and wide is not big:
             del layers[cfg.name], layer  # free the DeepSeek-size weights
 
-    if 4 in eps:
-        layer = layers[big.name]
-        fsdp_specs = [P("expert", "fsdp", None), P("expert", "fsdp", None), P("expert", None, "fsdp")]
-        for quant in (None, "fp8_e4m3", "mxfp8"):
-            bench.run(f"{big.name} fsdp2xep2 {quant}", lambda: layer.sharded(
-                "sparse", (2, 2), ("fsdp", "expert"), P(("fsdp", "expert")), fsdp_specs, quant=quant), min_left=30)
-        for impl, ep in (("dense", None), ("sparse", None), ("dense", 4), ("sparse", 4)):
-            bench.run(f"{big.name} fwdbwd {impl} ep{ep}", lambda: layer.fwd_bwd(impl, ep), min_left=40)
+    if args.gathers:
+        for fsdp in eps[::-1]:
+            for quant in (None, "fp8_e4m3", "mxfp8"):
+                bench.run(f"gather fsdp{fsdp} {quant}", lambda: bench_gather(bench, big, fsdp, quant))
+    if args.nccl_env:
+        nccl_env_probes(bench, out_dir, args.smoke)
     log.info("wrote %s; skipped: %s", bench.out_path, bench.doc["skipped"])
     _print_table(bench.doc["rows"])
 
 
 def _print_table(rows):
     keys = ("name", "fwd_ms", "fwdbwd_ms", "ms", "GBps", "GBps_wire", "GBps_useful", "speedup_vs_dense_same_mesh",
-            "rel_err_vs_1gpu_sparse", "rounds", "error")
+            "rel_err_vs_1gpu_sparse", "rel_err_grads_vs_first_sharded", "rounds", "error")
     for row in rows:
         cells = [f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
                  for k in keys if k in row and k != "error"]
