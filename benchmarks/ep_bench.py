@@ -465,6 +465,7 @@ class LayerBench:
 
 NCCL_ENV_VARIANTS = (
     {"NCCL_MIN_P2P_NCHANNELS": "32"},
+    {"NCCL_MIN_P2P_NCHANNELS": "64"},
     {"NCCL_MIN_P2P_NCHANNELS": "32", "NCCL_P2P_NVL_CHUNKSIZE": "1048576"},
 )
 
@@ -522,6 +523,7 @@ def main(argv=None):
     baseline = args.baseline_exchange
     if args.transports_only:
         transports_only(bench, wide, eps, ("nccl",))
+        _print_table(bench.doc["rows"])
         return
 
     transports_only(bench, wide, eps, options_names)
