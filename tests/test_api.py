@@ -75,3 +75,10 @@ def test_no_routing_at_all():
         assert moe_optimize(lambda x: x * 2)(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
     assert len(caught) == 1 and caught[0].category is NoMoeFoundWarning
     assert str(caught[0].message).startswith("moe_optimize: no MoE region rewritten in ")
+
+
+def test_group_limited_routing_reports_no_spurious_near_miss():
+    model = ZOO["deepseek_v3"]
+    params, x = model.args(jax.random.key(0))
+    report = explain(model.fn, params, x)
+    assert len(report.regions) == 1 and report.near_misses == ()

@@ -577,7 +577,8 @@ def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):
     if first.space == "choice" and prim is lax.mul_p and len(rows) == 1:
         other = eqn.inputs[1 - abstracts.index(first)]
         source, roles = _plain_roles(an.graph, other, first.roles, out.shape)
-        if CHOICE in roles:
+        if all(is_token(r) or r in (CHOICE, ONE) for r in roles) and any(is_token(r) for r in roles):
+            # the chosen experts' outputs times per-(token, choice) weights (k = 1: per token)
             return replace(first, gate=Gate(tuple(r for r in first.roles if r != FEATURE), (Factor(source, roles),)))
     node = _elementwise_node(an, eqn, abstracts, first)
     if isinstance(node, FailedMatch):
@@ -1161,9 +1162,13 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
 
 
 def _feeds_later_anchor(graph: JaxprGraph, anchor: RoutingAnchor, anchors) -> bool:
-    """A top-k that only pre-selects for another routing decision (DeepSeek's group-limited top-k)."""
+    """A top-k that only pre-selects for another routing decision (DeepSeek's group-limited top-k),
+    or whose indices nothing uses: not a routing decision of its own, so no near miss to report."""
+    if not graph.users.get(anchor.indices) and anchor.indices not in graph.output_set:
+        return True
     return any(
-        other is not anchor and anchor.indices in graph.ancestors(other.eqn.inputs[0]) for other in anchors
+        other is not anchor and any(out in graph.ancestors(other.eqn.inputs[0]) for out in anchor.eqn.outputs)
+        for other in anchors
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moe_lowering import explain, moe_optimize
@@ -40,6 +40,8 @@ def _rel(a, b, floor=1e-30):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(moe_cases())
+@example(("gather_combine", dict(T=4, d=3, f=5, E=2, k=1), jnp.float32, 0))  # k=1: per-token weights only
+@example(("hf_loop", dict(T=9, d=12, f=24, E=6, k=3), jnp.bfloat16, 7))
 def test_random_moe_rewrites_and_matches(case):
     style, sizes, dtype, seed = case
     model = ZOO[style].sized(**sizes)
