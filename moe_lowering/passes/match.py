@@ -826,11 +826,10 @@ def _squeeze(an: Analysis, eqn: Eqn, abstracts):
     value = abstracts[0]
     if value is None:
         return None
+    if not hasattr(value, "roles"):
+        return None
     dims = set(d % len(eqn.inputs[0].shape) for d in eqn.params["dimensions"])
-    kept = tuple(r for i, r in enumerate(value.roles) if i not in dims) if hasattr(value, "roles") else None
-    if isinstance(value, ExpertParamSlice):
-        return replace(value, roles=kept)
-    return replace(value, roles=kept)
+    return replace(value, roles=tuple(r for i, r in enumerate(value.roles) if i not in dims))
 
 
 @rule(lax.split_p)
@@ -963,12 +962,10 @@ def _dot_general(an: Analysis, eqn: Eqn, abstracts):
     a_lhs, a_rhs = abstracts
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     pet = eqn.params.get("preferred_element_type")
-    out_roles = _dot_out_roles
-
     for swap in (False, True):
         x, w, ax, aw = (rhs, lhs, a_rhs, a_lhs) if swap else (lhs, rhs, a_lhs, a_rhs)
         xc, wc, xb, wb = (rc, lc, rb, lb) if swap else (lc, rc, lb, rb)
-        result = _dot_case(an, eqn, x, w, ax, aw, tuple(xc), tuple(wc), tuple(xb), tuple(wb), pet, swap, out_roles)
+        result = _dot_case(an, eqn, x, w, ax, aw, tuple(xc), tuple(wc), tuple(xb), tuple(wb), pet, swap)
         if result is not None:
             return result
     if any(isinstance(a, (Rows, Combined)) for a in abstracts):
@@ -984,7 +981,9 @@ def _dot_out_roles(x_roles, w_roles, xc, wc, xb, wb, swap) -> Roles:
     return tuple(batch + (w_free + x_free if swap else x_free + w_free))
 
 
-def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap, out_roles):
+def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
+    """One operand order of a dot_general: the tokens/rows/gate side ``x`` against ``w``."""
+    out_roles = _dot_out_roles
     E = an.num_experts
     token_shape = an.token_shape
     n_tok = len(token_shape)
