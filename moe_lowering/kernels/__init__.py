@@ -39,6 +39,20 @@ _BACKEND_MODULES = {
 }
 
 
+def sequential_under_vmap(kernel: Callable) -> Callable:
+    """``kernel`` that runs once per batch element under ``jax.vmap``.
+
+    Custom-call kernels (``jax_triton``) have no batching rule; this gives them one, so a
+    rewritten layer still composes with ``vmap``. Keyword options are static.
+    """
+
+    @functools.wraps(kernel)
+    def batched(*arrays, **options):
+        return jax.custom_batching.sequential_vmap(functools.partial(kernel, **options))(*arrays)
+
+    return batched
+
+
 class BackendUnavailable(RuntimeError):
     """The requested kernel backend cannot run here (no GPU, Triton missing, ...)."""
 

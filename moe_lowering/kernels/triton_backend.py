@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from moe_lowering.kernels import BackendUnavailable, KernelBackend
+from moe_lowering.kernels import BackendUnavailable, KernelBackend, sequential_under_vmap
 
 
 def load() -> KernelBackend:
@@ -21,4 +21,8 @@ def load() -> KernelBackend:
         from moe_lowering.kernels import triton_grouped_matmul
     except ImportError as err:
         raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
-    return KernelBackend(name="triton", gmm=triton_grouped_matmul.gmm, tgmm=triton_grouped_matmul.tgmm)
+    return KernelBackend(
+        name="triton",
+        gmm=sequential_under_vmap(triton_grouped_matmul.gmm),
+        tgmm=sequential_under_vmap(triton_grouped_matmul.tgmm),
+    )
