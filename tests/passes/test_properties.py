@@ -23,7 +23,7 @@ def moe_cases(draw):
     sizes = dict(T=draw(st.sampled_from([4, 9, 16, 33])), d=draw(st.sampled_from([3, 8, 12])),
                  f=draw(st.sampled_from([5, 16, 24])), E=num_experts, k=top_k)
     if style == "mixtral_bsd":
-        sizes["B"] = 2
+        sizes.update(B=2, T=max(2, sizes["T"] - sizes["T"] % 2))
     if style == "deepseek_v3":
         sizes.update(E=8, k=min(top_k, 2))
     dtype = draw(st.sampled_from([jnp.float32, jnp.bfloat16]))
