@@ -29,7 +29,7 @@ WEIGHT_GATHER_QUANT = (None, "fp8_e4m3", "mxfp8")
 
 
 def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False, weight_gather_quant=None,
-                   input_shardings=()):
+                   input_shardings=(), capacity_factor: float | None = None):
     """``(fn, report)``: ``fn(*flat_args)`` runs ``closed_jaxpr`` with its MoE regions rewritten.
 
     The shared entry point of the decorator and the ``moe-rewrite`` tool. ``input_shardings``
@@ -38,19 +38,21 @@ def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False,
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)
+    _check_capacity(capacity_factor)
     scope = analyse_program(closed_jaxpr)
-    report = build_report(scope, input_shardings)
+    report = build_report(scope, input_shardings, capacity_factor)
     if strict and not report.regions:
         raise MoeNotFoundError(_not_found_message(report))
-    return make_rewritten(scope, RewriteOptions(backend, weight_gather_quant, tuple(input_shardings))), report
+    options = RewriteOptions(backend, weight_gather_quant, tuple(input_shardings), capacity_factor)
+    return make_rewritten(scope, options), report
 
 
-def build_report(scope: ScopeResult, input_shardings=()) -> ExplainReport:
+def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None) -> ExplainReport:
     regions = []
     for path, region in scope.all_regions():
         owner = _scope_at(scope, path)
         layout = region_layout(owner, region, input_shardings)
-        regions.append(region_report(region, path, layout.describe() if layout is not None else None))
+        regions.append(region_report(region, path, layout.describe() if layout is not None else None, capacity_factor))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())
         for _, anchor, failure in scope.all_near_misses()
@@ -86,6 +88,11 @@ def _check_quant(weight_gather_quant) -> None:
         )
 
 
+def _check_capacity(capacity_factor) -> None:
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"moe_optimize: capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
+
+
 def _split_static(args, kwargs):
     """Array leaves are traced; anything else (strings, None, callables) is baked in as static."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -110,13 +117,18 @@ def _trace(fn, args, kwargs):
 def explain(fn, *args, **kwargs) -> ExplainReport:
     """Traces ``fn(*args, **kwargs)`` without running it and reports the MoE regions found."""
     target = fn.__wrapped__ if _compat.is_jitted(fn) else fn
+    options = getattr(target, "__moe_options__", {})
     target = getattr(target, "__moe_original__", target)
     closed, _, _ = _trace(target, args, kwargs)
-    declared = _compat.jit_options(fn).get("in_shardings") if _compat.is_jitted(fn) else None
-    return build_report(analyse_program(closed), _input_shardings(args, kwargs, declared))
+    declared = options.get("declared_shardings")
+    if declared is None and _compat.is_jitted(fn):
+        declared = _compat.jit_options(fn).get("in_shardings")
+    report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared), options.get("capacity_factor"))
+    return report
 
 
-def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None):
+def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None,
+                 capacity_factor: float | None = None):
     """Rewrites the dense-reference MoE layers of ``fn`` into sorted, dropless grouped-GEMM MoE.
 
     Usable bare (``@moe_optimize``) or with options, on a plain or a ``jax.jit``-wrapped
@@ -127,11 +139,16 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     Operands sharded over a mesh (explicit axes) get the expert-parallel lowering; with
     ``weight_gather_quant="fp8_e4m3"`` or ``"mxfp8"`` the FSDP-sharded expert weights are
     quantised per expert and block before their all-gather (``None`` keeps results exact).
+    ``capacity_factor`` opts into dropping: each expert keeps its first
+    ``ceil(capacity_factor * tokens * k / E)`` token copies in token order (on one device and
+    sharded alike); ``None``, the default, is dropless and keeps the reference's results.
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)
+    _check_capacity(capacity_factor)
     if fn is None:
-        return functools.partial(moe_optimize, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant)
+        return functools.partial(moe_optimize, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
+                                 capacity_factor=capacity_factor)
     if not callable(fn):
         raise TypeError(f"moe_optimize expects a function, got {type(fn).__name__}")
     jitted = _compat.is_jitted(fn)
@@ -144,7 +161,7 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
         shardings = _input_shardings(args, kwargs, declared)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
-                                     input_shardings=shardings)
+                                     input_shardings=shardings, capacity_factor=capacity_factor)
         if report.regions:
             log.info("moe_lowering: rewrote %d MoE region(s) in %s", len(report.regions), _name(original))
         elif not warned:
@@ -159,6 +176,7 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         return jax.tree_util.tree_unflatten(out_tree, outputs)
 
     rewritten.__moe_original__ = original
+    rewritten.__moe_options__ = {"capacity_factor": capacity_factor, "declared_shardings": declared}
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))
     return rewritten

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -83,9 +84,17 @@ class ExplainReport:
         return "\n".join(lines)
 
 
-def region_report(region, scope: str = "", parallel_layout: str | None = None) -> RegionReport:
-    """Costs from the matched shapes: the dense reference runs every expert on every token."""
+def region_report(region, scope: str = "", parallel_layout: str | None = None,
+                  capacity_factor: float | None = None) -> RegionReport:
+    """Costs from the matched shapes: the dense reference runs every expert on every token.
+
+    ``capacity`` is the matched layer's own (Switch/GShard) or, with ``capacity_factor``, the
+    per-expert limit the rewrite applies; None means dropless.
+    """
     T, E, k = region.num_tokens, region.num_experts, region.top_k
+    capacity = region.capacity
+    if capacity is None and capacity_factor is not None:
+        capacity = max(1, math.ceil(capacity_factor * T * k / E))
     dtype = np.dtype(region.output.dtype)
     dense_rows = T * E
     routed_rows = T * k if region.capacity is None else min(T * k, E * region.capacity)
@@ -106,7 +115,7 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None) -
         d_ff=region.d_ff,
         activation=region.activation(),
         gated=gated,
-        capacity=region.capacity,
+        capacity=capacity,
         dtype=str(dtype),
         dense_flops=int(dense_rows * per_row_flops) if region.capacity is None else int(E * region.capacity * per_row_flops),
         rewritten_flops=int(routed_rows * per_row_flops),

@@ -175,15 +175,24 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
         expert_weights = _routing_weights(region, read, expert_indices)
     sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
     params = [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
+    capacity_factor = options.capacity_factor if region.combine is None else None
     layout = _sharded_layout(region, sharding_of)
     if layout is not None:
         from moe_lowering.parallel import sharded_sparse_moe
 
         log.info("moe_lowering: expert-parallel lowering, %s", layout.describe())
-        out = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
-                                 num_experts=region.num_experts, layout=layout, backend=options.backend,
-                                 weight_gather_quant=options.weight_gather_quant)
+        out, stats = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
+                                        num_experts=region.num_experts, layout=layout, backend=options.backend,
+                                        weight_gather_quant=options.weight_gather_quant,
+                                        capacity_factor=capacity_factor, return_stats=True)
+        _report_dropped(region, capacity_factor, stats.dropped_copies)
         return _to_output_layout(out, region)
+    if capacity_factor is not None:
+        from moe_lowering.parallel.capacity import drop_over_capacity, expert_capacity
+
+        capacity = expert_capacity(num_tokens, region.top_k, region.num_experts, capacity_factor)
+        expert_indices, dropped = drop_over_capacity(expert_indices, region.num_experts, capacity)
+        _report_dropped(region, capacity_factor, dropped)
 
     def sparse(tokens, expert_indices, expert_weights, *params):
         return sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
@@ -194,13 +203,25 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     return _to_output_layout(out, region)
 
 
+def _report_dropped(region: MoeRegion, capacity_factor, dropped) -> None:
+    """With ``capacity_factor``, log how many token copies each call dropped (INFO, on the host)."""
+    if capacity_factor is None or not log.isEnabledFor(logging.INFO):
+        return
+    total = region.num_tokens * region.top_k
+    jax.debug.callback(
+        lambda n: log.info("moe_lowering: capacity_factor=%s dropped %d of %d token copies", capacity_factor, n, total),
+        dropped,
+    )
+
+
 @dataclass(frozen=True)
 class RewriteOptions:
-    """How regions are lowered: the kernel backend, and the FSDP weight-gather quantisation."""
+    """How regions are lowered: kernels, FSDP weight-gather quantisation, optional expert capacity."""
 
     backend: str = "auto"
     weight_gather_quant: str | None = None
     input_shardings: tuple = ()  # per top-level input: a NamedSharding or None
+    capacity_factor: float | None = None  # None: dropless
 
 
 def declared_shardings(scope: ScopeResult, input_shardings) -> dict:

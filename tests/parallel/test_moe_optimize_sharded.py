@@ -78,3 +78,11 @@ def test_explicit_axes_are_read_from_the_types():
         sharded = jax.jit(moe_optimize(model.fn, strict=True))
         assert _rel(exact, sharded(*placed)) < 1e-5
         assert "all-to-all" in sharded.lower(*placed).compile().as_text()
+
+
+def test_capacity_factor_drops_the_same_copies_sharded_and_on_one_device():
+    model, params, x, shardings, placed = _setup()
+    single = moe_optimize(model.fn, capacity_factor=0.8)(params, x)
+    sharded = moe_optimize(jax.jit(model.fn, in_shardings=shardings), capacity_factor=0.8)(*placed)
+    assert _rel(single, sharded) < 1e-5
+    assert _rel(model.fn(params, x), single) > 1e-3  # copies were dropped
