@@ -37,6 +37,7 @@ class Factor:
 
     source: Any  # graph Value or Const
     roles: Roles  # per dim of source: token roles, k, E or 1
+    reciprocal: bool = False  # the gate was divided by it (renormalised after masking)
 
 
 @dataclass(frozen=True)

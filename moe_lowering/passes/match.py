@@ -540,6 +540,8 @@ def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
             return None
         atom = eqn.inputs[1 - gate_pos]
         return _with_factor(an, gate, atom, out, eqn)
+    if prim is lax.div_p and isinstance(abstracts[0], Gate) and abstracts[1] is None:
+        return _with_factor(an, abstracts[0], eqn.inputs[1], out, eqn, reciprocal=True)
     if prim is lax.select_n_p and isinstance(abstracts[0], Gate) and abstracts[0].boolean:
         on_false, on_true = eqn.inputs[1], eqn.inputs[2]
         if abstracts[1] is None and abstracts[2] is None and _is_zero(an.graph, on_false):
@@ -547,15 +549,17 @@ def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
     return None
 
 
-def _with_factor(an: Analysis, gate: Gate, atom, out, eqn):
+def _with_factor(an: Analysis, gate: Gate, atom, out, eqn, reciprocal: bool = False):
     if isinstance(atom, Const) and _is_scalar(atom):
-        return replace(gate, factors=gate.factors + (Factor(atom, ()),))
+        return replace(gate, factors=gate.factors + (Factor(atom, (), reciprocal),))
     source, roles = _plain_roles(an.graph, atom, gate.roles, out.shape)
     if any(r in (ONE, BROADCAST) and n != 1 for r, n in zip(roles, source.shape)):
         return None  # varies along an axis routing weights do not have (a capacity slot, say)
     if not all(is_token(r) or r in (CHOICE, EXPERT, ONE) for r in roles) or (CHOICE in roles and EXPERT in roles):
         return FailedMatch("routing mask multiplied by a tensor that is not indexed by (token, choice) or (token, expert)", eqn)
-    return replace(gate, factors=gate.factors + (Factor(source, roles),))
+    if reciprocal and EXPERT in roles:
+        return None  # a per-expert divisor of a [T, E] gate is not a per-choice weight we can read
+    return replace(gate, factors=gate.factors + (Factor(source, roles, reciprocal),))
 
 
 def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):

@@ -329,6 +329,8 @@ def _routing_weights(region: MoeRegion, read, expert_indices):
                 piece = jnp.take_along_axis(piece, expert_indices, axis=1)
             elif CHOICE not in roles:
                 piece = piece.reshape(piece.shape[0], 1)
+        if factor.reciprocal:
+            piece = 1 / piece
         weights = piece if weights is None else weights * piece
     if weights is None:
         dtype = region.output.dtype

@@ -84,3 +84,23 @@ def test_argsort_routing_is_an_anchor():
         assert [r.top_k for r in report.regions] == [2]
         got = jax.jit(moe_optimize(fn, strict=True))(params, x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(fn(params, x)), rtol=1e-5, atol=1e-6)
+
+
+def test_gate_renormalised_after_masking():
+    """``gates = one_hot(idx) * probs[:, None]...``, then divided by their sum: weights read per choice."""
+
+    def renormalised(params, x):
+        probs = jax.nn.softmax(x @ params["router"])
+        _, idx = jax.lax.top_k(probs, 2)
+        gates = (jax.nn.one_hot(idx, E) * jnp.take_along_axis(probs, idx, -1)[..., None]).sum(1)
+        gates = gates / jnp.take_along_axis(probs, idx, -1).sum(-1, keepdims=True)
+        hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gates, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    params = _params(jax.random.key(6))
+    x = jax.random.normal(jax.random.key(7), (T, D))
+    got = jax.jit(moe_optimize(renormalised, strict=True))(params, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(renormalised(params, x)), rtol=1e-5, atol=1e-6)
+    g_ref = jax.grad(lambda p: jnp.sum(renormalised(p, x) ** 2))(params)
+    g_new = jax.grad(lambda p: jnp.sum(moe_optimize(renormalised)(p, x) ** 2))(params)
+    np.testing.assert_allclose(np.asarray(g_new["router"]), np.asarray(g_ref["router"]), rtol=1e-4, atol=1e-6)
