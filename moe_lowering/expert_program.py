@@ -10,6 +10,8 @@ wrote (silu, gelu, relu, squared relu, clipped SwiGLU, ...) runs unchanged.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+log = logging.getLogger(__name__)
 
 class ParamKind(Enum):
     """How a program input is indexed by a sorted row."""
@@ -156,9 +159,74 @@ class RowContext:
     group_offset: Any = 0
 
 
-def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul) -> jax.Array:
-    """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``."""
+@dataclass(frozen=True)
+class SwigluFusion:
+    """``mul(silu(source @ W[gate]), source @ W[up])`` in a program, with ``silu(h) = mul(h, logistic(h))``.
+
+    ``inner`` are the nodes only this product uses (both matmuls, the logistic, the silu mul):
+    a fused evaluation computes ``output`` from ``source`` and skips them.
+    """
+
+    output: Elementwise
+    source: Node
+    gate: ExpertMatmul
+    up: ExpertMatmul
+    inner: tuple[Node, ...]
+
+
+def find_swiglu_fusions(program: ExpertProgram) -> tuple[SwigluFusion, ...]:
+    """Every SwiGLU up-projection of ``program`` whose intermediates nothing else reads."""
+    nodes = program.nodes or topological_nodes(program.output)
+    users = Counter(id(child) for node in nodes for child in _children(node))
+    users[id(program.output)] += 1
+    fusions = []
+    for node in nodes:
+        fusion = _match_swiglu(node, users)
+        if fusion is not None:
+            fusions.append(fusion)
+    return tuple(fusions)
+
+
+def _is_primitive(node, primitive, arity: int) -> bool:
+    return (isinstance(node, Elementwise) and node.primitive is primitive and len(node.operands) == arity
+            and dict(node.params).get("out_dtype") is None)
+
+
+def _match_swiglu(node, users: Counter) -> SwigluFusion | None:
+    if not _is_primitive(node, lax.mul_p, 2):
+        return None
+    for silu, up in (node.operands, node.operands[::-1]):
+        if not (_is_primitive(silu, lax.mul_p, 2) and isinstance(up, ExpertMatmul)):
+            continue
+        for gate, logistic in (silu.operands, silu.operands[::-1]):
+            if not (isinstance(gate, ExpertMatmul) and _is_primitive(logistic, lax.logistic_p, 1)
+                    and logistic.operands[0] is gate):
+                continue
+            same_source = gate.source is up.source or (isinstance(gate.source, RowInput)
+                                                       and isinstance(up.source, RowInput))
+            only_here = (users[id(gate)] == 2 and users[id(logistic)] == 1 and users[id(silu)] == 1
+                         and users[id(up)] == 1 and gate is not up)
+            if same_source and only_here and gate.preferred_element_type == up.preferred_element_type:
+                return SwigluFusion(node, gate.source, gate, up, (gate, logistic, silu, up))
+    return None
+
+
+def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None) -> jax.Array:
+    """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``.
+
+    With ``swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, group_offset, pet)`` every SwiGLU
+    up-projection (:func:`find_swiglu_fusions`) is computed by it in one product instead of two
+    grouped products and the elementwise activation.
+    """
     values: dict[int, jax.Array] = {}
+    fused_at: dict[int, SwigluFusion] = {}
+    skipped: set[int] = set()
+    for fusion in find_swiglu_fusions(program) if swiglu_matmul is not None else ():
+        if jnp.shape(params[fusion.gate.weight]) == jnp.shape(params[fusion.up.weight]):
+            fused_at[id(fusion.output)] = fusion
+            skipped.update(id(node) for node in fusion.inner)
+    if fused_at:
+        log.debug("evaluating %d SwiGLU up-projection(s) with the fused grouped product", len(fused_at))
 
     def operand(op, like, primitive):
         if isinstance(op, Literal):
@@ -171,7 +239,15 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
         return jnp.broadcast_to(value, like.shape) if primitive is lax.select_n_p else value
 
     for node in program.nodes or topological_nodes(program.output):
-        if isinstance(node, RowInput):
+        if id(node) in skipped:
+            continue
+        if id(node) in fused_at:
+            fusion = fused_at[id(node)]
+            out = swiglu_matmul(
+                values[id(fusion.source)], params[fusion.gate.weight], params[fusion.up.weight], context.group_sizes,
+                context.group_offset, fusion.gate.preferred_element_type,
+            )
+        elif isinstance(node, RowInput):
             out = context.rows
         elif isinstance(node, ExpertMatmul):
             out = grouped_matmul(

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate
 from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
 
 
 class SortedRouting(NamedTuple):
@@ -118,6 +119,69 @@ def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
+class SwigluResiduals(NamedTuple):
+    """What the fused SwiGLU product's backward keeps; ``gate``/``up`` are ``None`` when recomputed."""
+
+    lhs: jax.Array  # [M, K] rows
+    gate_rhs: jax.Array  # [G, K, N]
+    up_rhs: jax.Array  # [G, K, N]
+    group_sizes: jax.Array
+    gate: jax.Array | None  # [M, N] lhs @ gate_rhs, in the output type
+    up: jax.Array | None  # [M, N] lhs @ up_rhs
+
+
+def _swiglu_kernel(backend: str):
+    """The backend's fused kernel, or the jnp reference where the backend has none (e.g. CPU tests)."""
+    return get_backend(backend).swiglu_gmm or swiglu_gmm_reference
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, backend: str = "auto", group_offset: int = 0,
+                          preferred_element_type=None, recompute_preactivations: bool = False):
+    """``silu(lhs[r] @ gate[g]) * (lhs[r] @ up[g])`` in one grouped pass; backward on ``gmm``/``tgmm``.
+
+    The forward under differentiation also writes the two ``[M, N]`` pre-activations for the
+    backward, unless ``recompute_preactivations`` (two more grouped products in the backward for
+    two ``[M, N]`` residuals less).
+    """
+    return _swiglu_kernel(backend)(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                                   preferred_element_type=preferred_element_type)
+
+
+def _grouped_swiglu_matmul_fwd(lhs, gate_rhs, up_rhs, group_sizes, backend, group_offset, preferred_element_type,
+                               recompute_preactivations):
+    kernel = functools.partial(_swiglu_kernel(backend), lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                               preferred_element_type=preferred_element_type)
+    if recompute_preactivations:
+        return kernel(), SwigluResiduals(lhs, gate_rhs, up_rhs, group_sizes, None, None)
+    out, gate, up = kernel(with_preactivations=True)
+    return out, SwigluResiduals(lhs, gate_rhs, up_rhs, group_sizes, gate, up)
+
+
+def _grouped_swiglu_matmul_bwd(backend, group_offset, preferred_element_type, recompute_preactivations,
+                               residuals: SwigluResiduals, d_out):
+    lhs, gate_rhs, up_rhs, group_sizes, gate, up = residuals
+    kernels = get_backend(backend)
+    if gate is None:
+        gate, up = (kernels.gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=d_out.dtype)
+                    for rhs in (gate_rhs, up_rhs))
+    d_gate, d_up = swiglu_grads(d_out, gate, up)
+    d_lhs_parts = [
+        kernels.gmm(d, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype)
+        for d, rhs in ((d_gate, gate_rhs), (d_up, up_rhs))
+    ]
+    d_lhs = (d_lhs_parts[0].astype(jnp.float32) + d_lhs_parts[1].astype(jnp.float32)).astype(lhs.dtype)
+    d_gate_rhs, d_up_rhs = (
+        kernels.tgmm(lhs, d, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset,
+                     preferred_element_type=rhs.dtype)
+        for d, rhs in ((d_gate, gate_rhs), (d_up, up_rhs))
+    )
+    return d_lhs, d_gate_rhs, d_up_rhs, None
+
+
+grouped_swiglu_matmul.defvjp(_grouped_swiglu_matmul_fwd, _grouped_swiglu_matmul_bwd)
+
+
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
                        group_sizes=None, group_offset=0, expert_of_row=None):
     """The expert program on sorted ``rows``; the expert-parallel path passes its local groups."""
@@ -133,7 +197,11 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
         return grouped_matmul(lhs, rhs, sizes, backend, offset, preferred_element_type)
 
-    return evaluate(program, params, context, matmul)
+    def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
+        return grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, backend, offset, preferred_element_type)
+
+    fused = swiglu_matmul if get_backend(backend).swiglu_gmm is not None else None
+    return evaluate(program, params, context, matmul, swiglu_matmul=fused)
 
 
 def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,

@@ -26,11 +26,16 @@ class KernelBackend:
 
     ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type)`` and
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
+    ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
+    with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
+    product is measured faster than two ``gmm`` calls and an elementwise pass; ``None`` keeps
+    SwiGLU expert programs unfused.
     """
 
     name: str
     gmm: Callable
     tgmm: Callable
+    swiglu_gmm: Callable | None = None
 
 
 _BACKEND_MODULES = {
