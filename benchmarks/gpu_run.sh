@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
-# (tests, sweep, bench, bench-small), each logging under $OUT. Run from the repository root with
+# (tests, sweep, bench, bench-small, swiglu, swiglu-tests), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -16,6 +16,9 @@ for step in "$@"; do
     tests) python3 -m pytest tests/gpu tests/kernels -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     sweep) timeout 330 python3 benchmarks/gmm_sweep.py --out "$OUT/gmm_sweep.json" 2>&1 | tee "$OUT/gmm_sweep.log" | tail -22 ;;
     bench) python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -16 ;;
+    swiglu) timeout 420 python3 benchmarks/swiglu_fusion.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_fusion.log" | tail -16 ;;
+    swiglu-tests) timeout 150 python3 -m pytest tests/gpu/test_triton_swiglu_gmm.py -v -rs -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_swiglu_tests.log" | tail -8 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -95,11 +95,16 @@ def _peak_bytes(compiled):
                - analysis.alias_size_in_bytes)
 
 
+@jax.jit
+def _squared_norms(got, want):
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.sum(jnp.square(got - want)), jnp.sum(jnp.square(want))
+
+
 def _relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    if np.isnan(got).any():
-        return float("nan")
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    """``|got - want| / |want|`` reduced on the device (NaN if any element of ``got`` is NaN)."""
+    diff, ref = (float(v) for v in _squared_norms(got, want))
+    return float(np.sqrt(diff / max(ref, 1e-30)))
 
 
 def _routed_operands(sizes: Sizes, key):
@@ -116,7 +121,14 @@ def _routed_operands(sizes: Sizes, key):
 
 
 def check_and_time_op(name: str, sizes: Sizes, reps: int) -> dict:
-    """Fused ``swiglu_gmm`` vs ``silu(gmm) * gmm`` at one layer's shape: error and forward time."""
+    """Fused ``swiglu_gmm`` vs ``silu(gmm) * gmm`` at one layer's shape: error and forward time.
+
+    ``fused_wide`` is the fused kernel with full-width (256-column) tiles, 3 stages, to see whether
+    the halved tile of the table costs the small-group shapes their ``lhs`` reuse (64-row tiles
+    only; elsewhere it is the table's tile again, a second timing of ``fused``).
+    """
+    from moe_lowering.kernels.triton_swiglu_gmm import swiglu_config, swiglu_gmm
+
     kernels = get_backend("triton")
     x, w_gate, w_up, group_sizes = _routed_operands(sizes, jax.random.key(11))
     shape = (x.shape[0], sizes.f)
@@ -139,7 +151,17 @@ def check_and_time_op(name: str, sizes: Sizes, reps: int) -> dict:
     want, want_gate, want_up = jax.jit(reference)(*args)
     row = {"config": name}
     compiled = {}
-    for label, fn in (("unfused", unfused), ("fused", fused), ("fused_with_preactivations", fused_with_preactivations)):
+    table = swiglu_config(x.shape[0], sizes.d, sizes.f, sizes.E, False)
+    # 64 x 256 x 64 with two weight blocks, 3 stages: 216 KB of shared memory (local sm_90 compile);
+    # 128-row tiles that wide exceed the 227 KB limit and spill their two accumulators.
+    wide = dataclasses.replace(table, block_n=256, num_stages=3) if table.block_m == 64 else table
+
+    def fused_wide(x, w_gate, w_up, group_sizes):
+        return swiglu_gmm(x, w_gate, w_up, group_sizes, config=wide)
+
+    row["fused_wide_config"] = dataclasses.asdict(wide)
+    for label, fn in (("unfused", unfused), ("fused", fused), ("fused_with_preactivations", fused_with_preactivations),
+                      ("fused_wide", fused_wide)):
         compiled[label] = jax.jit(fn).lower(*args).compile()
         jnp.full(shape, jnp.nan, jnp.bfloat16).block_until_ready()  # freed: the next output lands on NaNs
         got = compiled[label](*args)
@@ -149,6 +171,7 @@ def check_and_time_op(name: str, sizes: Sizes, reps: int) -> dict:
             row["err_up"] = _relative_error(up.astype(jnp.float32), want_up)
         row[f"err_{label}"] = _relative_error(got.astype(jnp.float32), want)
     del want, want_gate, want_up
+    gc.collect()
     for round_ in range(2):
         for label, exe in compiled.items():
             row[f"{label}_ms_{round_}"] = _time_ms(exe, args, reps)
@@ -165,21 +188,21 @@ def _fwd_bwd(fn):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def time_layer(name: str, sizes: Sizes, reps: int) -> list[dict]:
+def time_layer(name: str, sizes: Sizes, reps: int, variants=VARIANTS) -> list[dict]:
     """``moe_optimize`` of the dense layer in every variant: forward, forward+backward, peak bytes, errors."""
     model = build_mixtral(sizes)
     params, x = model.args(jax.random.key(1), jnp.bfloat16)
     cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
     layer = moe_optimize(model.fn)
     forward, both = {}, {}
-    for label in VARIANTS:
-        with variant(label):
-            forward[label] = jax.jit(layer).lower(params, x).compile()
+    for label in variants:
+        with variant(label):  # a fresh function per variant: jit caches traces by function
+            forward[label] = jax.jit(lambda params, x: layer(params, x)).lower(params, x).compile()
             both[label] = jax.jit(_fwd_bwd(layer)).lower(params, x, cotangent).compile()
-    rows = {label: {"config": name, "variant": label, "peak_bytes": _peak_bytes(both[label])} for label in VARIANTS}
+    rows = {label: {"config": name, "variant": label, "peak_bytes": _peak_bytes(both[label])} for label in variants}
     want = forward["unfused"](params, x)
     _, want_grads = both["unfused"](params, x, cotangent)
-    for label in VARIANTS[1:]:
+    for label in variants[1:]:
         rows[label]["rel_error_vs_unfused"] = _relative_error(forward[label](params, x).astype(jnp.float32),
                                                               want.astype(jnp.float32))
         _, grads = both[label](params, x, cotangent)
@@ -190,7 +213,7 @@ def time_layer(name: str, sizes: Sizes, reps: int) -> list[dict]:
     del want, want_grads
     gc.collect()
     for round_ in range(2):
-        for label in VARIANTS:
+        for label in variants:
             rows[label][f"fwd_ms_{round_}"] = _time_ms(forward[label], (params, x), reps)
             rows[label][f"fwdbwd_ms_{round_}"] = _time_ms(both[label], (params, x, cotangent), reps)
     return list(rows.values())
@@ -200,6 +223,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["mixtral", "qwen3", "deepseek"])
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per round (median kept)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="layer variants to time; the first is the one the others are checked against")
     parser.add_argument("--skip-op", action="store_true", help="time only the layers (no isolated-kernel check)")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results"))
     args = parser.parse_args(argv)
@@ -214,7 +239,7 @@ def main(argv=None):
             log.info("op %s", json.dumps(row))
             result["ops"].append(row)
             gc.collect()
-        for row in time_layer(name, CONFIGS[name], args.reps):
+        for row in time_layer(name, CONFIGS[name], args.reps, tuple(args.variants)):
             log.info("layer %s", json.dumps(row))
             result["layers"].append(row)
         gc.collect()
@@ -231,7 +256,8 @@ def print_table(result):
         print(f"op {row['config']:9s} err fused {row['err_fused']:.1e} (+pre {row['err_fused_with_preactivations']:.1e},"
               f" gate {row['err_gate']:.1e}, up {row['err_up']:.1e}) unfused {row['err_unfused']:.1e} | ms unfused "
               f"{row['unfused_ms_0']:.3f}/{row['unfused_ms_1']:.3f} fused {row['fused_ms_0']:.3f}/{row['fused_ms_1']:.3f}"
-              f" +pre {row['fused_with_preactivations_ms_0']:.3f}/{row['fused_with_preactivations_ms_1']:.3f}")
+              f" +pre {row['fused_with_preactivations_ms_0']:.3f}/{row['fused_with_preactivations_ms_1']:.3f}"
+              f" wide {row['fused_wide_ms_0']:.3f}/{row['fused_wide_ms_1']:.3f} (err {row['err_fused_wide']:.1e})")
     for row in result["layers"]:
         err = (f" err {row['rel_error_vs_unfused']:.1e} grad {row['grad_rel_error_vs_unfused']:.1e}"
                if "rel_error_vs_unfused" in row else "")
