@@ -8,8 +8,8 @@ Two parts, in one process:
 2. **Time**: ``moe_optimize`` of the zoo Mixtral-idiom dense layer, forward and forward+backward
    (gradients of every parameter and the input), in three variants of the rewrite's expert
    program: ``unfused`` (two grouped GEMMs + XLA's elementwise SwiGLU), ``fused_save`` (the fused
-   kernel; the forward under differentiation also stores both pre-activations for the backward),
-   ``fused_recompute`` (the backward recomputes them with two grouped GEMMs). Variants are
+   kernel; the forward under differentiation also stores both pre-activations for the backward).
+   (A third variant, the backward recomputing them, was measured at commit eaa1b18.) Variants are
    compiled once and timed in alternating rounds, so each median has a twin to show the noise.
    The isolated up-projection (fused kernel vs two ``gmm`` + the elementwise pass, forward) is
    timed the same way.
@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_lowering import moe_optimize, sparse_moe  # noqa: E402
-from moe_lowering.kernels import get_backend  # noqa: E402
+from moe_lowering.kernels import get_backend, sequential_under_vmap  # noqa: E402
 from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference  # noqa: E402
 from moe_lowering.testing.zoo import Sizes, build_mixtral  # noqa: E402
 
@@ -54,26 +54,35 @@ CONFIGS = {
     "qwen3": Sizes(T=16384, d=2048, f=768, E=128, k=8),
     "deepseek": Sizes(T=4096, d=7168, f=2048, E=256, k=8),
 }
-VARIANTS = ("unfused", "fused_save", "fused_recompute")
+VARIANTS = ("unfused", "fused_save")
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """Traces the rewrite's expert program as ``name`` (see the module docstring)."""
-    real_get_backend, real_swiglu = sparse_moe.get_backend, sparse_moe.grouped_swiglu_matmul
+    real_get_backend = sparse_moe.get_backend
 
     def patched_backend(backend):
         kernels = real_get_backend(backend)
-        fused = None if name == "unfused" else kernels.swiglu_gmm or swiglu_gmm_reference
+        fused = None if name == "unfused" else _fused_kernel(kernels)
         return dataclasses.replace(kernels, swiglu_gmm=fused)
 
     sparse_moe.get_backend = patched_backend
-    if name == "fused_recompute":
-        sparse_moe.grouped_swiglu_matmul = lambda *args: real_swiglu(*args[:7], True)
     try:
         yield
     finally:
-        sparse_moe.get_backend, sparse_moe.grouped_swiglu_matmul = real_get_backend, real_swiglu
+        sparse_moe.get_backend = real_get_backend
+
+
+def _fused_kernel(kernels):
+    """The backend's fused kernel; the Triton one, or the jnp reference, where it offers none."""
+    if kernels.swiglu_gmm is not None:
+        return kernels.swiglu_gmm
+    if kernels.name == "triton":
+        from moe_lowering.kernels.triton_swiglu_gmm import swiglu_gmm
+
+        return sequential_under_vmap(swiglu_gmm)
+    return swiglu_gmm_reference
 
 
 def _time_ms(compiled, args, reps: int) -> float:
@@ -129,7 +138,7 @@ def check_and_time_op(name: str, sizes: Sizes, reps: int) -> dict:
     """
     from moe_lowering.kernels.triton_swiglu_gmm import swiglu_config, swiglu_gmm
 
-    kernels = get_backend("triton")
+    kernels = dataclasses.replace(get_backend("triton"), swiglu_gmm=swiglu_gmm)
     x, w_gate, w_up, group_sizes = _routed_operands(sizes, jax.random.key(11))
     shape = (x.shape[0], sizes.f)
 
@@ -253,9 +262,11 @@ def main(argv=None):
 def print_table(result):
     print(f"device {result['device']}")
     for row in result["ops"]:
-        print(f"op {row['config']:9s} err fused {row['err_fused']:.1e} (+pre {row['err_fused_with_preactivations']:.1e},"
+        print(f"op {row['config']:9s} err fused {row['err_fused']:.1e} "
+              f"(+pre {row['err_fused_with_preactivations']:.1e},"
               f" gate {row['err_gate']:.1e}, up {row['err_up']:.1e}) unfused {row['err_unfused']:.1e} | ms unfused "
-              f"{row['unfused_ms_0']:.3f}/{row['unfused_ms_1']:.3f} fused {row['fused_ms_0']:.3f}/{row['fused_ms_1']:.3f}"
+              f"{row['unfused_ms_0']:.3f}/{row['unfused_ms_1']:.3f}"
+              f" fused {row['fused_ms_0']:.3f}/{row['fused_ms_1']:.3f}"
               f" +pre {row['fused_with_preactivations_ms_0']:.3f}/{row['fused_with_preactivations_ms_1']:.3f}"
               f" wide {row['fused_wide_ms_0']:.3f}/{row['fused_wide_ms_1']:.3f} (err {row['err_fused_wide']:.1e})")
     for row in result["layers"]:

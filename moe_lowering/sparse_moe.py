@@ -120,14 +120,14 @@ grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 class SwigluResiduals(NamedTuple):
-    """What the fused SwiGLU product's backward keeps; ``gate``/``up`` are ``None`` when recomputed."""
+    """What the fused SwiGLU product's backward keeps: its operands and both pre-activations."""
 
     lhs: jax.Array  # [M, K] rows
     gate_rhs: jax.Array  # [G, K, N]
     up_rhs: jax.Array  # [G, K, N]
     group_sizes: jax.Array
-    gate: jax.Array | None  # [M, N] lhs @ gate_rhs, in the output type
-    up: jax.Array | None  # [M, N] lhs @ up_rhs
+    gate: jax.Array  # [M, N] lhs @ gate_rhs, in the output type
+    up: jax.Array  # [M, N] lhs @ up_rhs
 
 
 def _swiglu_kernel(backend: str):
@@ -135,39 +135,32 @@ def _swiglu_kernel(backend: str):
     return get_backend(backend).swiglu_gmm or swiglu_gmm_reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, backend: str = "auto", group_offset: int = 0,
-                          preferred_element_type=None, recompute_preactivations: bool = False):
+                          preferred_element_type=None):
     """``silu(lhs[r] @ gate[g]) * (lhs[r] @ up[g])`` in one grouped pass; backward on ``gmm``/``tgmm``.
 
     The forward under differentiation also writes the two ``[M, N]`` pre-activations for the
-    backward, unless ``recompute_preactivations`` (two more grouped products in the backward for
-    two ``[M, N]`` residuals less).
+    backward: recomputing them instead (two more grouped products) measured 18-35% slower
+    forward+backward on an H200 and saved no peak memory (``benchmarks/NOTES.md``).
     """
     return _swiglu_kernel(backend)(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
                                    preferred_element_type=preferred_element_type)
 
 
-def _grouped_swiglu_matmul_fwd(lhs, gate_rhs, up_rhs, group_sizes, backend, group_offset, preferred_element_type,
-                               recompute_preactivations):
-    kernel = functools.partial(_swiglu_kernel(backend), lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                               preferred_element_type=preferred_element_type)
-    if recompute_preactivations:
-        return kernel(), SwigluResiduals(lhs, gate_rhs, up_rhs, group_sizes, None, None)
-    out, gate, up = kernel(with_preactivations=True)
+def _grouped_swiglu_matmul_fwd(lhs, gate_rhs, up_rhs, group_sizes, backend, group_offset, preferred_element_type):
+    out, gate, up = _swiglu_kernel(backend)(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                                            preferred_element_type=preferred_element_type, with_preactivations=True)
     return out, SwigluResiduals(lhs, gate_rhs, up_rhs, group_sizes, gate, up)
 
 
-def _grouped_swiglu_matmul_bwd(backend, group_offset, preferred_element_type, recompute_preactivations,
-                               residuals: SwigluResiduals, d_out):
+def _grouped_swiglu_matmul_bwd(backend, group_offset, preferred_element_type, residuals: SwigluResiduals, d_out):
     lhs, gate_rhs, up_rhs, group_sizes, gate, up = residuals
     kernels = get_backend(backend)
-    if gate is None:
-        gate, up = (kernels.gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=d_out.dtype)
-                    for rhs in (gate_rhs, up_rhs))
     d_gate, d_up = swiglu_grads(d_out, gate, up)
     d_lhs_parts = [
-        kernels.gmm(d, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype)
+        kernels.gmm(d, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True,
+                    preferred_element_type=lhs.dtype)
         for d, rhs in ((d_gate, gate_rhs), (d_up, up_rhs))
     ]
     d_lhs = (d_lhs_parts[0].astype(jnp.float32) + d_lhs_parts[1].astype(jnp.float32)).astype(lhs.dtype)

@@ -28,8 +28,8 @@ class KernelBackend:
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
     with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
-    product is measured faster than two ``gmm`` calls and an elementwise pass; ``None`` keeps
-    SwiGLU expert programs unfused.
+    product was measured no slower than two ``gmm`` calls and an elementwise pass (the XLA
+    path on a CPU; not the Triton kernel on an H200); ``None`` keeps SwiGLU programs unfused.
     """
 
     name: str

@@ -21,6 +21,8 @@ def load() -> KernelBackend:
         from moe_lowering.kernels import triton_grouped_matmul
     except ImportError as err:
         raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
+    # No swiglu_gmm: the fused kernel (triton_swiglu_gmm) measured no faster on an H200 at any
+    # benchmark layer, forward or forward+backward (benchmarks/NOTES.md, "Fused SwiGLU").
     return KernelBackend(
         name="triton",
         gmm=sequential_under_vmap(triton_grouped_matmul.gmm),

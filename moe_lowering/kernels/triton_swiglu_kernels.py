@@ -5,8 +5,8 @@ cumulative group sizes, persistent programs, bands of ``GROUP_M`` row tiles, zer
 the local groups). Each tile loads its ``lhs`` block once, multiplies it by the gate and the up
 weight blocks into two float32 accumulators, and stores ``silu(gate) * up``: the two ``[M, N]``
 pre-activations never go through memory, except in ``swiglu_gmm_preactivations_kernel``, which
-also stores them as the backward's residuals. Contract: :mod:`swiglu_gmm`. Only ``triton`` is imported, so the kernel
-also runs under Triton's interpreter on a CPU.
+also stores them as the backward's residuals. Contract: :mod:`swiglu_gmm`. Only ``triton`` is
+imported, so the kernels also run under Triton's interpreter on a CPU.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def _run(kernels, case, k, n, with_preactivations):
     gate_ref = _gmm_interpreter._gmm_reference(lhs, gate, group_sizes, group_offset, False)
     up_ref = _gmm_interpreter._gmm_reference(lhs, up, group_sizes, group_offset, False)
     expected = [_silu(gate_ref) * up_ref, gate_ref, up_ref]
-    return {name: _gmm_interpreter._summary(out, want) for name, out, want in zip(("out", "gate", "up"), outs, expected)}
+    summary = _gmm_interpreter._summary
+    return {name: summary(out, want) for name, out, want in zip(("out", "gate", "up"), outs, expected)}
 
 
 def _interpret_all():
