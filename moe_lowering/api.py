@@ -69,11 +69,15 @@ def _scope_at(scope: ScopeResult, path: str) -> ScopeResult:
     return scope
 
 
-def _not_found_message(report: ExplainReport) -> str:
+def _why_not(report: ExplainReport) -> str:
     if report.near_misses:
         miss = report.near_misses[0]
-        return f"moe_optimize(strict=True): no MoE region to rewrite; routing {miss.routing}: {miss.reason}"
-    return "moe_optimize(strict=True): no MoE region to rewrite; the program has no routing (top_k or argmax)"
+        return f"routing {miss.routing}: {miss.reason}"
+    return "the program has no routing (top_k, argmax or argsort over an expert axis)"
+
+
+def _not_found_message(report: ExplainReport) -> str:
+    return f"moe_optimize(strict=True): no MoE region to rewrite; {_why_not(report)}"
 
 
 def _check_backend(backend: str) -> None:
@@ -167,8 +171,7 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         elif not warned:
             warned.append(True)
             warnings.warn(
-                f"moe_optimize: no MoE region rewritten in {_name(original)}; running it unchanged. "
-                f"{_not_found_message(report).split(': ', 2)[-1]}",
+                f"moe_optimize: no MoE region rewritten in {_name(original)}; running it unchanged. {_why_not(report)}",
                 NoMoeFoundWarning,
                 stacklevel=2,
             )
