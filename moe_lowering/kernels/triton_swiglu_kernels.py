@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_lowering.kernels.triton_gmm_kernels import _band_swizzle, _pick
+from moe_lowering.kernels.triton_gmm_kernels import _group_layout, _outside_rows, _tile_position, _zero_tile
 
 
 @triton.jit
@@ -44,27 +44,17 @@ def _swiglu_gmm_tiles(
     """The body of both kernels below; ``gate_out`` / ``up_out`` are written only with ``STORE_PREACTIVATIONS``."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    group_ids = tl.arange(0, GROUPS_PAD)
-    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
-    offset = tl.load(group_offset_ptr)
-    ends = tl.cumsum(sizes, axis=0)
-    starts = ends - sizes
-    is_local = (group_ids >= offset) & (group_ids < offset + NUM_LOCAL_GROUPS)
-    m_tiles = tl.where(is_local, (sizes + BLOCK_M - 1) // BLOCK_M, 0)
-    tile_ends = tl.cumsum(m_tiles, axis=0) * n_tiles
-    num_tiles = tl.sum(m_tiles, axis=0) * n_tiles
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
 
     in_m = tl.arange(0, BLOCK_M)
     in_n = tl.arange(0, BLOCK_N)
     in_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        group = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)
-        selected = group_ids == group
-        group_start = _pick(starts, selected)
-        group_end = tl.minimum(_pick(ends, selected), M)
-        group_m_tiles = _pick(m_tiles, selected)
-        first_tile = _pick(tile_ends, selected) - group_m_tiles * n_tiles
-        pm, pn = _band_swizzle(tile - first_tile, group_m_tiles, n_tiles, GROUP_M)
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
 
         row0 = group_start + pm * BLOCK_M
         # As in gmm_kernel: rows clamped (never stored past the group), columns masked, so the
@@ -113,21 +103,14 @@ def _swiglu_gmm_tiles(
             tl.store(up_out_ptr + out_offsets, acc_up.to(up_out_ptr.dtype.element_ty), mask=store_mask)
 
     # Rows outside the local groups (before them, after them, dropped rows) are zero.
-    rows_begin = tl.minimum(tl.sum(tl.where(group_ids < offset, sizes, 0), axis=0), M)
-    rows_end = tl.minimum(rows_begin + tl.sum(tl.where(is_local, sizes, 0), axis=0), M)
-    zero_tiles_before = (rows_begin + BLOCK_M - 1) // BLOCK_M
-    zero_tiles_after = (M - rows_end + BLOCK_M - 1) // BLOCK_M
+    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
+        sizes, group_ids, offset, is_local, M, BLOCK_M
+    )
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
     for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
-        zm = tile // n_tiles
-        pn = tile % n_tiles
-        before = zm < zero_tiles_before
-        row0 = tl.where(before, zm * BLOCK_M, rows_end + (zm - zero_tiles_before) * BLOCK_M)
-        row_limit = tl.where(before, rows_begin, M)
-        rows = row0 + in_m
-        cols = pn * BLOCK_N + in_n
-        out_offsets = tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
-        zero_mask = (rows < row_limit)[:, None] & (cols < N)[None, :]
+        out_offsets, zero_mask = _zero_tile(
+            tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N
+        )
         tl.store(out_ptr + out_offsets, zeros, mask=zero_mask)
         if STORE_PREACTIVATIONS:
             tl.store(gate_out_ptr + out_offsets, zeros, mask=zero_mask)
