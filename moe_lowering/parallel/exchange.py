@@ -5,7 +5,7 @@ expert, so the copies bound for expert-parallel rank ``d`` are one contiguous ru
 matrix ``[ep, E]`` (all-gathered group sizes) tells every device, without further
 communication, how many rows each pair of ranks exchanges and in which expert order.
 
-One *round* moves at most ``capacity`` rows from every rank to every rank:
+One *chunk* moves at most ``capacity`` rows from every rank to every rank:
 
 1. dispatch: ``ep`` blocks of ``capacity`` rows (one per peer, gathered from the sorted rows)
    go out; the receiver gets ``ep`` blocks, one per source;
@@ -15,9 +15,12 @@ One *round* moves at most ``capacity`` rows from every rank to every rank:
 3. combine: the reverse transport brings each block home, where every sorted row *gathers* its
    result from the returned blocks (no scatter).
 
-Round 0 is straight-line code, so XLA schedules it like the rest of the layer; further rounds
-run in a ``while_loop`` that takes zero trips unless some pair exceeds ``capacity`` rows. The
-exchange is dropless under any skew, and per-device buffers stay ``ep * capacity`` rows.
+A round is ``chunks`` independent slices of ``capacity`` rows per pair (*chunks*), each
+dispatched, computed and returned on its own, so that XLA's scheduler can run one chunk's
+transport under another chunk's GEMMs. Round 0 is straight-line code, so XLA schedules it like
+the rest of the layer; further rounds run in a ``while_loop`` that takes zero trips unless some
+pair exceeds ``chunks * capacity`` rows. The exchange is dropless under any skew, and per-device
+buffers stay ``ep * capacity`` rows per chunk.
 
 Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one collective per
 direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending block ``s`` to
@@ -51,20 +54,31 @@ TRANSPORTS = ("all_to_all", "ppermute", "ragged")
 
 @dataclass(frozen=True)
 class ExchangeConfig:
-    """Static description of one expert-parallel exchange (hashable: a ``custom_vjp`` nondiff arg)."""
+    """Static description of one expert-parallel exchange (hashable: a ``custom_vjp`` nondiff arg).
+
+    A round moves at most ``chunks * capacity`` rows per (source, destination) pair, as
+    ``chunks`` independent slices of ``capacity`` rows: each slice is dispatched, computed and
+    returned on its own, so XLA can run one slice's transport while another's GEMMs run.
+    """
 
     program: ExpertProgram
     axis_name: str
     ep_size: int
     local_experts: int
-    capacity: int  # rows per (source, destination) pair per round
+    capacity: int  # rows per (source, destination) pair per chunk
+    chunks: int = 1  # chunks per round
     backend: str = "auto"
     transport: str = "all_to_all"
 
+    @property
+    def round_rows(self) -> int:
+        """Rows per (source, destination) pair per round."""
+        return self.chunks * self.capacity
+
 
 @dataclass(frozen=True)
-class _RoundPlan:
-    """Index arithmetic of one round, identical on sender and receiver sides.
+class _ChunkPlan:
+    """Index arithmetic of one chunk, identical on sender and receiver sides.
 
     Blocks: the ``ep`` groups of ``capacity`` slots a rank sends (block ``b`` to rank
     ``dest_of_block(b)``) and receives (block ``b`` from rank ``source_of_block(b)``); the
@@ -72,12 +86,11 @@ class _RoundPlan:
     """
 
     send_index: jax.Array  # [ep, C] my sorted row in slot i of sent block b (num_rows if unused)
-    send_sizes: jax.Array  # [ep] rows I send to rank d this round
+    send_sizes: jax.Array  # [ep] rows I send to rank d in this chunk
     send_offsets: jax.Array  # [ep] first of those rows in my sorted rows
-    recv_sizes: jax.Array  # [ep] rows rank s sends me this round
+    recv_sizes: jax.Array  # [ep] rows rank s sends me in this chunk
     position_of_slot: jax.Array  # [ep * C] received (block, slot) -> position in the expert-sorted buffer
     slot_of_position: jax.Array  # [ep * C] its inverse
-    home_index: jax.Array  # [N] my sorted row -> (block, slot) of its result; ep * C if not in this round
     local_group_sizes: jax.Array  # [E / ep]
     local_expert_of_row: jax.Array  # [ep * C], clipped into range
 
@@ -86,37 +99,33 @@ def _blocks_by_shift(cfg: ExchangeConfig) -> bool:
     return cfg.transport == "ppermute"
 
 
-def _round_plan(counts, round_index, num_rows: int, cfg: ExchangeConfig) -> _RoundPlan:
-    ep, local, capacity = cfg.ep_size, cfg.local_experts, cfg.capacity
+def _run_layout(counts, cfg: ExchangeConfig):
+    """``(me, by_rank [source, destination, local expert], my run starts [ep], my run totals [ep])``."""
     me = jax.lax.axis_index(cfg.axis_name)
+    by_rank = counts.reshape(cfg.ep_size, cfg.ep_size, cfg.local_experts)
+    my_totals = by_rank.sum(axis=2)[me]
+    return me, by_rank, jnp.cumsum(my_totals) - my_totals, my_totals
+
+
+def _chunk_plan(counts, chunk_index, num_rows: int, cfg: ExchangeConfig) -> _ChunkPlan:
+    """Chunk ``chunk_index`` (counted over all rounds) moves slots ``[chunk_index * C, + C)`` of every run."""
+    ep, local, capacity = cfg.ep_size, cfg.local_experts, cfg.capacity
+    me, by_rank, run_starts, my_totals = _run_layout(counts, cfg)
     ranks = jnp.arange(ep, dtype=jnp.int32)
     if _blocks_by_shift(cfg):  # block b goes to me + b and comes from me - b
         dest_of_block, source_of_block = (me + ranks) % ep, (me - ranks) % ep
     else:
         dest_of_block = source_of_block = ranks
-    by_rank = counts.reshape(ep, ep, local)  # [source, destination rank, local expert]
-    pair_totals = by_rank.sum(axis=2)  # [source, destination]
-    window = round_index * capacity
+    window = chunk_index * capacity
     slot = jnp.arange(capacity, dtype=jnp.int32)
 
-    # Sender side: my run for rank d starts at run_starts[d]; this round sends [window, window + C) of it.
-    my_totals = pair_totals[me]
-    run_starts = jnp.cumsum(my_totals) - my_totals
+    # Sender side: my run for rank d starts at run_starts[d]; this chunk sends [window, window + C) of it.
     send_offsets = run_starts + window
     send_sizes = jnp.clip(my_totals - window, 0, capacity)
     send_index = jnp.where(slot[None, :] < send_sizes[:, None], send_offsets[:, None] + slot[None, :], num_rows)
     send_index = send_index[dest_of_block]
-    # Home side: sorted row r (bound for rank d) finds its result in the block sent to d.
-    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
-    dest_of_row = jnp.searchsorted(jnp.cumsum(my_totals), row_ids, side="right").astype(jnp.int32)
-    in_run = dest_of_row < ep
-    dest_clipped = jnp.minimum(dest_of_row, ep - 1)
-    slot_of_row = row_ids - run_starts[dest_clipped] - window
-    block_of_row = (dest_clipped - me) % ep if _blocks_by_shift(cfg) else dest_clipped
-    in_round = in_run & (slot_of_row >= 0) & (slot_of_row < capacity)
-    home_index = jnp.where(in_round, block_of_row * capacity + slot_of_row, ep * capacity).astype(jnp.int32)
 
-    # Receiver side: this round's slice [window, window + C) of each source's expert-ordered run.
+    # Receiver side: this chunk's slice [window, window + C) of each source's expert-ordered run.
     to_me = by_rank[:, me, :]  # [source, local expert]
     recv_sizes = jnp.clip(to_me.sum(axis=1) - window, 0, capacity)
     run_ends = jnp.cumsum(to_me, axis=1)
@@ -142,8 +151,27 @@ def _round_plan(counts, round_index, num_rows: int, cfg: ExchangeConfig) -> _Rou
         jnp.searchsorted(jnp.cumsum(local_group_sizes), positions, side="right"), local - 1
     ).astype(jnp.int32)
     send_offsets = jnp.where(send_sizes > 0, send_offsets, 0)
-    return _RoundPlan(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot, slot_of_position,
-                      home_index, local_group_sizes.astype(jnp.int32), local_expert_of_row)
+    return _ChunkPlan(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot, slot_of_position,
+                      local_group_sizes.astype(jnp.int32), local_expert_of_row)
+
+
+def _home_index(counts, round_index, num_rows: int, cfg: ExchangeConfig):
+    """``[N]``: where my sorted row finds its result among the round's returned chunks.
+
+    The round's chunks come home as one ``[chunks * ep * C]`` buffer (chunk-major, then block,
+    then slot); rows of other rounds point past its end and read zeros.
+    """
+    ep, capacity = cfg.ep_size, cfg.capacity
+    me, _, run_starts, my_totals = _run_layout(counts, cfg)
+    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
+    dest_of_row = jnp.searchsorted(jnp.cumsum(my_totals), row_ids, side="right").astype(jnp.int32)
+    dest_clipped = jnp.minimum(dest_of_row, ep - 1)
+    offset = row_ids - run_starts[dest_clipped] - round_index * cfg.round_rows  # within this round's window
+    in_round = (dest_of_row < ep) & (offset >= 0) & (offset < cfg.round_rows)
+    offset = jnp.clip(offset, 0, cfg.round_rows - 1)
+    block = (dest_clipped - me) % ep if _blocks_by_shift(cfg) else dest_clipped
+    index = (offset // capacity * ep + block) * capacity + offset % capacity
+    return jnp.where(in_round, index, cfg.chunks * ep * capacity).astype(jnp.int32)
 
 
 def _shifted(blocks, shift_sign: int, cfg: ExchangeConfig):
@@ -156,8 +184,8 @@ def _shifted(blocks, shift_sign: int, cfg: ExchangeConfig):
     return jnp.stack(moved)
 
 
-def _dispatch(x, plan: _RoundPlan, cfg: ExchangeConfig):
-    """My sorted rows of this round -> ``[ep * C, ...]`` rows received, in (block, slot) order."""
+def _dispatch(x, plan: _ChunkPlan, cfg: ExchangeConfig):
+    """My sorted rows of this chunk -> ``[ep * C, ...]`` rows received, in (block, slot) order."""
     ep, capacity = cfg.ep_size, cfg.capacity
     if cfg.transport == "ragged":
         me = jax.lax.axis_index(cfg.axis_name)
@@ -173,23 +201,27 @@ def _dispatch(x, plan: _RoundPlan, cfg: ExchangeConfig):
     return received.reshape((ep * capacity,) + x.shape[1:])
 
 
-def _return_rows(y, plan: _RoundPlan, cfg: ExchangeConfig):
-    """Results ``[ep * C, ...]`` in received (block, slot) order -> ``[N, ...]`` at home (zeros off-round)."""
+def _return_blocks(y, plan: _ChunkPlan, cfg: ExchangeConfig):
+    """Results ``[ep * C, ...]`` in received (block, slot) order -> the same for the blocks I sent."""
     ep, capacity = cfg.ep_size, cfg.capacity
     if cfg.transport == "ragged":
         me = jax.lax.axis_index(cfg.axis_name)
         input_offsets = jnp.arange(ep, dtype=jnp.int32) * capacity
-        returned = jax.lax.ragged_all_to_all(y, jnp.zeros_like(y), input_offsets, plan.recv_sizes.astype(jnp.int32),
-                                             jnp.full((ep,), me * capacity, jnp.int32),
-                                             plan.send_sizes.astype(jnp.int32), axis_name=cfg.axis_name)
+        return jax.lax.ragged_all_to_all(y, jnp.zeros_like(y), input_offsets, plan.recv_sizes.astype(jnp.int32),
+                                         jnp.full((ep,), me * capacity, jnp.int32),
+                                         plan.send_sizes.astype(jnp.int32), axis_name=cfg.axis_name)
+    blocks = y.reshape((ep, capacity) + y.shape[1:])
+    if cfg.transport == "ppermute":
+        returned = _shifted(blocks, -1, cfg)
     else:
-        blocks = y.reshape((ep, capacity) + y.shape[1:])
-        if cfg.transport == "ppermute":
-            returned = _shifted(blocks, -1, cfg)
-        else:
-            returned = jax.lax.all_to_all(blocks, cfg.axis_name, 0, 0)
-        returned = returned.reshape(y.shape)
-    return jnp.take(returned, plan.home_index, axis=0, mode="fill", fill_value=0)
+        returned = jax.lax.all_to_all(blocks, cfg.axis_name, 0, 0)
+    return returned.reshape(y.shape)
+
+
+def _gather_home(returned_chunks, home_index):
+    """Each sorted row reads its result from the round's returned chunks (zeros if not in the round)."""
+    returned = jnp.concatenate(returned_chunks) if len(returned_chunks) > 1 else returned_chunks[0]
+    return jnp.take(returned, home_index, axis=0, mode="fill", fill_value=0)
 
 
 def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows, sorted_payloads, params):
@@ -210,47 +242,56 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     return evaluate(cfg.program, values, context, matmul)
 
 
-def _num_rounds(counts, cfg: ExchangeConfig):
+def num_rounds(counts, cfg: ExchangeConfig):
     """Rounds needed for the largest (source, destination) pair; the same on every rank."""
     pair_totals = counts.reshape(cfg.ep_size, cfg.ep_size, cfg.local_experts).sum(axis=2)
-    return (jnp.max(pair_totals) + cfg.capacity - 1) // cfg.capacity
+    return (jnp.max(pair_totals) + cfg.round_rows - 1) // cfg.round_rows
 
 
-def _dispatch_sorted(x, plan: _RoundPlan, cfg: ExchangeConfig):
-    """Rows received this round, sorted by local expert."""
+def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig):
+    """Rows received in this chunk, sorted by local expert."""
     return _dispatch(x, plan, cfg)[plan.slot_of_position]
 
 
+def _chunk_indices(round_index, cfg: ExchangeConfig):
+    return [round_index * cfg.chunks + j for j in range(cfg.chunks)]
+
+
 def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool):
-    """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and the program's vjp if asked."""
-    plan = _round_plan(counts, round_index, rows.shape[0], cfg)
-    sorted_rows = _dispatch_sorted(rows, plan, cfg)
-    sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
-    program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
-    if keep_vjp:
-        result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
-    else:
-        result, vjp = program(sorted_rows, sorted_payloads, params), None
-    out = _return_rows(result.astype(out_dtype)[plan.position_of_slot], plan, cfg)
-    return out, vjp
+    """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and each chunk's vjp if asked."""
+    num_rows = rows.shape[0]
+    returned, vjps = [], []
+    for chunk_index in _chunk_indices(round_index, cfg):
+        plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
+        sorted_rows = _dispatch_sorted(rows, plan, cfg)
+        sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
+        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+        if keep_vjp:
+            result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
+            vjps.append(vjp)
+        else:
+            result = program(sorted_rows, sorted_payloads, params)
+        returned.append(_return_blocks(result.astype(out_dtype)[plan.position_of_slot], plan, cfg))
+    out = _gather_home(returned, _home_index(counts, round_index, num_rows, cfg))
+    return out, tuple(vjps)
 
 
 def _further_rounds(counts, cfg: ExchangeConfig, body, init):
     """``body(round_index, state)`` for rounds 1, 2, ... while the largest pair has rows left (usually none)."""
-    rounds = _num_rounds(counts, cfg)
+    rounds = num_rounds(counts, cfg)
     _, state = jax.lax.while_loop(lambda s: s[0] < rounds, lambda s: (s[0] + 1, body(s[0], s[1])),
                                   (jnp.ones((), jnp.int32), init))
     return state
 
 
 def _forward(cfg: ExchangeConfig, rows, payloads, params, counts, out_dtype, keep_vjp: bool):
-    out, vjp = _round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
+    out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
 
     def body(round_index, out):
         more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_dtype, False)
         return out + more  # rounds cover disjoint rows: exact
 
-    return _further_rounds(counts, cfg, body, out), vjp
+    return _further_rounds(counts, cfg, body, out), vjps
 
 
 def _output_dtype(cfg: ExchangeConfig, rows, payloads, params):
@@ -275,8 +316,8 @@ def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, counts):
 
 
 def _exchange_fwd(cfg, rows, payloads, params, counts):
-    out, vjp = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), True)
-    return out, (rows, payloads, params, counts, vjp)
+    out, vjps = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), True)
+    return out, (rows, payloads, params, counts, vjps)
 
 
 def _add_rounded(total, more):
@@ -286,35 +327,47 @@ def _add_rounded(total, more):
     return (total.astype(jnp.float32) + more.astype(jnp.float32)).astype(total.dtype)
 
 
-def _exchange_bwd(cfg, residuals, d_out):
-    rows, payloads, params, counts, vjp = residuals
+def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloads, params, d_out):
+    """Cotangents of one round: rows and payloads at home, params summed over the round's chunks.
+
+    ``vjps``: the forward's per-chunk vjps (round 0: only the output cotangents travel), or
+    ``None`` to dispatch the rows again and recompute each chunk's program under ``jax.vjp``.
+    """
     num_rows = rows.shape[0]
+    returned_rows, returned_payloads, d_params = [], [[] for _ in payloads], None
+    for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
+        plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
+        if vjps is None:
+            program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+            sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
+            _, vjp = jax.vjp(program, _dispatch_sorted(rows, plan, cfg), sorted_payloads, params)
+        else:
+            vjp = vjps[j]
+        g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg))
+        returned_rows.append(_return_blocks(g_rows.astype(rows.dtype)[plan.position_of_slot], plan, cfg))
+        for returned, g, p in zip(returned_payloads, g_payloads, payloads):
+            returned.append(_return_blocks(g.astype(p.dtype)[plan.position_of_slot], plan, cfg))
+        if d_params is None:
+            d_params = tuple(g.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else None
+                             for g, p in zip(g_params, params))
+        else:
+            d_params = tuple(_add_rounded(a, g) for a, g in zip(d_params, g_params))
+    home = _home_index(counts, round_index, num_rows, cfg)
+    return _gather_home(returned_rows, home), tuple(_gather_home(r, home) for r in returned_payloads), d_params
 
-    def returned_grads(plan, g_rows, g_payloads):
-        d_rows = _return_rows(g_rows.astype(rows.dtype)[plan.position_of_slot], plan, cfg)
-        d_payloads = tuple(_return_rows(g.astype(p.dtype)[plan.position_of_slot], plan, cfg)
-                           for g, p in zip(g_payloads, payloads))
-        return d_rows, d_payloads
 
-    # Round 0: the forward's residuals; only the output cotangents travel.
-    plan = _round_plan(counts, 0, num_rows, cfg)
-    g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg))
-    d_rows, d_payloads = returned_grads(plan, g_rows, g_payloads)
-    d_params = tuple(g.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else None
-                     for g, p in zip(g_params, params))
+def _exchange_bwd(cfg, residuals, d_out):
+    rows, payloads, params, counts, vjps = residuals
+    state = _round_backward(cfg, counts, 0, vjps, rows, payloads, params, d_out)
 
     def body(round_index, state):
         d_rows, d_payloads, d_params = state
-        plan = _round_plan(counts, round_index, num_rows, cfg)
-        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
-        sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
-        _, round_vjp = jax.vjp(program, _dispatch_sorted(rows, plan, cfg), sorted_payloads, params)
-        g_rows, g_payloads, g_params = round_vjp(_dispatch_sorted(d_out, plan, cfg))
-        more_rows, more_payloads = returned_grads(plan, g_rows, g_payloads)
+        more_rows, more_payloads, more_params = _round_backward(cfg, counts, round_index, None, rows, payloads,
+                                                                params, d_out)
         return (d_rows + more_rows, tuple(a + b for a, b in zip(d_payloads, more_payloads)),
-                tuple(_add_rounded(a, g) for a, g in zip(d_params, g_params)))
+                tuple(_add_rounded(a, g) for a, g in zip(d_params, more_params)))
 
-    d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, (d_rows, d_payloads, d_params))
+    d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, state)
     return d_rows, d_payloads, d_params, None
 
 
@@ -328,4 +381,6 @@ def exchange_config(**kwargs: Any) -> ExchangeConfig:
         raise ValueError(f"exchange transport must be one of {TRANSPORTS}, got {cfg.transport!r}")
     if cfg.capacity <= 0:
         raise ValueError(f"exchange capacity must be positive, got {cfg.capacity}")
+    if not isinstance(cfg.chunks, int) or cfg.chunks <= 0:
+        raise ValueError(f"exchange chunks must be a positive integer, got {cfg.chunks!r}")
     return cfg

@@ -27,7 +27,7 @@ from moe_lowering.parallel.capacity import (
     expert_capacity,
     local_expert_counts,
 )
-from moe_lowering.parallel.exchange import TRANSPORTS, exchange_config, exchange_expert_rows
+from moe_lowering.parallel.exchange import TRANSPORTS, exchange_config, exchange_expert_rows, num_rounds
 from moe_lowering.parallel.layout import Layout
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight
 from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # Rows per (source, destination) pair per exchange round, relative to a perfectly balanced
 # split: random routing over-fills some pairs by a few percent, so 1.25 keeps it to one round.
 EXCHANGE_SLACK = 1.25
+# Chunks per exchange round (see :mod:`exchange`): more chunks hide more of the transport under
+# the GEMMs but re-read the local expert weights once per chunk.
+EXCHANGE_CHUNKS = 1
 
 _EXPERT_INDEXED = (ParamKind.EXPERT_WEIGHT, ParamKind.PER_EXPERT)
 
@@ -107,7 +110,8 @@ def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSp
 def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
                        num_experts: int, layout: Layout, backend: str = "auto", capacity_factor: float | None = None,
                        weight_gather_quant: str | None = None, exchange_transport: str = "all_to_all",
-                       exchange_capacity: int | None = None, return_stats: bool = False):
+                       exchange_capacity: int | None = None, exchange_chunks: int | None = None,
+                       return_stats: bool = False):
     """``sparse_moe`` over ``layout.mesh``: same result (up to float reordering), callable inside ``jit``.
 
     ``capacity_factor``: drop copies beyond ``ceil(factor * T * k / E)`` per expert (see
@@ -116,7 +120,9 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     token rows travel, one of ``TRANSPORTS`` (``"ragged"``, ``jax.lax.ragged_all_to_all``, is
     not implemented on XLA:CPU; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
     rows per (source, destination) pair per round (default: the balanced share times
-    ``EXCHANGE_SLACK``). With ``return_stats`` the result is ``(out, ShardedMoEStats)``.
+    ``EXCHANGE_SLACK``). ``exchange_chunks``: independent slices per round, so one slice's
+    transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
+    ``return_stats`` the result is ``(out, ShardedMoEStats)``.
     """
     params = tuple(params)
     _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
@@ -134,9 +140,13 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     local_tokens = (num_tokens + pad) // num_slices
     ep = layout.expert_parallel_size
     capacity = None if capacity_factor is None else expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+    chunks = EXCHANGE_CHUNKS if exchange_chunks is None else exchange_chunks
+    if not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
     rows_per_pair = exchange_capacity or max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
-    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange capacity %d rows/pair/round, expert capacity %s",
-             layout.describe(), local_tokens, rows_per_pair, capacity)
+    rows_per_chunk = -(-rows_per_pair // chunks)
+    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange %d chunk(s) of %d rows/pair/round, "
+             "expert capacity %s", layout.describe(), local_tokens, chunks, rows_per_chunk, capacity)
 
     if pad:
         log.info("sharded_sparse_moe: padding %d tokens to a multiple of %d devices", pad, num_slices)
@@ -154,7 +164,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     cfg = None
     if ep > 1:
         cfg = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
-                              local_experts=layout.local_experts, capacity=rows_per_pair,
+                              local_experts=layout.local_experts, capacity=rows_per_chunk, chunks=chunks,
                               backend=backend, transport=exchange_transport)
 
     def local_moe(tokens, expert_indices, expert_weights, *params):
@@ -176,8 +186,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
                              for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
             counts = jax.lax.all_gather(routing.group_sizes, layout.expert_axis)
             out_rows = exchange_expert_rows(cfg, rows, payloads, params, counts)
-            pair_totals = counts.reshape(ep, ep, layout.local_experts).sum(axis=2)
-            rounds = (jnp.max(pair_totals) + rows_per_pair - 1) // rows_per_pair
+            rounds = num_rounds(counts, cfg)
         out = combine(out_rows, expert_weights, routing)
         stats = ShardedMoEStats(dropped_copies=jax.lax.psum(dropped, axes), exchange_rounds=jax.lax.pmax(rounds, axes))
         return out, stats

@@ -271,3 +271,33 @@ def test_bad_arguments_raise():
     tokens, indices, weights, params = random_case(9, num_tokens=64, d_model=32, d_ff=32, num_experts=E, top_k=2)
     with pytest.raises(ValueError, match="mxfp8"):  # w1's local K shard is 32 / 2 = 16: no whole 1x32 block
         sharded(layout, indices, program, weight_gather_quant="mxfp8")(tokens, weights, params)
+
+
+@pytest.mark.parametrize("mesh_name, exchange_chunks, exchange_capacity, skew_to", [
+    ("expert8", 2, None, None),  # one round of two chunks
+    ("fsdp2_expert4", 3, 7, None),  # chunks of 3 rows (the last one short of 7), several rounds
+    ("fsdp2_expert4", 2, None, 0),  # every copy to rank 0: the while_loop over rounds of chunks
+])
+def test_chunked_exchange(mesh_name, exchange_chunks, exchange_capacity, skew_to):
+    layout = make_layout(mesh_name, expert_bias=True)
+    tokens, indices, weights, params, cotangent = case(11, num_tokens=128, skew_to=skew_to)
+    program = swiglu_program(expert_bias=True, token_scale=True)
+    kwargs = dict(exchange_chunks=exchange_chunks, exchange_capacity=exchange_capacity)
+    moe = sharded(layout, indices, program, **kwargs)
+    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, params, cotangent)
+    assert_close(got, want, 1e-5)
+    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
+    assert len(collectives(hlo, "all-to-all")) >= 2 * exchange_chunks  # each chunk out and back on its own
+    _, stats = jax.jit(sharded(layout, indices, program, return_stats=True, **kwargs))(tokens, weights, params)
+    if exchange_capacity is not None or skew_to is not None:
+        assert int(stats.exchange_rounds) >= 2
+
+
+@pytest.mark.parametrize("chunks", [0, -1, 1.5])
+def test_bad_exchange_chunks(chunks):
+    layout = make_layout("expert8")
+    tokens, indices, weights, params, _ = case(12, expert_bias=False, token_scale=False)
+    with pytest.raises(ValueError, match="exchange_chunks must be a positive integer"):
+        sharded(layout, indices, swiglu_program(), exchange_chunks=chunks)(tokens, weights, params)
