@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
-# (tests, sweep, bench, bench-small, swiglu, swiglu-tests), each logging under $OUT. Run from the repository root with
+# (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -19,6 +19,8 @@ for step in "$@"; do
     swiglu) timeout 420 python3 benchmarks/swiglu_fusion.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_fusion.log" | tail -16 ;;
     swiglu-tests) timeout 150 python3 -m pytest tests/gpu/test_triton_swiglu_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_swiglu_tests.log" | tail -8 ;;
+    overlap) timeout 560 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --deadline 480 2>&1 \
+      | tee "$OUT/ep_overlap.log" | tail -75 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

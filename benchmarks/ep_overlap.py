@@ -1,0 +1,372 @@
+"""Does the EP layer hide its token exchange under the grouped GEMMs? Chunked exchange on 1, 2 and 4 GPUs.
+
+The sharded sparse layer is ``route + sort -> dispatch -> GEMMs -> return -> combine``; with
+``exchange_chunks=c`` each round is ``c`` independent slices, so XLA may run one slice's
+all-to-all while another slice's GEMMs run. Whether it does depends on XLA's scheduler and on
+the GEMM leaving multiprocessors for NCCL's kernels (the Triton GEMMs are persistent: one
+program per multiprocessor). Measured, in one process, per layer (Mixtral-like, DeepSeek-like)
+and mesh (1 GPU, EP=4, EP=2):
+
+* the dense reference (XLA-partitioned from the same shardings) and the grouped GEMMs alone on
+  one device's balanced share (the floor of the EP layer);
+* the sparse layer for chunks x GEMM grid (``all``: one program per multiprocessor; ``margin``:
+  ``--margin`` multiprocessors left free; ``tiles``: one program per tile, not persistent) x
+  XLA's latency-hiding scheduler as compiled by default / forced on;
+* forward + backward at EP=4 for the best forward variants;
+* ``--profile``: a ``jax.profiler`` trace of chosen variants, summarised per GPU stream (busy
+  time, NCCL time, NCCL time that overlaps a compute kernel) with ``jax.profiler.ProfileData``.
+
+Rows go to ``ep_overlap_<device>_<date>.json`` as they are measured. ``--smoke`` runs tiny shapes
+on 8 host CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ep_bench  # noqa: E402  (sets up sys.path and, with --smoke, the host devices)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from ep_bench import CONFIGS, Bench, LayerBench, bench_gemm_only, make_mesh, with_grad  # noqa: E402
+from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe  # noqa: E402
+
+log = logging.getLogger("ep_overlap")
+
+LHS_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+@contextlib.contextmanager
+def gemm_grid(mode: str, margin: int):
+    """Trace the Triton GEMMs with ``mode``: ``all``, ``margin`` (SMs left free) or ``tiles`` (not persistent)."""
+    if mode == "all" or jax.devices()[0].platform != "gpu":
+        yield
+        return
+    from moe_lowering.kernels import triton_grouped_matmul as tgm
+
+    saved = tgm._multiprocessor_count, tgm.gmm_config, tgm.tgmm_config
+    if mode == "margin":
+        count = saved[0]() - margin
+        tgm._multiprocessor_count = lambda: count
+    else:
+        tgm.gmm_config = lambda *a: dataclasses.replace(saved[1](*a), persistent=False)
+        tgm.tgmm_config = lambda *a: dataclasses.replace(saved[2](*a), persistent=False)
+    try:
+        yield
+    finally:
+        tgm._multiprocessor_count, tgm.gmm_config, tgm.tgmm_config = saved
+
+
+@contextlib.contextmanager
+def overflow_loop(mode: str):
+    """Trace the exchange with its overflow ``while_loop`` as is (``after``), issued before round 0
+    (``first``: its state no longer depends on round 0), or left out (``none``: a diagnostic, wrong
+    for skewed routing; it measures what the loop costs)."""
+    if mode == "after":
+        yield
+        return
+    saved = exchange._forward, exchange._further_rounds
+    if mode == "none":
+        exchange._further_rounds = lambda counts, cfg, body, init: init
+    else:
+        def forward_loop_first(cfg, rows, payloads, params, counts, out_dtype, keep_vjp):
+            def body(round_index, out):
+                more, _ = exchange._round_forward(cfg, counts, round_index, rows, payloads, params, out_dtype, False)
+                return out + more
+            shape = jax.eval_shape(lambda: exchange._round_forward(cfg, counts, 0, rows, payloads, params, out_dtype,
+                                                                   False)[0])
+            extra = exchange._further_rounds(counts, cfg, body, jnp.zeros(shape.shape, shape.dtype))
+            out, vjps = exchange._round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
+            return out + extra, vjps
+        exchange._forward = forward_loop_first
+    try:
+        yield
+    finally:
+        exchange._forward, exchange._further_rounds = saved
+
+
+def timed(bench: Bench, fn, args, lhs: bool):
+    """``(ms per call with a host sync, ms per call back to back, the compiled fn)``."""
+    compiled = fn.lower(*args).compile(compiler_options=LHS_OPTIONS) if lhs else fn.lower(*args).compile()
+    return bench.time_ms(compiled, *args), bench.time_back_to_back_ms(compiled, *args), compiled
+
+
+class Overlap:
+    def __init__(self, bench: Bench, cfg, margin: int, out_dir: Path):
+        self.bench, self.cfg, self.margin, self.out_dir = bench, cfg, margin, out_dir
+        self.layer = LayerBench(bench, cfg)
+        self.dense_ms: dict[str, float] = {}
+
+    def mesh_args(self, ep: int):
+        mesh = make_mesh((ep,), ("expert",))
+        specs = [P("expert")] * 3
+        args = self.layer.sharded_args(mesh, P("expert"), specs)
+        return mesh, specs, args
+
+    def sparse_fn(self, layout, chunks: int, transport: str = "all_to_all"):
+        cfg, program = self.cfg, self.layer.program
+        return jax.jit(lambda t, i, w, p: sharded_sparse_moe(
+            t, i, w, p, program, num_experts=cfg.E, layout=layout, backend=self.bench.backend,
+            exchange_transport=transport, exchange_chunks=chunks))
+
+    def row(self, **row):
+        key = (row["mesh"], row["pass"])
+        if row["impl"] == "dense":
+            self.dense_ms[key] = (row["ms"], row.get("ms_b2b"))
+        elif key in self.dense_ms:
+            dense_ms, dense_b2b = self.dense_ms[key]
+            row["speedup_vs_dense_same_mesh"] = dense_ms / row["ms"]
+            if dense_b2b and row.get("ms_b2b"):
+                row["speedup_b2b"] = dense_b2b / row["ms_b2b"]
+        if row["pass"] == "fwd":
+            row["useful_TFLOPs"] = self.cfg.useful_flops() / (row["ms"] * 1e-3) / 1e12
+        return {"kind": "overlap", "config": self.cfg.name, **row}
+
+    def single(self, impl: str, fwd_bwd: bool = False):
+        layer, cfg = self.layer, self.cfg
+        if fwd_bwd:
+            if impl == "dense":
+                fn = jax.jit(with_grad(lambda t, p: ep_bench.dense_layer(t, layer.indices, layer.weights, p, cfg.E)))
+            else:
+                single = layer.sparse_single(self.bench.backend)
+                fn = jax.jit(with_grad(lambda t, p: single(t, layer.indices, layer.weights, p)))
+            args = (layer.tokens, layer.params, layer.cotangent)
+        else:
+            fn = (jax.jit(lambda t, i, w, p: ep_bench.dense_layer(t, i, w, p, cfg.E)) if impl == "dense"
+                  else jax.jit(layer.sparse_single(self.bench.backend)))
+            args = (layer.tokens, layer.indices, layer.weights, layer.params)
+        ms, ms_b2b, fn = timed(self.bench, fn, args, False)
+        if impl == "sparse" and not fwd_bwd:
+            layer.reference = fn(*args)
+        return self.row(impl=impl, mesh="1gpu", **{"pass": "fwdbwd" if fwd_bwd else "fwd"}, ms=ms, ms_b2b=ms_b2b)
+
+    def dense(self, ep: int, fwd_bwd: bool = False):
+        cfg, layer = self.cfg, self.layer
+        mesh, _, (tokens, indices, weights, params) = self.mesh_args(ep)
+        if fwd_bwd:
+            cotangent = jax.device_put(layer.cotangent, NamedSharding(mesh, P("expert")))
+            fn = jax.jit(with_grad(lambda t, p: ep_bench.dense_layer(t, indices, weights, p, cfg.E)))
+            args = (tokens, params, cotangent)
+        else:
+            fn = jax.jit(lambda t, i, w, p: ep_bench.dense_layer(t, i, w, p, cfg.E),
+                         out_shardings=NamedSharding(mesh, P("expert")))
+            args = (tokens, indices, weights, params)
+        ms, ms_b2b, _ = timed(self.bench, fn, args, False)
+        return self.row(impl="dense", mesh=f"ep{ep}", **{"pass": "fwdbwd" if fwd_bwd else "fwd"}, ms=ms,
+                        ms_b2b=ms_b2b)
+
+    def sparse(self, ep: int, chunks: int, grid: str, lhs: bool, fwd_bwd: bool = False,
+               transport: str = "all_to_all", profile: bool = False, loop: str = "after"):
+        cfg, layer = self.cfg, self.layer
+        mesh, specs, (tokens, indices, weights, params) = self.mesh_args(ep)
+        layout = plan_layout(mesh, P("expert"), specs, cfg.E)
+        with gemm_grid(grid, self.margin), overflow_loop(loop):
+            if fwd_bwd:
+                cotangent = jax.device_put(layer.cotangent, NamedSharding(mesh, P("expert")))
+                program = layer.program
+
+                def loss_fn(t, p):
+                    return sharded_sparse_moe(t, indices, weights, p, program, num_experts=cfg.E, layout=layout,
+                                              backend=self.bench.backend, exchange_transport=transport,
+                                              exchange_chunks=chunks)
+                fn = jax.jit(with_grad(loss_fn))
+                args = (tokens, params, cotangent)
+            else:
+                fn = self.sparse_fn(layout, chunks, transport)
+                args = (tokens, indices, weights, params)
+            ms, ms_b2b, compiled = timed(self.bench, fn, args, lhs)
+        row = dict(impl="sparse", mesh=f"ep{ep}", ms=ms, ms_b2b=ms_b2b, chunks=chunks, grid=grid, lhs=lhs,
+                   loop=loop, transport=transport, **{"pass": "fwdbwd" if fwd_bwd else "fwd"})
+        if not fwd_bwd and layer.reference is not None:
+            row["rel_err_vs_1gpu_sparse"] = ep_bench.rel_err(compiled(*args), layer.reference)
+        if profile:
+            row["profile"] = profile_summary(compiled, args, self.out_dir / f"trace_{cfg.name}_ep{ep}_c{chunks}_{grid}")
+        return self.row(**row)
+
+    def gemm_only(self, ep: int):
+        row = bench_gemm_only(self.bench, self.cfg, ep)
+        return self.row(impl="gemm_only", mesh=f"ep{ep}", ms=row["fwd_ms"], **{"pass": "fwd"})
+
+
+# ---------------------------------------------------------------------------------------------
+# profile summary
+
+
+def _union(intervals):
+    merged = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _intersection(a, b) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def profile_summary(fn, args, trace_dir: Path, steps: int = 3) -> dict:
+    """Per-step GPU:0 kernel time by stream, NCCL vs compute, and how much NCCL time overlaps compute."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(steps):
+            jax.block_until_ready(fn(*args))
+    paths = sorted(trace_dir.rglob("*.xplane.pb"))
+    if not paths:
+        return {"error": f"no xplane.pb under {trace_dir}"}
+    data = ProfileData.from_file(str(paths[-1]))
+    plane = next((p for p in data.planes if p.name.endswith("GPU:0")), None)
+    if plane is None:
+        return {"error": "no GPU:0 plane", "planes": [p.name for p in data.planes]}
+    nccl, compute, streams, kernels = [], [], {}, {}
+    first, last = float("inf"), 0.0
+    for line in plane.lines:
+        if not line.name.startswith("Stream"):
+            continue
+        for event in line.events:
+            start, end = event.start_ns, event.start_ns + event.duration_ns
+            first, last = min(first, start), max(last, end)
+            is_nccl = "nccl" in event.name.lower()
+            (nccl if is_nccl else compute).append((start, end))
+            stream = streams.setdefault(line.name, {"busy_ms": 0.0, "nccl_ms": 0.0, "events": 0})
+            stream["busy_ms"] += event.duration_ns / 1e6 / steps
+            stream["nccl_ms"] += event.duration_ns / 1e6 / steps if is_nccl else 0.0
+            stream["events"] += 1
+            kernels[event.name[:80]] = kernels.get(event.name[:80], 0.0) + event.duration_ns / 1e6 / steps
+    nccl_u, compute_u = _union(nccl), _union(compute)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "window_ms_per_step": (last - first) / 1e6 / steps,
+        "compute_ms": _length(compute_u) / 1e6 / steps,
+        "nccl_ms": _length(nccl_u) / 1e6 / steps,
+        "nccl_overlapping_compute_ms": _intersection(nccl_u, compute_u) / 1e6 / steps,
+        **_guarded(_idle_gaps, plane, steps),
+        "lines": [line.name for line in plane.lines],
+        "streams": streams,
+        "top_kernels_ms": {name: round(ms, 4) for name, ms in top},
+    }
+
+
+def _guarded(summary, *args) -> dict:
+    try:
+        return summary(*args)
+    except Exception as err:  # a summary that fails must not lose the timing it belongs to
+        return {f"{summary.__name__}_error": f"{type(err).__name__}: {err}"}
+
+
+def _idle_gaps(plane, steps: int) -> dict:
+    """Where GPU:0 runs no kernel at all: the ``steps - 1`` widest gaps split the steps; the rest
+    are idle time inside a step, listed with the kernels on either side."""
+    events = sorted((e.start_ns, e.start_ns + e.duration_ns, e.name[:60]) for line in plane.lines
+                    if line.name.startswith("Stream") for e in line.events)
+    gaps, reach, before = [], None, None
+    for start, end, name in events:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, before, name, start))
+        if reach is None or end > reach:
+            reach, before = end, name
+    gaps.sort(reverse=True)
+    between, inside = gaps[: steps - 1], gaps[steps - 1:]
+    return {
+        "idle_between_steps_ms": [g[0] / 1e6 for g in between],
+        "idle_inside_steps_ms": sum(g[0] for g in inside) / 1e6 / steps,
+        "idle_gaps_over_5us": sum(1 for g in inside if g[0] > 5e3) / steps,
+        "widest_inside_gaps": [{"us": round(g[0] / 1e3, 1), "after": g[1], "before": g[2]} for g in inside[:15]],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and traces")
+    parser.add_argument("--deadline", type=float, default=420.0, help="seconds; later measurements are skipped")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--margin", type=int, default=16, help="multiprocessors left free in the 'margin' grid")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--grids", nargs="+", default=["all"], choices=["all", "margin", "tiles"])
+    parser.add_argument("--loops", nargs="+", default=["after", "first", "none"], choices=["after", "first", "none"])
+    parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"])
+    parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kind = jax.devices()[0].device_kind.replace(" ", "_")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    bench = Bench(out_dir / f"ep_overlap_{'smoke_' if args.smoke else ''}{kind}_{stamp}.json", args.deadline,
+                  args.reps)
+    configs = [CONFIGS["smoke"]] if args.smoke else [CONFIGS[c] for c in args.configs]
+    eps = [e for e in (4, 2) if e <= jax.device_count()]
+    lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else (False, True)
+    trace_root = Path(tempfile.mkdtemp()) if args.smoke else out_dir
+
+    for cfg in configs:
+        run = Overlap(bench, cfg, args.margin, trace_root)
+        bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse"))
+        bench.run(f"{cfg.name} 1gpu dense", lambda: run.single("dense"))
+        for ep in eps:
+            bench.run(f"{cfg.name} ep{ep} gemm-only", lambda: run.gemm_only(ep))
+            bench.run(f"{cfg.name} ep{ep} dense", lambda: run.dense(ep))
+            for loop in args.loops:
+                for chunks in args.chunks:
+                    for grid in args.grids:
+                        for lhs in lhs_variants:
+                            bench.run(f"{cfg.name} ep{ep} sparse c{chunks} {grid} lhs={lhs} loop={loop}",
+                                      lambda: run.sparse(ep, chunks, grid, lhs, loop=loop))
+            if ep != eps[0]:
+                continue
+            bench.run(f"{cfg.name} 1gpu dense fwdbwd", lambda: run.single("dense", fwd_bwd=True), min_left=60)
+            bench.run(f"{cfg.name} 1gpu sparse fwdbwd", lambda: run.single("sparse", fwd_bwd=True), min_left=60)
+            bench.run(f"{cfg.name} ep{ep} dense fwdbwd", lambda: run.dense(ep, fwd_bwd=True), min_left=60)
+            for loop in args.loops:
+                if loop != "first":  # the forward-only variant
+                    bench.run(f"{cfg.name} ep{ep} sparse fwdbwd c1 loop={loop}",
+                              lambda: run.sparse(ep, 1, "all", False, True, loop=loop), min_left=60)
+            if args.profile:
+                for loop in args.loops:
+                    bench.run(f"{cfg.name} ep{ep} profile c1 loop={loop}",
+                              lambda: run.sparse(ep, 1, "all", False, profile=True, loop=loop), min_left=40)
+        del run
+    log.info("wrote %s; skipped: %s", bench.out_path, bench.doc["skipped"])
+    ep_bench._print_table(bench.doc["rows"])
+    for row in bench.doc["rows"]:
+        if "profile" in row:
+            prof = row["profile"]
+            print(row["name"], {k: (round(v, 3) if isinstance(v, float) else v) for k, v in prof.items()
+                                if k not in ("streams", "top_kernels_ms", "widest_inside_gaps", "lines")})
+            for gap in prof.get("widest_inside_gaps", [])[:8]:
+                print("    ", gap)
+
+
+if __name__ == "__main__":
+    main()
