@@ -608,7 +608,7 @@ def main(argv=None):
 
 def _print_table(rows):
     keys = ("name", "fwd_ms", "fwdbwd_ms", "ms", "ms_b2b", "GBps", "GBps_wire", "GBps_useful",
-            "speedup_vs_dense_same_mesh", "speedup_b2b",
+            "speedup_vs_dense_same_mesh", "speedup_b2b", "nccl_kernel_ms", "GBps_sync", "GBps_b2b", "GBps_nccl_kernels",
             "rel_err_vs_1gpu_sparse", "rel_err_grads_vs_first_sharded", "rounds", "error")
     for row in rows:
         cells = [f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"

@@ -200,6 +200,49 @@ class Overlap:
 
 
 # ---------------------------------------------------------------------------------------------
+# token exchange bandwidth, three ways
+
+
+def exchange_bandwidth(bench: Bench, cfg, ep: int, what: str, out_dir: Path, dump_hlo: bool = False) -> dict:
+    """The exchange alone (``what="exchange"``: identity expert program, permute, dispatch, return,
+    combine) or one bare ``all_to_all`` of the same padded dispatch buffer (``"bare"``).
+
+    GB/s are wire bytes leaving each device (padding included, both directions for the exchange)
+    over: the wall time of one call with a host sync (includes dispatching the 4-device program),
+    the time per call issued back to back, and the NCCL kernels' own time in a profile (which
+    still includes any wait for the slowest peer).
+    """
+    mesh = make_mesh((ep,), ("expert",))
+    sharding = NamedSharding(mesh, P("expert"))
+    capacity = -(-cfg.T // ep * cfg.k // ep * 5 // 4)
+    row_bytes = cfg.d * 2
+    if what == "bare":
+        buf = jax.device_put(jax.random.normal(jax.random.key(1), (ep * ep, capacity, cfg.d), jnp.bfloat16), sharding)
+        fn = jax.jit(ep_bench.shard_map(lambda x: jax.lax.all_to_all(x, "expert", 0, 0), mesh=mesh,
+                                        in_specs=P("expert"), out_specs=P("expert")))
+        args = (buf,)
+        wire = (ep - 1) * capacity * row_bytes
+    else:
+        layout = ep_bench.exchange_layout(mesh, cfg.E)
+        tokens, indices, weights, _, _ = ep_bench.make_layer_data(cfg)
+        args = tuple(jax.device_put(a, sharding) for a in (tokens, indices, weights))
+        fn = jax.jit(lambda t, i, w: sharded_sparse_moe(t, i, w, (), ep_bench.IDENTITY, num_experts=cfg.E,
+                                                        layout=layout))
+        wire = 2 * (ep - 1) * capacity * row_bytes
+    ms, ms_b2b, compiled = timed(bench, fn, args, False)
+    prof = profile_summary(compiled, args, out_dir / f"trace_{what}_{cfg.name}_ep{ep}")
+    row = {"kind": "exchange_bw", "config": cfg.name, "ep": ep, "what": what, "wire_bytes_per_device": wire,
+           "ms": ms, "ms_b2b": ms_b2b, "nccl_kernel_ms": prof.get("nccl_ms"),
+           "GBps_sync": wire / (ms * 1e-3) / 1e9, "GBps_b2b": wire / (ms_b2b * 1e-3) / 1e9,
+           "profile": prof}
+    if prof.get("nccl_ms"):
+        row["GBps_nccl_kernels"] = wire / (prof["nccl_ms"] * 1e-3) / 1e9
+    if dump_hlo:
+        (out_dir / f"hlo_{what}_{cfg.name}_ep{ep}.txt").write_text(compiled.as_text())
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
 # profile summary
 
 
@@ -316,6 +359,9 @@ def main(argv=None):
     parser.add_argument("--loops", nargs="+", default=["after", "first", "none"], choices=["after", "first", "none"])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"])
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
+    parser.add_argument("--exchange-only", action="store_true",
+                        help="only the token exchange's bandwidth (and the layer HLO with --dump-hlo)")
+    parser.add_argument("--dump-hlo", action="store_true", help="write the compiled HLO of the EP=4 layer")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
@@ -330,6 +376,21 @@ def main(argv=None):
     lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else (False, True)
     trace_root = Path(tempfile.mkdtemp()) if args.smoke else out_dir
 
+    if args.exchange_only:
+        wide = CONFIGS["smoke"] if args.smoke else CONFIGS["deepseek"]
+        for cfg in ([wide] if args.smoke else [wide, CONFIGS["mixtral"]]):
+            for ep in eps:
+                for what in ("bare", "exchange"):
+                    bench.run(f"{what} {cfg.name} ep{ep}", lambda: exchange_bandwidth(bench, cfg, ep, what, trace_root))
+        if args.dump_hlo:
+            for cfg in configs:
+                run = Overlap(bench, cfg, args.margin, trace_root)
+                mesh, specs, layer_args = run.mesh_args(eps[0])
+                layout = plan_layout(mesh, P("expert"), specs, cfg.E)
+                hlo = run.sparse_fn(layout, 1).lower(*layer_args).compile().as_text()
+                (out_dir / f"hlo_layer_{cfg.name}_ep{eps[0]}.txt").write_text(hlo)
+                del run
+        configs = []
     for cfg in configs:
         run = Overlap(bench, cfg, args.margin, trace_root)
         bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse"))
@@ -366,6 +427,8 @@ def main(argv=None):
                                 if k not in ("streams", "top_kernels_ms", "widest_inside_gaps", "lines")})
             for gap in prof.get("widest_inside_gaps", [])[:8]:
                 print("    ", gap)
+            for name, ms in list(prof.get("top_kernels_ms", {}).items())[:12]:
+                print("      %.4f %s" % (ms, name))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Times the FP8-weight grouped GEMM (W8A16) against bf16 weights, at Mixtral- and DeepSeek-like shapes.
+
+Per shape (rows routed to the local groups by uniform random choice) and quant format:
+
+* ``bf16_gmm``: the bf16 Triton ``gmm`` (``triton_grouped_matmul``) on bf16 weights;
+* ``dequantize_then_gmm``: ``dequantize_blocks`` to bf16, then that ``gmm`` (what the FP8 FSDP
+  gather feeds the experts today);
+* ``fp8_gmm``: the Triton ``fp8_gmm`` (``triton_fp8_gmm``) on the FP8 values and scales, with the
+  tile its table picks and with each candidate tile, since that table is not measured yet.
+
+Each row: median ms over ``--reps`` after a warm-up, TFLOP/s (``2 * rows * K * N``) and, for
+``fp8_gmm``, the relative (Frobenius) error against ``dequantize_then_gmm``, which computes the
+same dequantised product. Writes ``fp8_gmm_bench_<device>_<date>.json`` under ``--out``. Needs a
+CUDA GPU with jax_triton; ``--help`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_layer import _time_ms  # noqa: E402
+
+# name: (rows, K, N, local groups)
+SHAPES = {
+    "mixtral-4096-rows-2-groups": (4096, 4096, 14336, 2),
+    "mixtral-4096-rows-4-groups": (4096, 4096, 14336, 4),
+    "mixtral-8192-rows-2-groups": (8192, 4096, 14336, 2),
+    "mixtral-8192-rows-4-groups": (8192, 4096, 14336, 4),
+    "deepseek-8192-rows-64-groups": (8192, 7168, 2048, 64),
+}
+# Tiles tried for fp8_gmm beside the table's pick (block_k is capped at the scale block, 32 for mxfp8).
+CANDIDATES = {
+    "128x128x64s3": dict(block_m=128, block_n=128, block_k=64, num_stages=3),
+    "128x128x64s4": dict(block_m=128, block_n=128, block_k=64, num_stages=4),
+    "128x256x64s3": dict(block_m=128, block_n=256, block_k=64, num_stages=3),
+    "128x128x128s3": dict(block_m=128, block_n=128, block_k=128, num_stages=3),
+    "64x128x64s4": dict(block_m=64, block_n=128, block_k=64, num_stages=4),
+}
+
+
+def _relative_error(actual, expected) -> float:
+    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
+    return float(jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-30))
+
+
+def _timed(fn, args, reps: int, flops: float) -> tuple[dict, jax.Array]:
+    """(``ms``/``tflops`` of the compiled ``fn``, its output); a compile failure is a row too."""
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+        out = compiled(*args)
+        ms = _time_ms(compiled, args, reps)
+    except Exception as err:  # noqa: BLE001 - a tile that fails to compile is a result
+        return {"error": str(err)[:300]}, None
+    return {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}, out
+
+
+def bench_shape(name: str, quants, candidates, reps: int) -> list[dict]:
+    from moe_lowering.kernels import triton_fp8_gmm as tf8
+    from moe_lowering.kernels import triton_grouped_matmul as tgm
+    from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
+
+    rows, k, n, groups = SHAPES[name]
+    keys = jax.random.split(jax.random.key(0), 3)
+    lhs = jax.random.normal(keys[0], (rows, k), jnp.float32).astype(jnp.bfloat16)
+    weights = jax.random.normal(keys[1], (groups, k, n), jnp.float32)
+    sizes = jnp.bincount(jax.random.randint(keys[2], (rows,), 0, groups), length=groups).astype(jnp.int32)
+    flops = 2.0 * rows * k * n
+    base = {"shape": name, "rows": rows, "K": k, "N": n, "groups": groups}
+
+    results = []
+    timing, _ = _timed(tgm.gmm, (lhs, weights.astype(jnp.bfloat16), sizes), reps, flops)
+    results.append({**base, "variant": "bf16_gmm", **timing})
+    for quant in quants:
+        values, scales = quantize_blocks(weights, quant)
+
+        def dequantize_then_gmm(a, v, s, g, quant=quant):
+            return tgm.gmm(a, dequantize_blocks(v, s, quant, a.dtype), g)
+
+        timing, expected = _timed(dequantize_then_gmm, (lhs, values, scales, sizes), reps, flops)
+        results.append({**base, "variant": "dequantize_then_gmm", "quant": quant, **timing})
+        table = tf8.fp8_gmm_config(rows, k, n, groups)
+        tiles = {"table": table} | {label: dataclasses.replace(table, **CANDIDATES[label]) for label in candidates}
+        for label, config in tiles.items():
+            fp8_gmm = functools.partial(tf8.fp8_gmm, quant=quant, config=config)
+            timing, out = _timed(fp8_gmm, (lhs, values, scales, sizes), reps, flops)
+            row = {**base, "variant": "fp8_gmm", "quant": quant, "tile": label, **timing,
+                   "config": dataclasses.asdict(config)}
+            if out is not None and expected is not None:
+                row["rel_err_vs_dequantize_then_gmm"] = _relative_error(out, expected)
+            results.append(row)
+    for row in results:
+        print(json.dumps(row), flush=True)
+    return results
+
+
+def _summary(results) -> str:
+    lines = [f"{'shape':30s} {'variant':20s} {'quant':9s} {'tile':14s} {'ms':>8s} {'TFLOP/s':>8s} {'rel err':>9s}"]
+    for row in results:
+        cells = (f"{row['ms']:8.3f} {row['tflops']:8.1f}" if "ms" in row else f"{'error':>8s} {'':8s}")
+        error = row.get("rel_err_vs_dequantize_then_gmm")
+        lines.append(f"{row['shape']:30s} {row['variant']:20s} {row.get('quant', ''):9s} {row.get('tile', ''):14s} "
+                     f"{cells} {'' if error is None else f'{error:9.2e}'}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON results")
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), metavar="SHAPE",
+                        help=f"default: all of {', '.join(SHAPES)}")
+    parser.add_argument("--quants", nargs="+", choices=["fp8_e4m3", "mxfp8"], default=["fp8_e4m3", "mxfp8"])
+    parser.add_argument("--candidates", nargs="*", choices=sorted(CANDIDATES), default=list(CANDIDATES),
+                        metavar="TILE", help=f"fp8_gmm tiles to time beside the table's pick; default: all of "
+                        f"{', '.join(CANDIDATES)}")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+
+    device = jax.devices()[0].device_kind
+    results = [row for name in args.shapes for row in bench_shape(name, args.quants, args.candidates, args.reps)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    path = args.out / f"fp8_gmm_bench_{device.replace(' ', '_')}_{date}.json"
+    path.write_text(json.dumps({"device": device, "date": date, "reps": args.reps, "rows": results}, indent=1))
+    print(_summary(results))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Triton kernel for grouped matrix products with FP8 weights dequantised in registers (W8A16).
+
+Same on-device scheduling as :func:`triton_gmm_kernels.gmm_kernel`, through its helpers (per-group
+row tiles from the cumulative group sizes, persistent programs, bands of ``GROUP_M`` row tiles,
+zero rows outside the local groups). Each K step loads a ``BLOCK_K x BLOCK_N`` tile of FP8 weights
+(one byte an element: half the weight traffic of bf16) and the row of block scales covering it,
+forms ``(fp8 -> f32) * scale`` rounded once to the activation dtype in registers, which is the
+arithmetic of ``dequantize_blocks``, and feeds that to the tensor-core dot with a float32
+accumulator. No dequantised weight goes through memory. Contract: :mod:`fp8_grouped_matmul`. Only
+``triton`` is imported, so the kernel also runs under Triton's interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from moe_lowering.kernels.triton_gmm_kernels import _group_layout, _outside_rows, _tile_position, _zero_tile
+
+
+@triton.jit
+def fp8_gmm_kernel(
+    lhs_ptr,
+    values_ptr,
+    scales_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    SCALE_BLOCK_K: tl.constexpr,
+    SCALE_BLOCK_N: tl.constexpr,
+    E8M0_SCALES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """``out[r] = lhs[r] @ dequantise(rhs)[group(r) - offset]`` for rows of local groups, zero elsewhere.
+
+    ``values`` is ``[G, K, N]`` float8_e4m3fn and ``scales`` ``[G, K // SCALE_BLOCK_K, N // SCALE_BLOCK_N]``:
+    float32, or with ``E8M0_SCALES`` uint8 exponents ``e`` standing for ``2**(e - 127)`` (built from
+    the bits, exact; ``e = 0``, a subnormal, reads as 0 as under flush-to-zero). ``BLOCK_K`` divides
+    ``SCALE_BLOCK_K`` (so also ``K``): a K step never spans two scale blocks and needs one row of scales.
+    """
+    tl.static_assert(SCALE_BLOCK_K % BLOCK_K == 0, "BLOCK_K must divide SCALE_BLOCK_K")
+    scale_cols: tl.constexpr = N // SCALE_BLOCK_N
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
+
+    in_m = tl.arange(0, BLOCK_M)
+    in_n = tl.arange(0, BLOCK_N)
+    in_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
+
+        row0 = group_start + pm * BLOCK_M
+        # As in gmm_kernel: rows clamped (never stored past the group), columns masked, so the
+        # contiguous axis keeps its 16-byte pipelined loads.
+        tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
+        cols = pn * BLOCK_N + in_n
+        cols_ok = cols < N
+        local_group = tl.cast(group - offset, tl.int64)
+        a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
+        v_ptrs = values_ptr + local_group * (K * N) + in_k[:, None] * N + cols[None, :]
+        s_ptrs = scales_ptr + local_group * ((K // SCALE_BLOCK_K) * scale_cols) + cols // SCALE_BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = tl.load(a_ptrs)
+            scale_row_ptrs = s_ptrs + (k0 // SCALE_BLOCK_K) * scale_cols
+            if N % BLOCK_N == 0:
+                fp8 = tl.load(v_ptrs)
+                scale = tl.load(scale_row_ptrs)
+            else:
+                fp8 = tl.load(v_ptrs, mask=cols_ok[None, :], other=0.0)
+                scale = tl.load(scale_row_ptrs, mask=cols_ok, other=0)
+            if E8M0_SCALES:
+                scale = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            weight = (fp8.to(tl.float32) * scale[None, :]).to(a.dtype)
+            acc = tl.dot(a, weight, acc)
+            a_ptrs += BLOCK_K
+            v_ptrs += BLOCK_K * N
+
+        rows = row0 + in_m
+        out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+        store_mask = (rows < group_end)[:, None] & cols_ok[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+    # Rows outside the local groups (before them, after them, dropped rows) are zero.
+    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
+        sizes, group_ids, offset, is_local, M, BLOCK_M
+    )
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
+        offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
+        tl.store(out_ptr + offsets, zeros, mask=zero_mask)

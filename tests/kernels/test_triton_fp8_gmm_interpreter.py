@@ -1,0 +1,118 @@
+"""The Triton FP8-weight grouped GEMM run by Triton's interpreter on the CPU, against the jnp reference.
+
+Checks the kernel's in-register dequantisation (scale rows per K step, scale columns per tile,
+E8M0 exponents) and its scheduling (ragged groups, an empty group, rows outside every group, a
+``group_offset`` window) at tiny tile sizes, both quant formats, against ``fp8_gmm`` of
+:mod:`fp8_grouped_matmul` on the same quantised weights. The weights are scaled by powers of two
+per row and per column before quantising, so neighbouring scale blocks differ by up to 2**12 and
+a scale read from the wrong block shows.
+
+Activations are float16: Triton 3.9's interpreter keeps bfloat16 as raw ``uint16`` bits, which
+its ``tl.dot`` multiplies as integers (and it truncates float32 -> bfloat16 casts), so bf16 runs
+on the GPU only (``tests/gpu/test_triton_fp8_gmm.py``). Float16 takes the same kernel path; with a
+float32 output the result must match the reference up to accumulation order, which also pins
+down the rounding of each dequantised weight to float16. Like ``test_triton_gmm_interpreter``
+(whose numpy-backed tensors and cases it reuses), the kernel runs in one child process started
+with ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __name__ != "__main__":
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip(f"needs Triton's interpreter from 3.9 on, found {triton.__version__}", allow_module_level=True)
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_gmm_interpreter = _load("_gmm_interpreter_helpers", _HERE / "test_triton_gmm_interpreter.py")
+CASES = _gmm_interpreter.CASES
+# (K, N, BLOCK_K). K=96, N=40: fp8_e4m3 scale blocks of 32 x 8, so two K steps per scale row, two
+# scale columns per 16-wide tile and an N remainder. K=N=64: one 64 x 64 fp8_e4m3 block shared by
+# several tiles; for mxfp8 a K step exactly one scale block.
+SHAPES = {"k96-n40": (96, 40, 16), "k64-n64": (64, 64, 32)}
+QUANTS = ("fp8_e4m3", "mxfp8")
+VARIANTS = {f"{case}-{shape}-{quant}": (case, shape, quant) for case in CASES for shape in SHAPES for quant in QUANTS}
+BLOCK = dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
+NUM_PROGRAMS = 3
+
+
+def _quantised_weights(rng, num_local, k, n, quant):
+    """Weights with magnitudes spread over 2**-6 .. 2**6 by row and column, quantised as ``quant``."""
+    from moe_lowering.parallel.quantize import quantize_blocks
+
+    weights = rng.standard_normal((num_local, k, n)) * np.exp2(rng.integers(-3, 4, (num_local, k, 1)))
+    weights *= np.exp2(rng.integers(-3, 4, (num_local, 1, n)))
+    values, scales = quantize_blocks(weights.astype(np.float32), quant)
+    return np.asarray(values), np.asarray(scales)
+
+
+def _run(kernels, case, shape, quant):
+    import jax.numpy as jnp
+
+    from moe_lowering.kernels.fp8_grouped_matmul import check_fp8_operands, fp8_gmm
+
+    host = _gmm_interpreter.HostTensor
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    k, n, block_k = SHAPES[shape]
+    rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k + n)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float16)
+    values, scales = _quantised_weights(rng, num_local, k, n, quant)
+    scale_block_k, scale_block_n = check_fp8_operands(lhs, values, scales, group_sizes, quant, "test")
+    out = np.full((num_rows, n), np.nan, np.float32)
+    kernels.fp8_gmm_kernel[(NUM_PROGRAMS,)](
+        host(lhs), host(values), host(scales), host(group_sizes), host(np.array([group_offset], np.int32)),
+        host(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        SCALE_BLOCK_K=scale_block_k, SCALE_BLOCK_N=scale_block_n, E8M0_SCALES=quant == "mxfp8", BLOCK_K=block_k,
+        NUM_PROGRAMS=NUM_PROGRAMS, **BLOCK,
+    )
+    expected = fp8_gmm(jnp.asarray(lhs), jnp.asarray(values), jnp.asarray(scales), jnp.asarray(group_sizes),
+                       quant=quant, group_offset=group_offset, preferred_element_type=jnp.float32)
+    return _gmm_interpreter._summary(out, np.asarray(expected, np.float64))
+
+
+def _interpret_all():
+    """Runs every variant under the interpreter; called in the child process."""
+    sys.path.insert(0, str(_HERE.parents[1]))
+    from moe_lowering.kernels import triton_fp8_gmm_kernel
+
+    return {name: _run(triton_fp8_gmm_kernel, *variant) for name, variant in VARIANTS.items()}
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_interpret_all()))
+else:
+
+    @pytest.fixture(scope="module")
+    def interpreter_report():
+        env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
+        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    @pytest.mark.parametrize("name", sorted(VARIANTS))
+    def test_fp8_gmm_kernel_matches_reference(interpreter_report, name):
+        result = interpreter_report[name]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
