@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
-# (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8), each logging under $OUT. Run from the repository root with
+# (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -26,6 +26,8 @@ for step in "$@"; do
     fp8) timeout 200 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_tests.log" | tail -12
       timeout 240 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
+    final-ep) timeout 420 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after --chunks 1 2 --reps 10 \
+      --deadline 380 2>&1 | tee "$OUT/ep_overlap_final.log" | tail -60 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -151,8 +151,18 @@ def _chunk_plan(counts, chunk_index, num_rows: int, cfg: ExchangeConfig) -> _Chu
         jnp.searchsorted(jnp.cumsum(local_group_sizes), positions, side="right"), local - 1
     ).astype(jnp.int32)
     send_offsets = jnp.where(send_sizes > 0, send_offsets, 0)
-    return _ChunkPlan(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot, slot_of_position,
-                      local_group_sizes.astype(jnp.int32), local_expert_of_row)
+    return _ChunkPlan(*_materialized(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot,
+                                     slot_of_position, local_group_sizes.astype(jnp.int32), local_expert_of_row))
+
+
+def _materialized(*indices):
+    """The index vectors, computed once into buffers before the row gathers that read them.
+
+    Left alone, XLA:GPU fuses an index vector's arithmetic (cumsums, searches, small gathers)
+    into the ``[rows, d]`` gather that consumes it and recomputes it for every element of the
+    row: measured 0.25 ms instead of ~0.02 ms for one ``[5120, 4096]`` gather on an H200.
+    """
+    return jax.lax.optimization_barrier(indices)
 
 
 def _home_index(counts, round_index, num_rows: int, cfg: ExchangeConfig):
@@ -171,7 +181,8 @@ def _home_index(counts, round_index, num_rows: int, cfg: ExchangeConfig):
     offset = jnp.clip(offset, 0, cfg.round_rows - 1)
     block = (dest_clipped - me) % ep if _blocks_by_shift(cfg) else dest_clipped
     index = (offset // capacity * ep + block) * capacity + offset % capacity
-    return jnp.where(in_round, index, cfg.chunks * ep * capacity).astype(jnp.int32)
+    (index,) = _materialized(jnp.where(in_round, index, cfg.chunks * ep * capacity).astype(jnp.int32))
+    return index
 
 
 def _shifted(blocks, shift_sign: int, cfg: ExchangeConfig):
