@@ -5,12 +5,21 @@ Per shape (rows routed to the local groups by uniform random choice) and quant f
 * ``bf16_gmm``: the bf16 Triton ``gmm`` (``triton_grouped_matmul``) on bf16 weights;
 * ``dequantize_then_gmm``: ``dequantize_blocks`` to bf16, then that ``gmm`` (what the FP8 FSDP
   gather feeds the experts today);
-* ``fp8_gmm``: the Triton ``fp8_gmm`` (``triton_fp8_gmm``) on the FP8 values and scales, with the
-  tile its table picks and with each candidate tile, since that table is not measured yet.
+* ``fp8_gmm_wlhs`` / ``fp8_gmm_wrhs``: the Triton ``fp8_gmm`` (``triton_fp8_gmm``) on the FP8 values
+  and scales, computing the transposed tile with the dequantised weight as the dot's first
+  (register) operand (``weight_as_lhs=True``, the default) or the weight as its second operand (the
+  first version), with the tile its table picks and with each candidate tile, since that table is
+  not measured yet.
+
+Tile labels are ``block_m x block_n x block_k`` (rows x output columns x K step) and the pipeline
+depth, prefixed by the operand order; for ``wlhs`` the MMA's M is ``block_n`` and its N ``block_m``.
+``block_k`` is capped at the scale block along K, so every mxfp8 run steps 32 along K.
 
 Each row: median ms over ``--reps`` after a warm-up, TFLOP/s (``2 * rows * K * N``) and, for
 ``fp8_gmm``, the relative (Frobenius) error against ``dequantize_then_gmm``, which computes the
-same dequantised product. Writes ``fp8_gmm_bench_<device>_<date>.json`` under ``--out``. Needs a
+same dequantised product. Prints a table of every row (shape, variant, quant, tile, ms, TFLOP/s,
+error), then the fastest tile of each operand order per shape and quant beside the two baselines,
+and writes ``fp8_gmm_bench_<device>_<date>.json`` under ``--out``. Needs a
 CUDA GPU with jax_triton; ``--help`` works anywhere.
 """
 
@@ -39,13 +48,25 @@ SHAPES = {
     "deepseek-8192-rows-64-groups": (8192, 7168, 2048, 64),
 }
 # Tiles tried for fp8_gmm beside the table's pick (block_k is capped at the scale block, 32 for mxfp8).
+# wlhs: weight as the dot's first operand (transposed tile; block_n is the MMA's M, a multiple of 64).
+# wrhs: weight as its second operand, the tiles of the first measurement.
 CANDIDATES = {
-    "128x128x64s3": dict(block_m=128, block_n=128, block_k=64, num_stages=3),
-    "128x128x64s4": dict(block_m=128, block_n=128, block_k=64, num_stages=4),
-    "128x256x64s3": dict(block_m=128, block_n=256, block_k=64, num_stages=3),
-    "128x128x128s3": dict(block_m=128, block_n=128, block_k=128, num_stages=3),
-    "64x128x64s4": dict(block_m=64, block_n=128, block_k=64, num_stages=4),
+    "wlhs-128x128x64s3": dict(block_m=128, block_n=128, block_k=64, num_stages=3, weight_as_lhs=True),
+    "wlhs-128x128x64s4": dict(block_m=128, block_n=128, block_k=64, num_stages=4, weight_as_lhs=True),
+    "wlhs-128x128x128s3": dict(block_m=128, block_n=128, block_k=128, num_stages=3, weight_as_lhs=True),
+    "wlhs-128x256x64s3": dict(block_m=128, block_n=256, block_k=64, num_stages=3, weight_as_lhs=True),
+    "wlhs-64x128x128s4": dict(block_m=64, block_n=128, block_k=128, num_stages=4, weight_as_lhs=True),
+    "wrhs-128x128x64s3": dict(block_m=128, block_n=128, block_k=64, num_stages=3, weight_as_lhs=False),
+    "wrhs-128x128x64s4": dict(block_m=128, block_n=128, block_k=64, num_stages=4, weight_as_lhs=False),
+    "wrhs-128x256x64s3": dict(block_m=128, block_n=256, block_k=64, num_stages=3, weight_as_lhs=False),
+    "wrhs-128x128x128s3": dict(block_m=128, block_n=128, block_k=128, num_stages=3, weight_as_lhs=False),
+    "wrhs-64x128x64s4": dict(block_m=64, block_n=128, block_k=64, num_stages=4, weight_as_lhs=False),
 }
+
+
+def _tile_label(config) -> str:
+    order = "wlhs" if getattr(config, "weight_as_lhs", True) else "wrhs"
+    return f"{order}-{config.block_m}x{config.block_n}x{config.block_k}s{config.num_stages}"
 
 
 def _relative_error(actual, expected) -> float:
@@ -89,11 +110,16 @@ def bench_shape(name: str, quants, candidates, reps: int) -> list[dict]:
         timing, expected = _timed(dequantize_then_gmm, (lhs, values, scales, sizes), reps, flops)
         results.append({**base, "variant": "dequantize_then_gmm", "quant": quant, **timing})
         table = tf8.fp8_gmm_config(rows, k, n, groups)
-        tiles = {"table": table} | {label: dataclasses.replace(table, **CANDIDATES[label]) for label in candidates}
+        tiles = {f"table:{_tile_label(table)}": table}
+        for label in candidates:  # a candidate equal to the table's pick is timed once, as the table's
+            config = dataclasses.replace(table, **CANDIDATES[label])
+            if config not in tiles.values():
+                tiles[label] = config
         for label, config in tiles.items():
             fp8_gmm = functools.partial(tf8.fp8_gmm, quant=quant, config=config)
             timing, out = _timed(fp8_gmm, (lhs, values, scales, sizes), reps, flops)
-            row = {**base, "variant": "fp8_gmm", "quant": quant, "tile": label, **timing,
+            variant = "fp8_gmm_wlhs" if config.weight_as_lhs else "fp8_gmm_wrhs"
+            row = {**base, "variant": variant, "quant": quant, "tile": label, **timing,
                    "config": dataclasses.asdict(config)}
             if out is not None and expected is not None:
                 row["rel_err_vs_dequantize_then_gmm"] = _relative_error(out, expected)
@@ -104,12 +130,26 @@ def bench_shape(name: str, quants, candidates, reps: int) -> list[dict]:
 
 
 def _summary(results) -> str:
-    lines = [f"{'shape':30s} {'variant':20s} {'quant':9s} {'tile':14s} {'ms':>8s} {'TFLOP/s':>8s} {'rel err':>9s}"]
-    for row in results:
-        cells = (f"{row['ms']:8.3f} {row['tflops']:8.1f}" if "ms" in row else f"{'error':>8s} {'':8s}")
+    """Every row, then per shape and quant the fastest ``fp8_gmm`` of each operand order beside the baselines."""
+    header = f"{'shape':30s} {'variant':20s} {'quant':9s} {'tile':24s} {'ms':>8s} {'TFLOP/s':>8s} {'rel err':>9s}"
+
+    def line(row):
+        cells = f"{row['ms']:8.3f} {row['tflops']:8.1f}" if "ms" in row else f"{'error':>8s} {'':8s}"
         error = row.get("rel_err_vs_dequantize_then_gmm")
-        lines.append(f"{row['shape']:30s} {row['variant']:20s} {row.get('quant', ''):9s} {row.get('tile', ''):14s} "
-                     f"{cells} {'' if error is None else f'{error:9.2e}'}")
+        return (f"{row['shape']:30s} {row['variant']:20s} {row.get('quant', ''):9s} {row.get('tile', ''):24s} "
+                f"{cells} {'' if error is None else f'{error:9.2e}'}")
+
+    lines = [header, *map(line, results), "", "fastest per shape, quant and operand order:", header]
+    for shape in dict.fromkeys(row["shape"] for row in results):
+        rows = [row for row in results if row["shape"] == shape]
+        lines += [line(row) for row in rows if row["variant"] == "bf16_gmm"]
+        for quant in dict.fromkeys(row["quant"] for row in rows if "quant" in row):
+            quant_rows = [row for row in rows if row.get("quant") == quant]
+            lines += [line(row) for row in quant_rows if row["variant"] == "dequantize_then_gmm"]
+            for variant in ("fp8_gmm_wlhs", "fp8_gmm_wrhs"):
+                timed = [row for row in quant_rows if row["variant"] == variant and "ms" in row]
+                if timed:
+                    lines.append(line(min(timed, key=lambda row: row["ms"])))
     return "\n".join(lines)
 
 

@@ -23,11 +23,11 @@ for step in "$@"; do
       | tee "$OUT/ep_overlap.log" | tail -75 ;;
     exchange-bw) timeout 300 python3 benchmarks/ep_overlap.py --out "$OUT" --exchange-only --dump-hlo --reps 10 2>&1 \
       | tee "$OUT/ep_exchange_bw.log" | tail -40 ;;
-    fp8) timeout 200 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
+    fp8) timeout 110 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_tests.log" | tail -12
-      timeout 240 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
-    final-ep) timeout 420 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after --chunks 1 2 --reps 10 \
-      --deadline 380 2>&1 | tee "$OUT/ep_overlap_final.log" | tail -60 ;;
+      timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
+    final-ep) timeout 360 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after --chunks 1 2 --reps 10 \
+      --deadline 320 2>&1 | tee "$OUT/ep_overlap_final.log" | tail -60 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

@@ -4,17 +4,24 @@ Contract and CPU path: :mod:`fp8_grouped_matmul`. The kernel reads the FP8 weigh
 scales and dequantises tile by tile in registers, so it moves half the weight bytes of the bf16
 ``gmm`` and never writes a dequantised copy of the weights.
 
-Tile shapes (:func:`fp8_gmm_config`) are not measured yet: ``benchmarks/fp8_gmm_bench.py`` times
-them against the candidates it lists. The starting point is the bf16 table's tile
-(:func:`triton_grouped_matmul.gmm_config`) at half its column width, as for the fused SwiGLU:
-dequantising a ``BLOCK_K x BLOCK_N`` tile holds ``BLOCK_K * BLOCK_N / (32 * num_warps)`` more
-float32 values per thread beside the accumulator's ``BLOCK_M * BLOCK_N / (32 * num_warps)``, which
-at 128 x 256 x 64 on 8 warps is 128 + 64 registers, at risk of spilling; 128 x 128 x 64 needs
-64 + 32. The K step is capped at the scale block along K (32 for mxfp8), so each step reads one
-row of scales. To measure on Hopper: the dequantised weight is the dot's B operand, which wgmma
-takes only from shared memory, so Triton stores it there from registers (or falls back to
-``mma.sync``) instead of feeding wgmma asynchronously from the pipelined loads; computing the
-transposed tile, ``weight^T @ lhs^T``, would make the weight wgmma's register operand instead.
+Operand order (``Fp8TileConfig.weight_as_lhs``, the kernel's ``WEIGHT_AS_LHS``). Measured on an
+H200 (``benchmarks/fp8_gmm_bench.py``), the first version, with the dequantised weight as the dot's
+B operand, was correct but 2-3x slower than the bf16 ``gmm`` and slower than dequantising first
+(rows=4096, K=4096, N=14336, 2 groups: bf16 ``gmm`` 0.79 ms, dequantise-then-``gmm`` 1.65 ms, best
+tile 2.32 ms): Hopper's wgmma reads B only from shared memory, so a tile converted in registers
+goes back through shared memory (or Triton falls back to ``mma.sync``). With ``weight_as_lhs`` the
+kernel computes the transposed tile, ``weight^T @ lhs^T``, so the dequantised weight is wgmma's
+A operand, the one it may take from registers, and the activations stream through shared memory
+as B. The MMA's M is then the column tile ``block_n`` (a multiple of 64 for wgmma) and its N the
+row tile ``block_m``.
+
+Tile shapes (:func:`fp8_gmm_config`): a hypothesis, not yet measured; ``benchmarks/fp8_gmm_bench.py``
+times it against the candidates it lists, both operand orders. Dequantising a ``block_k x block_n``
+tile holds ``block_k * block_n / (32 * num_warps)`` values per thread (the fp8 bytes, their float32
+product, the bf16 operand) beside the accumulator's ``block_m * block_n / (32 * num_warps)`` float32
+registers, so 128 x 128 tiles (64 accumulator registers on 8 warps) leave room where 128 x 256
+risk spilling. The K step is capped at the scale block along K (32 for mxfp8), so each step reads
+one row of scales.
 """
 
 from __future__ import annotations
@@ -35,7 +42,6 @@ from moe_lowering.kernels.triton_grouped_matmul import (
     _multiprocessor_count,
     _next_power_of_two,
     _offset_array,
-    gmm_config,
 )
 from moe_lowering.kernels.triton_grouped_matmul import gmm as bf16_gmm
 from moe_lowering.parallel.quantize import dequantize_blocks
@@ -46,10 +52,28 @@ _MIN_DOT_K = 16
 """The smallest K step ``tl.dot`` takes; finer fp8_e4m3 scale blocks go through the bf16 kernel."""
 
 
-def fp8_gmm_config(num_rows: int, k: int, n: int, num_groups: int) -> TileConfig:
-    """``gmm_config``'s bf16 tile for the same product at half the column width (see the module note)."""
-    config = gmm_config(num_rows, k, n, num_groups, compute_f32=False)
-    return dataclasses.replace(config, block_n=config.block_n // 2)
+@dataclasses.dataclass(frozen=True)
+class Fp8TileConfig(TileConfig):
+    """A :class:`TileConfig` plus the operand order: ``weight_as_lhs`` computes the transposed tile
+    with the dequantised weight as the dot's first (register) operand (module note). A plain
+    ``TileConfig`` passed to :func:`fp8_gmm` runs with ``weight_as_lhs=True`` too."""
+
+    weight_as_lhs: bool = True
+
+
+_WEIGHT_AS_LHS_128 = Fp8TileConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=3, weight_as_lhs=True)
+
+
+def fp8_gmm_config(num_rows: int, k: int, n: int, num_groups: int) -> Fp8TileConfig:
+    """The transposed (weight-as-lhs) kernel on 128-row x 128-column tiles, K steps of 128, 3 stages.
+
+    A hypothesis to confirm on the GPU with ``benchmarks/fp8_gmm_bench.py``: it follows from the
+    register argument of the module note and from the first (weight-as-rhs) measurements, where
+    128 x 128 x 128 was the best or near-best tile for fp8_e4m3 and mxfp8 (whose K step is capped at
+    32 regardless). One tile for every shape until measurements say otherwise.
+    """
+    del num_rows, k, n, num_groups
+    return _WEIGHT_AS_LHS_128
 
 
 def fp8_gmm(
@@ -65,7 +89,8 @@ def fp8_gmm(
 ):
     """``out[r] = lhs[r] @ dequantise(rhs)[group(r) - group_offset]``; rows outside the local groups are zero.
 
-    ``config.block_k`` is capped at the scale block along K. Activations other than bf16/f16, and
+    ``config.block_k`` is capped at the scale block along K; ``config`` may be a :class:`Fp8TileConfig`
+    (its ``weight_as_lhs`` picks the operand order) or a plain ``TileConfig`` (weight as lhs). Activations other than bf16/f16, and
     fp8_e4m3 scale blocks under 16 rows, dequantise first and use the bf16 ``gmm`` kernel.
     """
     scale_block_k, scale_block_n = reference.check_fp8_operands(
@@ -112,4 +137,5 @@ def fp8_gmm(
         BLOCK_K=block_k,
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
+        WEIGHT_AS_LHS=bool(getattr(config, "weight_as_lhs", True)),
     )

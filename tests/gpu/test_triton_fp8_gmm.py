@@ -2,14 +2,17 @@
 
 Skipped without a GPU or jax_triton. A Mixtral-like product in bf16 (the shape the tile table is
 for); awkward sizes with a float32 output, where the kernel must match dequantise-then-multiply
-up to accumulation order (so each weight's rounding to bf16 is checked too), for every tile the
-table picks; float16 activations; and the inputs the kernel leaves to the bf16 ``gmm``. Outputs are
+up to accumulation order (so each weight's rounding to bf16 is checked too), for the tile the
+table picks and for tiles of both operand orders (``weight_as_lhs``: the transposed tile with the
+weight as the dot's register operand, the default; and the weight as its second operand); float16
+activations; and the inputs the kernel leaves to the bf16 ``gmm``. Outputs are
 poisoned: a freed NaN buffer of the output's size is what the kernel's output gets, so unwritten
 elements show.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -40,11 +43,21 @@ CASES = {
     "group-offset-window": ([120, 333, 64, 0, 290, 150], 957, 1, 4),
     "all-empty": ([0, 0, 0], 129, 0, 3),
 }
-TABLE_CONFIGS = [
-    pytest.param(config, id=f"{config.block_m}x{config.block_n}x{config.block_k}s{config.num_stages}")
-    for config in {tf8.fp8_gmm_config(*shape): None
-                   for shape in ((16384, 4096, 14336, 8), (131072, 2048, 768, 128), (32768, 7168, 2048, 256))}
-]
+_TABLE = {tf8.fp8_gmm_config(*shape): None
+          for shape in ((16384, 4096, 14336, 8), (131072, 2048, 768, 128), (32768, 7168, 2048, 256))}
+_EXTRA = [tf8.Fp8TileConfig(128, 256, 64, num_stages=3, weight_as_lhs=True),
+          tf8.Fp8TileConfig(64, 128, 128, num_stages=4, weight_as_lhs=True),
+          tf8.Fp8TileConfig(128, 128, 64, num_stages=3, weight_as_lhs=False),
+          tf8.Fp8TileConfig(64, 128, 64, num_stages=4, weight_as_lhs=False)]
+
+
+def _config_id(config):
+    order = "wlhs" if config.weight_as_lhs else "wrhs"
+    return f"{order}-{config.block_m}x{config.block_n}x{config.block_k}s{config.num_stages}"
+
+
+CONFIGS = [pytest.param(config, id=_config_id(config)) for config in {**_TABLE, **dict.fromkeys(_EXTRA)}]
+ORDERS = [pytest.param(True, id="wlhs"), pytest.param(False, id="wrhs")]
 
 
 def _poison(shape, dtype):
@@ -73,20 +86,26 @@ def _operands(key, num_rows, k, n, num_local, quant, dtype=jnp.bfloat16):
     return lhs, *quantize_blocks(weights, quant)
 
 
+def test_table_default_is_the_transposed_kernel():
+    assert all(config.weight_as_lhs for config in _TABLE)
+
+
+@pytest.mark.parametrize("weight_as_lhs", ORDERS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_mixtral_shape_matches_reference(quant):
-    """4096 rows in 2 local groups, K=4096, N=14336, bf16 in and out, under jit."""
+def test_mixtral_shape_matches_reference(quant, weight_as_lhs):
+    """4096 rows in 2 local groups, K=4096, N=14336, bf16 in and out, under jit, the table's tile."""
     num_rows, k, n = 4096, 4096, 14336
     lhs, values, scales = _operands(jax.random.key(0), num_rows, k, n, 2, quant)
     sizes = jnp.asarray([1709, 2387], jnp.int32)
+    config = dataclasses.replace(tf8.fp8_gmm_config(num_rows, k, n, 2), weight_as_lhs=weight_as_lhs)
     _poison((num_rows, n), jnp.bfloat16)
-    out = jax.jit(functools.partial(tf8.fp8_gmm, quant=quant))(lhs, values, scales, sizes)
+    out = jax.jit(functools.partial(tf8.fp8_gmm, quant=quant, config=config))(lhs, values, scales, sizes)
     assert out.shape == (num_rows, n) and out.dtype == jnp.bfloat16
     expected = _reference(lhs, values, scales, sizes, quant=quant, preferred_element_type=jnp.float32)
     assert _relative_error(out, expected) < 1e-2
 
 
-@pytest.mark.parametrize("config", TABLE_CONFIGS)
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference_up_to_accumulation_order(case, quant, config):
@@ -105,14 +124,16 @@ def test_matches_reference_up_to_accumulation_order(case, quant, config):
     assert _relative_error(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("weight_as_lhs", ORDERS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_float16_activations(quant):
+def test_float16_activations(quant, weight_as_lhs):
     group_sizes, num_rows, group_offset, num_local = CASES["group-offset-window"]
     lhs, values, scales = _operands(jax.random.key(5), num_rows, 256, 328, num_local, quant, jnp.float16)
     sizes = jnp.asarray(group_sizes, jnp.int32)
+    config = dataclasses.replace(tf8.fp8_gmm_config(num_rows, 256, 328, num_local), weight_as_lhs=weight_as_lhs)
     _poison((num_rows, 328), jnp.float32)
     out = tf8.fp8_gmm(lhs, values, scales, sizes, quant=quant, group_offset=group_offset,
-                      preferred_element_type=jnp.float32)
+                      preferred_element_type=jnp.float32, config=config)
     expected = _reference(lhs, values, scales, sizes, quant=quant, group_offset=group_offset,
                           preferred_element_type=jnp.float32)
     assert _relative_error(out, expected) < 1e-5

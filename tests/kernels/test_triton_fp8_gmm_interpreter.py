@@ -5,7 +5,9 @@ E8M0 exponents) and its scheduling (ragged groups, an empty group, rows outside 
 ``group_offset`` window) at tiny tile sizes, both quant formats, against ``fp8_gmm`` of
 :mod:`fp8_grouped_matmul` on the same quantised weights. The weights are scaled by powers of two
 per row and per column before quantising, so neighbouring scale blocks differ by up to 2**12 and
-a scale read from the wrong block shows.
+a scale read from the wrong block shows. Both operand orders run every case: ``rhs`` (the weight
+as the dot's second operand, 16 x 16 tiles) and ``lhs`` (``WEIGHT_AS_LHS``: the transposed tile
+``weight^T @ lhs^T``, on 16-row x 32-column tiles so a swapped row/column extent shows).
 
 Activations are float16: Triton 3.9's interpreter keeps bfloat16 as raw ``uint16`` bits, which
 its ``tl.dot`` multiplies as integers (and it truncates float32 -> bfloat16 casts), so bf16 runs
@@ -51,8 +53,11 @@ CASES = _gmm_interpreter.CASES
 # several tiles; for mxfp8 a K step exactly one scale block.
 SHAPES = {"k96-n40": (96, 40, 16), "k64-n64": (64, 64, 32)}
 QUANTS = ("fp8_e4m3", "mxfp8")
-VARIANTS = {f"{case}-{shape}-{quant}": (case, shape, quant) for case in CASES for shape in SHAPES for quant in QUANTS}
-BLOCK = dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2)
+# Operand order: the kernel's WEIGHT_AS_LHS and the tile each order runs on.
+ORDERS = {"rhs": (False, dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2)),
+          "lhs": (True, dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2))}
+VARIANTS = {f"{case}-{shape}-{quant}-w{order}": (case, shape, quant, order)
+            for case in CASES for shape in SHAPES for quant in QUANTS for order in ORDERS}
 NUM_PROGRAMS = 3
 
 
@@ -66,7 +71,7 @@ def _quantised_weights(rng, num_local, k, n, quant):
     return np.asarray(values), np.asarray(scales)
 
 
-def _run(kernels, case, shape, quant):
+def _run(kernels, case, shape, quant, order):
     import jax.numpy as jnp
 
     from moe_lowering.kernels.fp8_grouped_matmul import check_fp8_operands, fp8_gmm
@@ -74,6 +79,7 @@ def _run(kernels, case, shape, quant):
     host = _gmm_interpreter.HostTensor
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     k, n, block_k = SHAPES[shape]
+    weight_as_lhs, block = ORDERS[order]
     rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k + n)
     group_sizes = np.asarray(group_sizes, np.int32)
     lhs = rng.standard_normal((num_rows, k)).astype(np.float16)
@@ -84,7 +90,7 @@ def _run(kernels, case, shape, quant):
         host(lhs), host(values), host(scales), host(group_sizes), host(np.array([group_offset], np.int32)),
         host(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
         SCALE_BLOCK_K=scale_block_k, SCALE_BLOCK_N=scale_block_n, E8M0_SCALES=quant == "mxfp8", BLOCK_K=block_k,
-        NUM_PROGRAMS=NUM_PROGRAMS, **BLOCK,
+        NUM_PROGRAMS=NUM_PROGRAMS, WEIGHT_AS_LHS=weight_as_lhs, **block,
     )
     expected = fp8_gmm(jnp.asarray(lhs), jnp.asarray(values), jnp.asarray(scales), jnp.asarray(group_sizes),
                        quant=quant, group_offset=group_offset, preferred_element_type=jnp.float32)
