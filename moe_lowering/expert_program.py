@@ -222,7 +222,9 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
     fused_at: dict[int, SwigluFusion] = {}
     skipped: set[int] = set()
     for fusion in find_swiglu_fusions(program) if swiglu_matmul is not None else ():
-        if jnp.shape(params[fusion.gate.weight]) == jnp.shape(params[fusion.up.weight]):
+        gate_rhs, up_rhs = params[fusion.gate.weight], params[fusion.up.weight]
+        plain = not (hasattr(gate_rhs, "grouped_matmul") or hasattr(up_rhs, "grouped_matmul"))
+        if plain and jnp.shape(gate_rhs) == jnp.shape(up_rhs):
             fused_at[id(fusion.output)] = fusion
             skipped.update(id(node) for node in fusion.inner)
     if fused_at:

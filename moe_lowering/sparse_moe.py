@@ -119,6 +119,19 @@ def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
+def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None):
+    """``grouped_matmul``, or the weight's own product for a weight kept in another form.
+
+    A weight object with a ``grouped_matmul(lhs, group_sizes, backend, group_offset,
+    preferred_element_type)`` method multiplies itself: the FP8-gathered expert weights of
+    :mod:`moe_lowering.parallel.quantize` do, so that no dequantised copy needs to exist.
+    """
+    own_product = getattr(rhs, "grouped_matmul", None)
+    if own_product is not None:
+        return own_product(lhs, group_sizes, backend, group_offset, preferred_element_type)
+    return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type)
+
+
 class SwigluResiduals(NamedTuple):
     """What the fused SwiGLU product's backward keeps: its operands and both pre-activations."""
 
@@ -188,7 +201,7 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
     )
 
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
-        return grouped_matmul(lhs, rhs, sizes, backend, offset, preferred_element_type)
+        return expert_matmul(lhs, rhs, sizes, backend, offset, preferred_element_type)
 
     def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
         return grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, backend, offset, preferred_element_type)

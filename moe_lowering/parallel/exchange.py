@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_lowering.expert_program import ExpertProgram, ParamKind, RowContext, evaluate
-from moe_lowering.sparse_moe import grouped_matmul
+from moe_lowering.sparse_moe import expert_matmul
 
 TRANSPORTS = ("all_to_all", "ppermute", "ragged")
 
@@ -248,7 +248,7 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     )
 
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
-        return grouped_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type)
+        return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type)
 
     return evaluate(cfg.program, values, context, matmul)
 
@@ -331,11 +331,24 @@ def _exchange_fwd(cfg, rows, payloads, params, counts):
     return out, (rows, payloads, params, counts, vjps)
 
 
+def _param_cotangent(g, p):
+    """``g`` in ``p``'s dtype; ``None`` for integer params; a weight object's cotangent as it comes."""
+    if not isinstance(p, jax.Array):
+        return g
+    return g.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else None
+
+
 def _add_rounded(total, more):
-    """``total + more`` in float32, rounded to ``total``'s dtype (``None`` for non-float params)."""
+    """``total + more`` in float32, rounded to ``total``'s dtype, leaf by leaf (float0 leaves kept)."""
     if total is None or more is None:
         return total
-    return (total.astype(jnp.float32) + more.astype(jnp.float32)).astype(total.dtype)
+
+    def add(a, b):
+        if a.dtype == jax.dtypes.float0:
+            return a
+        return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
+
+    return jax.tree.map(add, total, more)
 
 
 def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloads, params, d_out):
@@ -359,8 +372,7 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
         for returned, g, p in zip(returned_payloads, g_payloads, payloads):
             returned.append(_return_blocks(g.astype(p.dtype)[plan.position_of_slot], plan, cfg))
         if d_params is None:
-            d_params = tuple(g.astype(p.dtype) if jnp.issubdtype(p.dtype, jnp.floating) else None
-                             for g, p in zip(g_params, params))
+            d_params = tuple(_param_cotangent(g, p) for g, p in zip(g_params, params))
         else:
             d_params = tuple(_add_rounded(a, g) for a, g in zip(d_params, g_params))
     home = _home_index(counts, round_index, num_rows, cfg)

@@ -8,16 +8,25 @@ gathers FP8 bytes (as ``uint8``) plus scales: about half the bytes of a bf16 gat
 * ``"mxfp8"``: OCP MX-style, one power-of-two scale per 1x32 block along the contraction dim
   K, sent as its 8-bit exponent (E8M0), so the scales cost 1/32 of the FP8 bytes.
 
-The gather is a ``custom_vjp``: the backward is straight-through, the gathered-weight gradient
-reduce-scattered in the weights' own dtype.
+Two ways to use the gathered bytes. ``gather_weight`` dequantises them to the weights' dtype
+(a ``custom_vjp``: straight-through backward, the gathered-weight gradient reduce-scattered in
+the weights' own dtype). ``gather_weight_fp8`` keeps them as a :class:`GatheredFp8Weight`, which
+the grouped GEMMs read as is (``GatheredFp8Weight.grouped_matmul``): on a GPU the FP8-weight
+Triton kernel never writes a dequantised copy where it is the faster choice
+(:func:`use_fp8_kernel`); the same straight-through gradient is formed by that product's
+backward.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from moe_lowering.kernels import get_backend
 
 WEIGHT_GATHER_QUANTS = (None, "fp8_e4m3", "mxfp8")
 
@@ -111,3 +120,93 @@ def _quantized_gather_bwd(axis_name, dim, quant, _, d_full):
 
 
 _quantized_gather.defvjp(_quantized_gather_fwd, _quantized_gather_bwd)
+
+
+# The FP8-weight kernel against dequantise-then-GEMM on an H200 (results/fp8_gmm_bench_H200_20261122_v2.json):
+# 1.85x faster at ~128 rows per expert (DeepSeek-like, weight-bound), 1.7x slower at ~2048 (Mixtral-like).
+FP8_KERNEL_MAX_ROWS_PER_EXPERT = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class GatheredFp8Weight:
+    """An FSDP-gathered expert weight ``[E, K, N]`` kept as FP8 bytes and block scales.
+
+    ``shard`` is this device's own slice of the weight in its original dtype. The forward never
+    reads it; it is where the backward of :meth:`grouped_matmul` puts the weight gradient,
+    reduce-scattered over ``axis_name`` along ``dim`` (the straight-through estimator).
+    """
+
+    values: jax.Array  # uint8 [E, K, N]: the FP8 bytes (integers, so no gradient flows into them)
+    scales: jax.Array
+    shard: jax.Array
+    quant: str = field(metadata=dict(static=True))
+    axis_name: str = field(metadata=dict(static=True))
+    dim: int = field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.shard.dtype
+
+    def fp8_values(self):
+        return jax.lax.bitcast_convert_type(self.values, FP8_DTYPE)
+
+    def dequantize(self):
+        return dequantize_blocks(self.fp8_values(), self.scales, self.quant, self.dtype)
+
+    def grouped_matmul(self, lhs, group_sizes, backend, group_offset, preferred_element_type):
+        """``lhs[r] @ self[group(r)]`` (the protocol :func:`moe_lowering.sparse_moe.expert_matmul` calls)."""
+        return fp8_weight_matmul(lhs, self, group_sizes, backend, group_offset, preferred_element_type)
+
+
+def gather_weight_fp8(w, axis_name: str, dim: int, quant: str) -> GatheredFp8Weight:
+    """Like ``gather_weight(w, axis_name, dim, quant)``, but the gathered weight stays FP8."""
+    values, scales = jax.lax.stop_gradient(quantize_blocks(w, quant))
+    wire = jax.lax.all_gather(jax.lax.bitcast_convert_type(values, jnp.uint8), axis_name, axis=dim, tiled=True)
+    scales = jax.lax.all_gather(scales, axis_name, axis=dim, tiled=True)
+    return GatheredFp8Weight(wire, scales, w, quant, axis_name, dim)
+
+
+def use_fp8_kernel(lhs, weight: GatheredFp8Weight, backend: str) -> bool:
+    """Whether the FP8-weight kernel beats dequantise-then-GEMM here: a GPU backend and few rows per expert."""
+    rows_per_expert = lhs.shape[0] / max(weight.shape[0], 1)
+    return (get_backend(backend).name == "triton" and lhs.dtype in (jnp.bfloat16, jnp.float16)
+            and rows_per_expert <= FP8_KERNEL_MAX_ROWS_PER_EXPERT)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, group_offset, preferred_element_type):
+    """``lhs[r] @ weight[group(r)]`` with the weight read from its FP8 bytes where that is faster."""
+    if use_fp8_kernel(lhs, weight, backend):
+        from moe_lowering.kernels.triton_fp8_gmm import fp8_gmm
+
+        return fp8_gmm(lhs, weight.fp8_values(), weight.scales, group_sizes, quant=weight.quant,
+                       group_offset=group_offset, preferred_element_type=preferred_element_type)
+    return get_backend(backend).gmm(lhs, weight.dequantize(), group_sizes, group_offset=group_offset,
+                                    preferred_element_type=preferred_element_type)
+
+
+def _fp8_weight_matmul_fwd(lhs, weight, group_sizes, backend, group_offset, preferred_element_type):
+    out = fp8_weight_matmul(lhs, weight, group_sizes, backend, group_offset, preferred_element_type)
+    return out, (lhs, weight, group_sizes)
+
+
+def _fp8_weight_matmul_bwd(backend, group_offset, preferred_element_type, residuals, d_out):
+    lhs, weight, group_sizes = residuals
+    kernels = get_backend(backend)
+    dequantized = weight.dequantize()
+    d_lhs = kernels.gmm(d_out, dequantized, group_sizes, group_offset=group_offset, transpose_rhs=True,
+                        preferred_element_type=lhs.dtype)
+    d_gathered = kernels.tgmm(lhs, d_out, group_sizes, num_groups=weight.shape[0], group_offset=group_offset,
+                              preferred_element_type=weight.dtype)
+    d_shard = jax.lax.psum_scatter(d_gathered, weight.axis_name, scatter_dimension=weight.dim, tiled=True)
+    d_weight = GatheredFp8Weight(np.zeros(weight.values.shape, jax.dtypes.float0), jnp.zeros_like(weight.scales),
+                                 d_shard, weight.quant, weight.axis_name, weight.dim)
+    return d_lhs, d_weight, None
+
+
+fp8_weight_matmul.defvjp(_fp8_weight_matmul_fwd, _fp8_weight_matmul_bwd)

@@ -29,7 +29,7 @@ from moe_lowering.parallel.capacity import (
 )
 from moe_lowering.parallel.exchange import TRANSPORTS, exchange_config, exchange_expert_rows, num_rounds
 from moe_lowering.parallel.layout import Layout
-from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight
+from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight, gather_weight_fp8
 from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
 
 
 def _gather_fsdp(params, program: ExpertProgram, layout: Layout, quant):
-    """Expert-indexed params all-gathered over the FSDP axis (expert weights in ``quant`` if set)."""
+    """Expert-indexed params all-gathered over the FSDP axis; with ``quant``, expert weights travel
+    and stay FP8 (:class:`~moe_lowering.parallel.quantize.GatheredFp8Weight`)."""
     if layout.fsdp_axis is None:
         return params
     gathered, position = [], 0
@@ -209,7 +210,9 @@ def _gather_fsdp(params, program: ExpertProgram, layout: Layout, quant):
         if kind in _EXPERT_INDEXED:
             dim = layout.fsdp_dim(position)
             position += 1
-            if dim is not None:
-                p = gather_weight(p, layout.fsdp_axis, dim, quant if kind is ParamKind.EXPERT_WEIGHT else None)
+            if dim is not None and quant is not None and kind is ParamKind.EXPERT_WEIGHT:
+                p = gather_weight_fp8(p, layout.fsdp_axis, dim, quant)
+            elif dim is not None:
+                p = gather_weight(p, layout.fsdp_axis, dim, None)
         gathered.append(p)
     return tuple(gathered)

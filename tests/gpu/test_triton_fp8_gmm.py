@@ -43,7 +43,7 @@ CASES = {
     "group-offset-window": ([120, 333, 64, 0, 290, 150], 957, 1, 4),
     "all-empty": ([0, 0, 0], 129, 0, 3),
 }
-_TABLE = {tf8.fp8_gmm_config(*shape): None
+_TABLE = {tf8.fp8_gmm_config(*shape, quant): None for quant in QUANTS
           for shape in ((16384, 4096, 14336, 8), (131072, 2048, 768, 128), (32768, 7168, 2048, 256))}
 _EXTRA = [tf8.Fp8TileConfig(128, 256, 64, num_stages=3, weight_as_lhs=True),
           tf8.Fp8TileConfig(64, 128, 128, num_stages=4, weight_as_lhs=True),

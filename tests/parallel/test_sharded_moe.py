@@ -102,13 +102,19 @@ def fake_quantized(w, quant, fsdp_dim, shards):
     return w + jax.lax.stop_gradient(rounded - w)
 
 
-@pytest.mark.parametrize("mesh_name, quant", [("fsdp2_expert4", "fp8_e4m3"), ("data2_expert2_fsdp2", "mxfp8")])
-def test_fp8_weight_gather(mesh_name, quant):
+@pytest.mark.parametrize("mesh_name, quant, exchange", [
+    ("fsdp2_expert4", "fp8_e4m3", {}),
+    ("data2_expert2_fsdp2", "mxfp8", {}),
+    # two chunks of 2 rows per pair, several rounds: each chunk's product reduce-scatters its own
+    # weight gradient, and the exchange sums them
+    ("fsdp2_expert4", "fp8_e4m3", {"exchange_chunks": 2, "exchange_capacity": 3}),
+])
+def test_fp8_weight_gather(mesh_name, quant, exchange):
     layout = make_layout(mesh_name)
     tokens, indices, weights, params, cotangent = case(2, expert_bias=False, token_scale=False)
     program = swiglu_program()
-    out, grads = jax.jit(lambda *a: out_and_grads(sharded(layout, indices, program, weight_gather_quant=quant), *a))(
-        tokens, weights, params, cotangent)
+    moe = sharded(layout, indices, program, weight_gather_quant=quant, **exchange)
+    out, grads = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
 
     def fake_quant_dense(t, w, p):
         p = [fake_quantized(x, quant, layout.fsdp_dim(i), layout.fsdp_size) for i, x in enumerate(p)]
