@@ -105,10 +105,9 @@ def _quantized_gather(w, axis_name, dim, quant):
     values, scales = quantize_blocks(w, quant)
     # Sent as raw bytes: some backends (XLA:CPU) would widen an f8 all-gather to f16.
     wire = jax.lax.bitcast_convert_type(values, jnp.uint8)
-    wire = jax.lax.all_gather(wire, axis_name, axis=dim, tiled=True)
-    values = jax.lax.bitcast_convert_type(wire, FP8_DTYPE)
-    scales = jax.lax.all_gather(scales, axis_name, axis=dim, tiled=True)
-    return dequantize_blocks(values, scales, quant, w.dtype)
+    wire, scales = _opaque(jax.lax.all_gather(wire, axis_name, axis=dim, tiled=True),
+                           jax.lax.all_gather(scales, axis_name, axis=dim, tiled=True))
+    return dequantize_blocks(jax.lax.bitcast_convert_type(wire, FP8_DTYPE), scales, quant, w.dtype)
 
 
 def _quantized_gather_fwd(w, axis_name, dim, quant):
@@ -168,7 +167,14 @@ def gather_weight_fp8(w, axis_name: str, dim: int, quant: str) -> GatheredFp8Wei
     values, scales = jax.lax.stop_gradient(quantize_blocks(w, quant))
     wire = jax.lax.all_gather(jax.lax.bitcast_convert_type(values, jnp.uint8), axis_name, axis=dim, tiled=True)
     scales = jax.lax.all_gather(scales, axis_name, axis=dim, tiled=True)
-    return GatheredFp8Weight(wire, scales, w, quant, axis_name, dim)
+    return GatheredFp8Weight(*_opaque(wire, scales), w, quant, axis_name, dim)
+
+
+def _opaque(*arrays):
+    """``arrays`` as XLA must keep them. Where the all-gather is a no-op (an FSDP axis of size 1),
+    XLA:GPU would otherwise fold quantise-then-dequantise (f32 -> fp8 -> f32) away as excess
+    precision, and a dequantised product would silently use the unquantised weights."""
+    return jax.lax.optimization_barrier(arrays)
 
 
 def use_fp8_kernel(lhs, weight: GatheredFp8Weight, backend: str) -> bool:
