@@ -159,9 +159,9 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     original = fn.__wrapped__ if jitted else fn
     declared = _compat.jit_options(fn).get("in_shardings") if jitted else None
     warned = []
+    compiled_calls: dict = {}  # call signature -> (jitted rewritten program, output tree), for eager calls
 
-    @functools.wraps(original)
-    def rewritten(*args, **kwargs):
+    def rewrite(args, kwargs):
         closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
         shardings = _input_shardings(args, kwargs, declared)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
@@ -173,16 +173,49 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
             warnings.warn(
                 f"moe_optimize: no MoE region rewritten in {_name(original)}; running it unchanged. {_why_not(report)}",
                 NoMoeFoundWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        outputs = run(*dynamic_leaves)
-        return jax.tree_util.tree_unflatten(out_tree, outputs)
+        return run, out_tree, dynamic_leaves
+
+    @functools.wraps(original)
+    def rewritten(*args, **kwargs):
+        signature = None if jitted else _call_signature(args, kwargs)
+        if signature is None:  # traced by an outer jit (which caches), or arguments that cannot key a cache
+            run, out_tree, dynamic_leaves = rewrite(args, kwargs)
+            return jax.tree_util.tree_unflatten(out_tree, run(*dynamic_leaves))
+        if signature not in compiled_calls:
+            run, out_tree, _ = rewrite(args, kwargs)
+            compiled_calls[signature] = (jax.jit(run), out_tree)
+            log.debug("moe_lowering: compiled %s for a new call signature (%d cached)", _name(original),
+                      len(compiled_calls))
+        run, out_tree = compiled_calls[signature]
+        leaves, _, dynamic = _split_static(args, kwargs)
+        return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
 
     rewritten.__moe_original__ = original
     rewritten.__moe_options__ = {"capacity_factor": capacity_factor, "declared_shardings": declared}
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))
     return rewritten
+
+
+def _call_signature(args, kwargs):
+    """What an eager call's rewrite depends on: the argument tree, each traced leaf's type and
+    sharding, each static leaf's value. ``None`` under an outer trace or for unhashable statics."""
+    leaves, tree, dynamic = _split_static(args, kwargs)
+    key = [tree]
+    for leaf, is_dynamic in zip(leaves, dynamic):
+        if isinstance(leaf, jax.core.Tracer):
+            return None
+        if is_dynamic:
+            key.append((jax.typeof(leaf), getattr(leaf, "sharding", None)))
+        else:
+            key.append((type(leaf), leaf))
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)
 
 
 def _input_shardings(args, kwargs, declared) -> tuple:

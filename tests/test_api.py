@@ -82,3 +82,24 @@ def test_group_limited_routing_reports_no_spurious_near_miss():
     params, x = model.args(jax.random.key(0))
     report = explain(model.fn, params, x)
     assert len(report.regions) == 1 and report.near_misses == ()
+
+
+def test_eager_calls_trace_once_per_signature():
+    model = ZOO["mixtral"]
+    traces = []
+
+    def counted(params, x):
+        traces.append(x.shape)
+        return model.fn(params, x)
+
+    params, x = model.args(jax.random.key(0))
+    layer = moe_optimize(counted)
+    first, again = layer(params, x), layer(params, x + 1.0)
+    assert traces == [x.shape]  # the second call reuses the first call's compiled rewrite
+    assert jnp.allclose(first, model.fn(params, x), rtol=1e-5, atol=1e-5)
+    assert jnp.allclose(again, model.fn(params, x + 1.0), rtol=1e-5, atol=1e-5)
+    shorter = x[: x.shape[0] // 2]
+    assert jnp.allclose(layer(params, shorter), model.fn(params, shorter), rtol=1e-5, atol=1e-5)
+    assert traces == [x.shape, shorter.shape]  # a new shape is a new signature
+    jax.jit(layer)(params, x)
+    assert len(traces) == 3  # under an outer jit the rewrite traces with it, uncached
