@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -175,13 +176,22 @@ def exchange_from(path: Path | None):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    saved = sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config
-    sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config = (
-        module.exchange_expert_rows, module.exchange_config)
+    fields = {f.name for f in dataclasses.fields(module.ExchangeConfig)}
+
+    def baseline_config(**kwargs):  # an older exchange knows fewer options (e.g. no ``chunks``)
+        return module.exchange_config(**{k: v for k, v in kwargs.items() if k in fields})
+
+    names = ("exchange_expert_rows", "exchange_config", "num_rounds")
+    saved = tuple(getattr(sharded_moe_module, name) for name in names)
+    swapped = (module.exchange_expert_rows, baseline_config,
+               getattr(module, "num_rounds", None) or getattr(module, "_num_rounds"))
+    for name, value in zip(names, swapped):
+        setattr(sharded_moe_module, name, value)
     try:
         yield
     finally:
-        sharded_moe_module.exchange_expert_rows, sharded_moe_module.exchange_config = saved
+        for name, value in zip(names, saved):
+            setattr(sharded_moe_module, name, value)
 
 
 def make_mesh(shape, names):
