@@ -17,9 +17,9 @@ One *chunk* moves at most ``capacity`` rows from every rank to every rank:
 
 A *round* is ``chunks`` such chunks, each dispatched, computed and returned on its own, so that
 XLA's scheduler can run one chunk's transport under another chunk's GEMMs (measured on H200s:
-it overlaps some, but the split GEMMs cost more than that hides, so one chunk is the default). Round 0 is straight-line code, so XLA schedules it like
-the rest of the layer; further rounds run in a ``while_loop`` that takes zero trips unless some
-pair exceeds ``chunks * capacity`` rows. The exchange is dropless under any skew, and per-device
+it overlaps some, but the split GEMMs cost more than that hides, so one chunk is the default).
+Round 0 is straight-line code, so XLA schedules it like the rest of the layer; further rounds
+run in a ``while_loop`` that takes zero trips unless some pair exceeds ``chunks * capacity`` rows. The exchange is dropless under any skew, and per-device
 buffers stay ``ep * capacity`` rows per chunk.
 
 Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one collective per
