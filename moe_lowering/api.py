@@ -175,19 +175,22 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
                 NoMoeFoundWarning,
                 stacklevel=3,
             )
-        return run, out_tree, dynamic_leaves
+        return run, out_tree, dynamic_leaves, bool(report.regions)
 
     @functools.wraps(original)
     def rewritten(*args, **kwargs):
         signature = None if jitted else _call_signature(args, kwargs)
         if signature is None:  # traced by an outer jit (which caches), or arguments that cannot key a cache
-            run, out_tree, dynamic_leaves = rewrite(args, kwargs)
+            run, out_tree, dynamic_leaves, _ = rewrite(args, kwargs)
             return jax.tree_util.tree_unflatten(out_tree, run(*dynamic_leaves))
         if signature not in compiled_calls:
-            run, out_tree, _ = rewrite(args, kwargs)
-            compiled_calls[signature] = (jax.jit(run), out_tree)
-            log.debug("moe_lowering: compiled %s for a new call signature (%d cached)", _name(original),
+            run, out_tree, _, rewritten_any = rewrite(args, kwargs)
+            # Nothing rewritten: the user's function itself runs, eagerly as called, bit for bit.
+            compiled_calls[signature] = (jax.jit(run), out_tree) if rewritten_any else None
+            log.debug("moe_lowering: %s traced for a new call signature (%d cached)", _name(original),
                       len(compiled_calls))
+        if compiled_calls[signature] is None:
+            return original(*args, **kwargs)
         run, out_tree = compiled_calls[signature]
         leaves, _, dynamic = _split_static(args, kwargs)
         return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
