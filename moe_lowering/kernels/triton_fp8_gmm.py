@@ -40,9 +40,9 @@ from moe_lowering.kernels.triton_grouped_matmul import (
     _KERNEL_DTYPES,
     _TENSOR_CORE_DTYPES,
     TileConfig,
-    _multiprocessor_count,
     _next_power_of_two,
     _offset_array,
+    _row_tile_grid,
 )
 from moe_lowering.kernels.triton_grouped_matmul import gmm as bf16_gmm
 from moe_lowering.parallel.quantize import dequantize_blocks
@@ -110,9 +110,7 @@ def fp8_gmm(
         return bf16_gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type)
     config = config or fp8_gmm_config(num_rows, k, n, num_local_groups, quant)
     block_k = min(config.block_k, scale_block_k)
-    n_tiles = -(-n // config.block_n)
-    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * n_tiles
-    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
     return jax_triton.triton_call(
         lhs,

@@ -79,6 +79,18 @@ def _multiprocessor_count() -> int:
     return int(getattr(device, "core_count", 0) or 132)
 
 
+def _grid_size(max_tiles: int, config: TileConfig) -> int:
+    """Programs to launch: one per multiprocessor (persistent, never more than the tiles), else one per tile."""
+    return min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+
+
+def _row_tile_grid(num_rows: int, n: int, num_local_groups: int, config: TileConfig) -> int:
+    """Programs for a product tiled over rows x columns: each group's last row tile may be partial,
+    so there are at most ``ceil(rows / block_m) + groups`` row tiles."""
+    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * -(-n // config.block_n)
+    return _grid_size(max_tiles, config)
+
+
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
@@ -126,9 +138,7 @@ def gmm(
                              preferred_element_type=preferred_element_type)
     compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
     config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
-    n_tiles = -(-n // config.block_n)
-    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * n_tiles
-    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
     return jax_triton.triton_call(
         lhs,
@@ -182,8 +192,7 @@ def tgmm(
                               preferred_element_type=preferred_element_type)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     config = config or tgmm_config(num_rows, k, n, num_local_groups, compute_f32)
-    max_tiles = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
-    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    num_programs = _grid_size(num_local_groups * -(-k // config.block_m) * -(-n // config.block_n), config)
     total_groups = group_sizes.shape[0]
     return jax_triton.triton_call(
         lhs,

@@ -21,9 +21,9 @@ from moe_lowering.kernels.triton_grouped_matmul import (
     TileConfig,
     _check_group_sizes,
     _compute_f32,
-    _multiprocessor_count,
     _next_power_of_two,
     _offset_array,
+    _row_tile_grid,
     gmm_config,
 )
 from moe_lowering.kernels.triton_swiglu_kernels import swiglu_gmm_kernel, swiglu_gmm_preactivations_kernel
@@ -63,9 +63,7 @@ def swiglu_gmm(
                                               with_preactivations=with_preactivations)
     compute_f32 = _compute_f32(lhs.dtype, gate_rhs.dtype, up_rhs.dtype)
     config = config or swiglu_config(num_rows, k, n, num_local_groups, compute_f32)
-    n_tiles = -(-n // config.block_n)
-    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * n_tiles
-    num_programs = min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
     out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
     return jax_triton.triton_call(
