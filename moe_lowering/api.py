@@ -179,7 +179,8 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
 
     @functools.wraps(original)
     def rewritten(*args, **kwargs):
-        signature = None if jitted else _call_signature(args, kwargs)
+        leaves, tree, dynamic = _split_static(args, kwargs)
+        signature = None if jitted else _call_signature(leaves, tree, dynamic)
         if signature is None:  # traced by an outer jit (which caches), or arguments that cannot key a cache
             run, out_tree, dynamic_leaves, _ = rewrite(args, kwargs)
             return jax.tree_util.tree_unflatten(out_tree, run(*dynamic_leaves))
@@ -192,7 +193,6 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         if compiled_calls[signature] is None:
             return original(*args, **kwargs)
         run, out_tree = compiled_calls[signature]
-        leaves, _, dynamic = _split_static(args, kwargs)
         return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
 
     rewritten.__moe_original__ = original
@@ -202,10 +202,10 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     return rewritten
 
 
-def _call_signature(args, kwargs):
-    """What an eager call's rewrite depends on: the argument tree, each traced leaf's type and
-    sharding, each static leaf's value. ``None`` under an outer trace or for unhashable statics."""
-    leaves, tree, dynamic = _split_static(args, kwargs)
+def _call_signature(leaves, tree, dynamic):
+    """What an eager call's rewrite depends on (``_split_static``'s split of its arguments): the
+    argument tree, each traced leaf's type and sharding, each static leaf's value. ``None`` under
+    an outer trace or for unhashable statics."""
     key = [tree]
     for leaf, is_dynamic in zip(leaves, dynamic):
         if isinstance(leaf, jax.core.Tracer):
