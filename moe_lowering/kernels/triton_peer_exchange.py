@@ -1,0 +1,226 @@
+"""Row exchange between the GPUs of one process by device-initiated NVLink stores (Triton).
+
+NCCL collectives need their sizes on the host, so a dropless exchange built on them either pads every
+(source, destination) block to a static capacity and loops on the host while rows are left, or syncs
+the counts to the host first. Here the sizes stay on the device: every row is *stored* by the sending
+GPU straight into the receiving GPU's buffer at its final position, and the receiver waits on
+arrival counters the senders bump after their stores. Nothing is padded, nothing waits on the host.
+
+The receive buffers are ordinary XLA buffers. Each exchange runs as three custom calls per device:
+
+1. ``allocate``: outputs the receive buffer (left unwritten), zeroed arrival counters, and both of
+   their device addresses as int32 words. XLA keeps these buffers alive until step 3 reads them.
+2. the caller all-gathers the address words over the exchange axis (one tiny collective, which also
+   orders every device's step 1 before any peer's step 3 can store into it), then ``push``: each
+   program stores its rows to ``(dest_device, dest_row)`` through the peer's address, then bumps its
+   counter on every peer (release, system scope).
+3. ``wait``: spins until every peer's programs have signalled (acquire), then copies the arrived
+   rows out into a fresh XLA buffer.
+
+Peer stores need CUDA peer access between the devices, which ``enable_peer_access`` turns on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import jax_triton
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_WORDS = 4  # receive buffer address (lo, hi), arrival counters address (lo, hi)
+
+
+@triton.jit
+def _split_address(pointer, out_ptr):
+    address = pointer.to(tl.int64)
+    tl.store(out_ptr, (address & 0xFFFFFFFF).to(tl.int32))
+    tl.store(out_ptr + 1, (address >> 32).to(tl.int32))
+
+
+@triton.jit
+def _join_address(words_ptr):
+    lo = tl.load(words_ptr).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + 1).to(tl.int64)
+    return (hi << 32) | lo
+
+
+@triton.jit
+def allocate_kernel(tag_ptr, recv_ptr, arrivals_ptr, address_ptr, NUM_PEERS: tl.constexpr,
+                    PEERS_PAD: tl.constexpr):
+    """Zeroes the arrival counters and publishes the receive buffer's and counters' addresses."""
+    peers = tl.arange(0, PEERS_PAD)
+    tl.store(arrivals_ptr + peers, tl.zeros((PEERS_PAD,), tl.int32), mask=peers < NUM_PEERS)
+    _split_address(recv_ptr, address_ptr)
+    _split_address(arrivals_ptr, address_ptr + 2)
+
+
+@triton.jit
+def push_kernel(rows_ptr, dest_device_ptr, dest_row_ptr, num_rows_ptr, peer_address_ptr, rank_ptr,
+                done_ptr, NUM_ROWS: tl.constexpr, D: tl.constexpr, NUM_PEERS: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Stores row ``i < num_rows`` at row ``dest_row[i]`` of device ``dest_device[i]``'s buffer."""
+    pid = tl.program_id(0)
+    ELEMENT_BYTES: tl.constexpr = rows_ptr.dtype.element_ty.primitive_bitwidth // 8
+    num_rows = tl.load(num_rows_ptr)
+    rank = tl.load(rank_ptr)
+    in_rows = tl.arange(0, BLOCK_ROWS)
+    in_d = tl.arange(0, BLOCK_D)
+    for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
+        rows = tile * BLOCK_ROWS + in_rows
+        valid = rows < num_rows
+        device = tl.load(dest_device_ptr + rows, mask=valid, other=0)
+        dest_row = tl.load(dest_row_ptr + rows, mask=valid, other=0)
+        lo = tl.load(peer_address_ptr + device * 4).to(tl.int64) & 0xFFFFFFFF
+        hi = tl.load(peer_address_ptr + device * 4 + 1).to(tl.int64)
+        # The peer's buffer as an element offset from ``rows_ptr`` (one address space): both are
+        # 16-byte aligned XLA buffers, and saying so lets the stores be vectorised.
+        delta = tl.multiple_of(((hi << 32) | lo) - rows_ptr.to(tl.int64), 16) // ELEMENT_BYTES
+        dest = rows_ptr + tl.multiple_of(delta, 16 // ELEMENT_BYTES) + dest_row.to(tl.int64) * D
+        src = rows_ptr + rows.to(tl.int64) * D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + in_d
+            mask = valid[:, None] & (cols < D)[None, :]
+            values = tl.load(src[:, None] + cols[None, :], mask=mask)
+            tl.store(dest[:, None] + cols[None, :], values, mask=mask)
+    tl.debug_barrier()
+    for peer in range(NUM_PEERS):
+        arrivals = _join_address(peer_address_ptr + peer * 4 + 2).to(tl.pointer_type(tl.int32))
+        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+    if pid == 0:
+        tl.store(done_ptr, num_rows)
+
+
+@triton.jit
+def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROWS: tl.constexpr,
+                D: tl.constexpr, NUM_PEERS: tl.constexpr, SIGNALS_PER_PEER: tl.constexpr,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Waits until every peer's push has signalled, then copies the first ``num_rows`` rows out."""
+    pid = tl.program_id(0)
+    for peer in range(NUM_PEERS):
+        while tl.atomic_add(arrivals_ptr + peer, 0, sem="acquire", scope="sys") < SIGNALS_PER_PEER:
+            pass
+    num_rows = tl.load(num_rows_ptr)
+    in_rows = tl.arange(0, BLOCK_ROWS)
+    in_d = tl.arange(0, BLOCK_D)
+    for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
+        rows = tile * BLOCK_ROWS + in_rows
+        valid = rows < num_rows
+        offsets = rows.to(tl.int64)[:, None] * D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + in_d
+            mask = valid[:, None] & (cols < D)[None, :]
+            values = tl.load(recv_ptr + offsets + cols[None, :], mask=mask, cache_modifier=".cg")
+            tl.store(out_ptr + offsets + cols[None, :], values, mask=mask)
+
+
+def _cudart():
+    """``libcudart`` from the CUDA runtime wheel JAX's CUDA plugin depends on, else the system's."""
+    candidates = []
+    try:
+        import nvidia.cuda_runtime as runtime_pkg
+
+        for root in runtime_pkg.__path__:
+            candidates += sorted(glob.glob(os.path.join(root, "lib", "libcudart.so*")))
+    except ImportError:
+        pass
+    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError("peer exchange: libcudart not found (install the nvidia-cuda-runtime wheel)")
+
+
+@functools.cache
+def enable_peer_access(device_ids: tuple[int, ...]) -> None:
+    """Turns on CUDA peer access between every pair of ``device_ids`` (local CUDA ordinals)."""
+    cudart = _cudart()
+    already_enabled = 704  # cudaErrorPeerAccessAlreadyEnabled
+    for device in device_ids:
+        for peer in device_ids:
+            if peer == device:
+                continue
+            can = ctypes.c_int(0)
+            cudart.cudaDeviceCanAccessPeer(ctypes.byref(can), device, peer)
+            if not can.value:
+                raise RuntimeError(f"peer exchange: GPU {device} cannot access GPU {peer} directly")
+            cudart.cudaSetDevice(device)
+            status = cudart.cudaDeviceEnablePeerAccess(peer, 0)
+            if status not in (0, already_enabled):
+                raise RuntimeError(f"peer exchange: cudaDeviceEnablePeerAccess({device} -> {peer}) failed: {status}")
+            cudart.cudaGetLastError()
+    logger.info("peer access enabled between GPUs %s", device_ids)
+
+
+def allocate(num_rows: int, d: int, dtype, num_peers: int, tag: jax.Array):
+    """``(recv, arrivals, address_words)``; ``tag`` only ties the call to its exchange (no CSE)."""
+    return jax_triton.triton_call(
+        tag,
+        kernel=allocate_kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_rows, d), dtype),
+            jax.ShapeDtypeStruct((num_peers,), jnp.int32),
+            jax.ShapeDtypeStruct((ADDRESS_WORDS,), jnp.int32),
+        ),
+        grid=(1,),
+        num_warps=1,
+        NUM_PEERS=num_peers,
+        PEERS_PAD=triton.next_power_of_2(num_peers),
+    )
+
+
+def push(rows, dest_device, dest_row, num_rows, peer_addresses, rank, *, num_programs: int,
+         block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
+    """Stores ``rows[i]`` (``i < num_rows``) into peer ``dest_device[i]`` at ``dest_row[i]``."""
+    total, d = rows.shape
+    return jax_triton.triton_call(
+        rows,
+        dest_device.astype(jnp.int32),
+        dest_row.astype(jnp.int32),
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        peer_addresses.reshape(-1),
+        jnp.reshape(rank, (1,)).astype(jnp.int32),
+        kernel=push_kernel,
+        out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
+        grid=(num_programs,),
+        num_warps=num_warps,
+        NUM_ROWS=total,
+        D=d,
+        NUM_PEERS=peer_addresses.shape[0],
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+        NUM_PROGRAMS=num_programs,
+    )
+
+
+def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs: int,
+         block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
+    """The first ``num_rows`` rows of ``recv`` once every peer has pushed (rows past it are unset)."""
+    total, d = recv.shape
+    return jax_triton.triton_call(
+        recv,
+        arrivals,
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        done,
+        kernel=wait_kernel,
+        out_shape=jax.ShapeDtypeStruct((total, d), recv.dtype),
+        grid=(num_programs,),
+        num_warps=num_warps,
+        NUM_ROWS=total,
+        D=d,
+        NUM_PEERS=arrivals.shape[0],
+        SIGNALS_PER_PEER=signals_per_peer,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+        NUM_PROGRAMS=num_programs,
+    )
