@@ -358,6 +358,10 @@ def main(argv=None):
     parser.add_argument("--grids", nargs="+", default=["all"], choices=["all", "margin", "tiles"])
     parser.add_argument("--loops", nargs="+", default=["after", "first", "none"], choices=["after", "first", "none"])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"])
+    parser.add_argument("--scheduler", nargs="+", default=["default", "lhs"], choices=["default", "lhs"],
+                        help="XLA's default GPU scheduler and/or its latency-hiding scheduler forced on")
+    parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "peer"],
+                        help="exchange transports of the sparse layer (each with every other variant)")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
     parser.add_argument("--exchange-only", action="store_true",
                         help="only the token exchange's bandwidth (and the layer HLO with --dump-hlo)")
@@ -373,7 +377,7 @@ def main(argv=None):
                   args.reps)
     configs = [CONFIGS["smoke"]] if args.smoke else [CONFIGS[c] for c in args.configs]
     eps = [e for e in (4, 2) if e <= jax.device_count()]
-    lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else (False, True)
+    lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else tuple(v == "lhs" for v in args.scheduler)
     trace_root = Path(tempfile.mkdtemp()) if args.smoke else out_dir
 
     if args.exchange_only:
@@ -398,25 +402,30 @@ def main(argv=None):
         for ep in eps:
             bench.run(f"{cfg.name} ep{ep} gemm-only", lambda: run.gemm_only(ep))
             bench.run(f"{cfg.name} ep{ep} dense", lambda: run.dense(ep))
-            for loop in args.loops:
-                for chunks in args.chunks:
-                    for grid in args.grids:
-                        for lhs in lhs_variants:
-                            bench.run(f"{cfg.name} ep{ep} sparse c{chunks} {grid} lhs={lhs} loop={loop}",
-                                      lambda: run.sparse(ep, chunks, grid, lhs, loop=loop))
+            for transport in args.transports:
+                for loop in args.loops:
+                    for chunks in args.chunks:
+                        for grid in args.grids:
+                            for lhs in lhs_variants:
+                                bench.run(f"{cfg.name} ep{ep} sparse {transport} c{chunks} {grid} lhs={lhs} loop={loop}",
+                                          lambda: run.sparse(ep, chunks, grid, lhs, loop=loop, transport=transport))
             if ep != eps[0]:
                 continue
             bench.run(f"{cfg.name} 1gpu dense fwdbwd", lambda: run.single("dense", fwd_bwd=True), min_left=60)
             bench.run(f"{cfg.name} 1gpu sparse fwdbwd", lambda: run.single("sparse", fwd_bwd=True), min_left=60)
             bench.run(f"{cfg.name} ep{ep} dense fwdbwd", lambda: run.dense(ep, fwd_bwd=True), min_left=60)
-            for loop in args.loops:
-                if loop != "first":  # the forward-only variant
-                    bench.run(f"{cfg.name} ep{ep} sparse fwdbwd c1 loop={loop}",
-                              lambda: run.sparse(ep, 1, "all", False, True, loop=loop), min_left=60)
-            if args.profile:
+            for transport in args.transports:
                 for loop in args.loops:
-                    bench.run(f"{cfg.name} ep{ep} profile c1 loop={loop}",
-                              lambda: run.sparse(ep, 1, "all", False, profile=True, loop=loop), min_left=40)
+                    if loop != "first":  # the forward-only variant
+                        bench.run(f"{cfg.name} ep{ep} sparse {transport} fwdbwd c1 loop={loop}",
+                                  lambda: run.sparse(ep, 1, "all", False, True, loop=loop, transport=transport),
+                                  min_left=60)
+            if args.profile:
+                for transport in args.transports:
+                    for loop in args.loops:
+                        bench.run(f"{cfg.name} ep{ep} profile {transport} c1 loop={loop}",
+                                  lambda: run.sparse(ep, 1, "all", False, profile=True, loop=loop,
+                                                     transport=transport), min_left=40)
         del run
     log.info("wrote %s; skipped: %s", bench.out_path, bench.doc["skipped"])
     ep_bench._print_table(bench.doc["rows"])

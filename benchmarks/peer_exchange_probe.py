@@ -1,4 +1,4 @@
-"""Probe of the device-initiated row exchange (``kernels/triton_peer_exchange.py``) on the local GPUs.
+"""Probe of the device-initiated row exchange (``kernels/triton_peer_store.py``) on the local GPUs.
 
 For ep in (2, 4) GPUs of this host: every device holds ``rows`` rows sent to random devices; the
 exchange stores each row at its final position on its destination. Checks the received rows against
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moe_lowering.kernels import triton_peer_exchange as peer
+from moe_lowering.kernels import triton_peer_store as peer
 from moe_lowering.parallel._jax_shim import shard_map
 
 log = logging.getLogger("peer_exchange_probe")
@@ -42,10 +42,10 @@ def destinations(key, ep, rows):
 def build_peer(mesh, ep, rows, d, dtype, push_programs, block_rows, block_d, wait_programs):
     def body(x, dest_device, dest_row, counts):
         rank = jax.lax.axis_index("x")
-        recv, arrivals, address = peer.allocate(ep * rows, d, dtype, ep, counts[0])
+        recv, arrivals, address = peer.allocate(ep * rows, d, dtype, ep, x[0], zeroed=False)
         table = jax.lax.all_gather(address, "x")
-        done = peer.push(x[0], dest_device[0], dest_row[0], jnp.int32(rows), table, rank,
-                         num_programs=push_programs, block_rows=block_rows, block_d=block_d)
+        done = peer.push(x[0], jnp.arange(rows, dtype=jnp.int32), dest_device[0], dest_row[0], table, rank,
+                         num_programs=push_programs, block_slots=block_rows, block_d=block_d)
         num_recv = jax.lax.all_gather(counts[0], "x")[:, rank].sum()
         return peer.wait(recv, arrivals, num_recv, done, signals_per_peer=push_programs,
                          num_programs=wait_programs, block_rows=block_rows, block_d=block_d)[None]

@@ -25,8 +25,12 @@ buffers stay ``ep * capacity`` rows per chunk.
 Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one collective per
 direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending block ``s`` to
 rank ``me + s``; the own block never leaves the device) and ``"ragged"``
-(``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU).
-On one host, XLA can run the first two on the GPUs' copy engines instead of NCCL
+(``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU),
+and ``"peer"`` (``kernels/peer_store.py``: NVLink stores from Triton kernels between the GPUs of
+one process; an all-gather reference elsewhere). With ``"peer"`` the
+sender stores every row over NVLink straight to its final place: its sorted position on the
+receiver for the dispatch, its home row for the return; so nothing is padded on the wire, and the
+receiver's counting-sort gathers and the gather home disappear. On one host, XLA can run the first two on the GPUs' copy engines instead of NCCL
 (``--xla_gpu_use_memcpy_local_p2p``, see ``benchmarks/EP_NOTES.md``).
 
 The backward is the transposed exchange written out (``custom_vjp``). Round 0 keeps the expert
@@ -47,9 +51,11 @@ import jax
 import jax.numpy as jnp
 
 from moe_lowering.expert_program import ExpertProgram, ParamKind, RowContext, evaluate
+from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.peer_store import peer_store
 from moe_lowering.sparse_moe import expert_matmul
 
-TRANSPORTS = ("all_to_all", "ppermute", "ragged")
+TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,17 @@ class _ChunkPlan:
     slot_of_position: jax.Array  # [ep * C] its inverse
     local_group_sizes: jax.Array  # [E / ep]
     local_expert_of_row: jax.Array  # [ep * C], clipped into range
+    peer_routes: "_PeerRoutes | None" = None  # the ``"peer"`` transport's destinations
+
+
+@dataclass(frozen=True)
+class _PeerRoutes:
+    """Where the ``"peer"`` transport stores each row (device ``-1``: nothing to store)."""
+
+    dispatch_device: jax.Array  # [ep * C] sent slot (block-major) -> receiving rank
+    dispatch_row: jax.Array  # [ep * C] -> its position in the receiver's expert-sorted rows
+    return_device: jax.Array  # [ep * C] my expert-sorted position -> the rank the row came from
+    return_row: jax.Array  # [ep * C] -> the row's index among that rank's sorted rows
 
 
 def _blocks_by_shift(cfg: ExchangeConfig) -> bool:
@@ -126,20 +143,7 @@ def _chunk_plan(counts, chunk_index, num_rows: int, cfg: ExchangeConfig) -> _Chu
     send_index = send_index[dest_of_block]
 
     # Receiver side: this chunk's slice [window, window + C) of each source's expert-ordered run.
-    to_me = by_rank[:, me, :]  # [source, local expert]
-    recv_sizes = jnp.clip(to_me.sum(axis=1) - window, 0, capacity)
-    run_ends = jnp.cumsum(to_me, axis=1)
-    chunk_ends = jnp.clip(run_ends - window, 0, capacity)  # [source, local expert]
-    chunk_sizes = chunk_ends - jnp.concatenate([jnp.zeros((ep, 1), chunk_ends.dtype), chunk_ends[:, :-1]], axis=1)
-    local_group_sizes = chunk_sizes.sum(axis=0)
-    group_starts = jnp.cumsum(local_group_sizes) - local_group_sizes
-    earlier_sources = jnp.cumsum(chunk_sizes, axis=0) - chunk_sizes  # same expert, sources before s
-
-    expert_of_slot = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right"))(chunk_ends)  # [ep, C]
-    valid = expert_of_slot < local
-    expert_clipped = jnp.minimum(expert_of_slot, local - 1)
-    start_in_chunk = jnp.take_along_axis(chunk_ends - chunk_sizes, expert_clipped, axis=1)
-    position = group_starts[expert_clipped] + earlier_sources[ranks[:, None], expert_clipped] + slot - start_in_chunk
+    position, valid, local_group_sizes, recv_sizes = _received_slots(by_rank, me, window, cfg)
     position, valid = position[source_of_block], valid[source_of_block]  # source-major -> block order
     num_valid = local_group_sizes.sum()
     padding_rank = jnp.cumsum(~valid.reshape(-1)) - 1
@@ -151,8 +155,53 @@ def _chunk_plan(counts, chunk_index, num_rows: int, cfg: ExchangeConfig) -> _Chu
         jnp.searchsorted(jnp.cumsum(local_group_sizes), positions, side="right"), local - 1
     ).astype(jnp.int32)
     send_offsets = jnp.where(send_sizes > 0, send_offsets, 0)
-    return _ChunkPlan(*_materialized(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot,
-                                     slot_of_position, local_group_sizes.astype(jnp.int32), local_expert_of_row))
+    indices = _materialized(send_index, send_sizes, send_offsets, recv_sizes, position_of_slot, slot_of_position,
+                            local_group_sizes.astype(jnp.int32), local_expert_of_row)
+    if cfg.transport != "peer":
+        return _ChunkPlan(*indices)
+
+    # Peer stores: my slot (d, i) lands at its position in rank d's sorted rows; my sorted position
+    # p, which holds slot (s, i) of source s, goes back to row ``run start + window + i`` of rank s.
+    positions_everywhere = jax.vmap(lambda receiver: _received_slots(by_rank, receiver, window, cfg)[0])(ranks)
+    dispatch_row = positions_everywhere[:, me, :]  # [destination, C]
+    dispatch_device = jnp.where(send_index < num_rows, ranks[:, None], -1)
+    source, slot_in_block = slot_of_position // capacity, slot_of_position % capacity
+    totals = by_rank.sum(axis=2)  # [source, destination]
+    run_starts_of = jnp.cumsum(totals, axis=1) - totals
+    positions = jnp.arange(ep * capacity, dtype=jnp.int32)
+    return_device = jnp.where(positions < local_group_sizes.sum(), source, -1)
+    return_row = run_starts_of[source, me] + window + slot_in_block
+    routes = _PeerRoutes(*_materialized(dispatch_device.reshape(-1).astype(jnp.int32),
+                                        dispatch_row.reshape(-1).astype(jnp.int32),
+                                        return_device.astype(jnp.int32), return_row.astype(jnp.int32)))
+    return _ChunkPlan(*indices, peer_routes=routes)
+
+
+def _received_slots(by_rank, receiver, window, cfg: ExchangeConfig):
+    """Rank ``receiver``'s view of a chunk: ``(position [source, C], valid [source, C], group sizes, sizes)``.
+
+    Slot ``i`` of source ``s``'s block holds row ``window + i`` of ``s``'s expert-ordered run for
+    ``receiver``; ``position`` is where it goes among the received rows sorted by local expert
+    (then by source); ``sizes [source]`` counts the rows each source sends in this chunk.
+    """
+    ep, local, capacity = cfg.ep_size, cfg.local_experts, cfg.capacity
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    ranks = jnp.arange(ep, dtype=jnp.int32)
+    to_receiver = by_rank[:, receiver, :]  # [source, local expert]
+    recv_sizes = jnp.clip(to_receiver.sum(axis=1) - window, 0, capacity)
+    run_ends = jnp.cumsum(to_receiver, axis=1)
+    chunk_ends = jnp.clip(run_ends - window, 0, capacity)  # [source, local expert]
+    chunk_sizes = chunk_ends - jnp.concatenate([jnp.zeros((ep, 1), chunk_ends.dtype), chunk_ends[:, :-1]], axis=1)
+    local_group_sizes = chunk_sizes.sum(axis=0)
+    group_starts = jnp.cumsum(local_group_sizes) - local_group_sizes
+    earlier_sources = jnp.cumsum(chunk_sizes, axis=0) - chunk_sizes  # same expert, sources before s
+
+    expert_of_slot = jax.vmap(lambda ends: jnp.searchsorted(ends, slot, side="right"))(chunk_ends)  # [ep, C]
+    valid = expert_of_slot < local
+    expert_clipped = jnp.minimum(expert_of_slot, local - 1)
+    start_in_chunk = jnp.take_along_axis(chunk_ends - chunk_sizes, expert_clipped, axis=1)
+    position = group_starts[expert_clipped] + earlier_sources[ranks[:, None], expert_clipped] + slot - start_in_chunk
+    return position, valid, local_group_sizes, recv_sizes
 
 
 def _materialized(*indices):
@@ -260,8 +309,30 @@ def num_rounds(counts, cfg: ExchangeConfig):
 
 
 def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig):
-    """Rows received in this chunk, sorted by local expert."""
+    """Rows received in this chunk, sorted by local expert (zeros after the received ones)."""
+    if plan.peer_routes is not None:
+        routes = plan.peer_routes
+        return peer_store(x, plan.send_index.reshape(-1), routes.dispatch_device, routes.dispatch_row,
+                          cfg.ep_size * cfg.capacity, plan.local_group_sizes.sum(), axis_name=cfg.axis_name,
+                          axis_size=cfg.ep_size, zeroed=False, backend=cfg.backend)
     return _dispatch(x, plan, cfg)[plan.slot_of_position]
+
+
+def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int):
+    """A chunk's results, sorted by local expert, on their way home (see :func:`_combine_home`)."""
+    if plan.peer_routes is not None:
+        routes = plan.peer_routes
+        positions = jnp.arange(results.shape[0], dtype=jnp.int32)
+        return peer_store(results, positions, routes.return_device, routes.return_row, num_rows, num_rows,
+                          axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=True, backend=cfg.backend)
+    return _return_blocks(results[plan.position_of_slot], plan, cfg)
+
+
+def _combine_home(sent_home, counts, round_index, num_rows: int, cfg: ExchangeConfig):
+    """``[N, ...]``: every sorted row's result from the round's chunks (zeros for rows not in the round)."""
+    if cfg.transport == "peer":  # each chunk already stored its rows at home, zeros elsewhere
+        return functools.reduce(jnp.add, sent_home)
+    return _gather_home(sent_home, _home_index(counts, round_index, num_rows, cfg))
 
 
 def _chunk_indices(round_index, cfg: ExchangeConfig):
@@ -282,9 +353,8 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
             vjps.append(vjp)
         else:
             result = program(sorted_rows, sorted_payloads, params)
-        returned.append(_return_blocks(result.astype(out_dtype)[plan.position_of_slot], plan, cfg))
-    out = _gather_home(returned, _home_index(counts, round_index, num_rows, cfg))
-    return out, tuple(vjps)
+        returned.append(_send_home(result.astype(out_dtype), plan, cfg, num_rows))
+    return _combine_home(returned, counts, round_index, num_rows, cfg), tuple(vjps)
 
 
 def _further_rounds(counts, cfg: ExchangeConfig, body, init):
@@ -368,15 +438,15 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
         else:
             vjp = vjps[j]
         g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg))
-        returned_rows.append(_return_blocks(g_rows.astype(rows.dtype)[plan.position_of_slot], plan, cfg))
+        returned_rows.append(_send_home(g_rows.astype(rows.dtype), plan, cfg, num_rows))
         for returned, g, p in zip(returned_payloads, g_payloads, payloads):
-            returned.append(_return_blocks(g.astype(p.dtype)[plan.position_of_slot], plan, cfg))
+            returned.append(_send_home(g.astype(p.dtype), plan, cfg, num_rows))
         if d_params is None:
             d_params = tuple(_param_cotangent(g, p) for g, p in zip(g_params, params))
         else:
             d_params = tuple(_add_rounded(a, g) for a, g in zip(d_params, g_params))
-    home = _home_index(counts, round_index, num_rows, cfg)
-    return _gather_home(returned_rows, home), tuple(_gather_home(r, home) for r in returned_payloads), d_params
+    return (_combine_home(returned_rows, counts, round_index, num_rows, cfg),
+            tuple(_combine_home(r, counts, round_index, num_rows, cfg) for r in returned_payloads), d_params)
 
 
 def _exchange_bwd(cfg, residuals, d_out):
@@ -395,6 +465,20 @@ def _exchange_bwd(cfg, residuals, d_out):
 
 
 exchange_expert_rows.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def prepare_peer_transport(devices, backend: str) -> None:
+    """Checks that the ``"peer"`` transport can run on ``devices`` and turns on peer access between them."""
+    devices = list(devices)
+    local = set(jax.local_devices())
+    if any(d not in local for d in devices):
+        raise ValueError("exchange_transport='peer' needs every mesh device in this process (its stores go "
+                         "from GPU to GPU directly); use 'all_to_all' across processes")
+    if get_backend(backend).name != "triton":
+        return  # the all-gather reference: nothing to prepare
+    from moe_lowering.kernels import triton_peer_store
+
+    triton_peer_store.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
 
 
 def exchange_config(**kwargs: Any) -> ExchangeConfig:

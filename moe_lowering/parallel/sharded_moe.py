@@ -27,7 +27,13 @@ from moe_lowering.parallel.capacity import (
     expert_capacity,
     local_expert_counts,
 )
-from moe_lowering.parallel.exchange import TRANSPORTS, exchange_config, exchange_expert_rows, num_rounds
+from moe_lowering.parallel.exchange import (
+    TRANSPORTS,
+    exchange_config,
+    exchange_expert_rows,
+    num_rounds,
+    prepare_peer_transport,
+)
 from moe_lowering.parallel.layout import Layout
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight, gather_weight_fp8
 from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
@@ -118,7 +124,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     :mod:`capacity`); ``None`` is dropless. ``weight_gather_quant``: ``None`` (exact),
     ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``exchange_transport``: how
     token rows travel, one of ``TRANSPORTS`` (``"ragged"``, ``jax.lax.ragged_all_to_all``, is
-    not implemented on XLA:CPU; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
+    not implemented on XLA:CPU; ``"peer"``, NVLink stores from Triton kernels, needs every EP
+    device to be a GPU of this process; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
     rows per (source, destination) pair per round (default: the balanced share times
     ``EXCHANGE_SLACK``). ``exchange_chunks``: independent slices per round, so one slice's
     transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
@@ -128,6 +135,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
     if exchange_transport not in TRANSPORTS:
         raise ValueError(f"exchange_transport must be one of {TRANSPORTS}, got {exchange_transport!r}")
+    if exchange_transport == "peer" and layout.expert_parallel_size > 1:
+        prepare_peer_transport(layout.mesh.devices.flat, backend)
     if weight_gather_quant is not None and layout.fsdp_axis is None:
         warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored: the expert weights are not FSDP-sharded",
                       stacklevel=2)

@@ -180,6 +180,28 @@ def test_ppermute_transport(mesh_name, exchange_capacity, skew_to):
         assert int(stats.exchange_rounds) >= 2
 
 
+@pytest.mark.parametrize("mesh_name, exchange_capacity, exchange_chunks, skew_to", [
+    ("expert8", None, 1, None),
+    ("fsdp2_expert4", 3, 1, None),  # several rounds: the while_loop path forward and backward
+    ("fsdp2_expert4", None, 2, 0),  # every copy to rank 0, two chunks a round
+    ("data2_expert2_fsdp2", None, 1, None),
+])
+def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, skew_to):
+    """The ``"peer"`` transport's destinations (sorted positions out, home rows back), through the
+    all-gather reference of its stores; the GPU kernels are checked against it in tests/gpu."""
+    layout = make_layout(mesh_name, expert_bias=True)
+    tokens, indices, weights, params, cotangent = case(13, num_tokens=128, skew_to=skew_to)
+    program = swiglu_program(expert_bias=True, token_scale=True)
+    moe = sharded(layout, indices, program, exchange_transport="peer", exchange_capacity=exchange_capacity,
+                  exchange_chunks=exchange_chunks)
+    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, params, cotangent)
+    assert_close(got, want, 1e-5)
+    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
+    assert not collectives(hlo, "all-to-all")
+
+
 def test_drop_over_capacity_semantics():
     rng = np.random.default_rng(5)
     indices = rng.integers(-1, E, size=(40, 2)).astype(np.int32)

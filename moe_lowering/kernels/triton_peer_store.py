@@ -54,38 +54,37 @@ def _join_address(words_ptr):
 
 
 @triton.jit
-def allocate_kernel(tag_ptr, recv_ptr, arrivals_ptr, address_ptr, NUM_PEERS: tl.constexpr,
-                    PEERS_PAD: tl.constexpr):
-    """Zeroes the arrival counters and publishes the receive buffer's and counters' addresses."""
-    peers = tl.arange(0, PEERS_PAD)
-    tl.store(arrivals_ptr + peers, tl.zeros((PEERS_PAD,), tl.int32), mask=peers < NUM_PEERS)
+def allocate_kernel(tag_ptr, recv_ptr, arrivals_ptr, address_ptr):
+    """Publishes the receive buffer's and arrival counters' addresses (both zeroed by the caller)."""
     _split_address(recv_ptr, address_ptr)
     _split_address(arrivals_ptr, address_ptr + 2)
 
 
 @triton.jit
-def push_kernel(rows_ptr, dest_device_ptr, dest_row_ptr, num_rows_ptr, peer_address_ptr, rank_ptr,
-                done_ptr, NUM_ROWS: tl.constexpr, D: tl.constexpr, NUM_PEERS: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """Stores row ``i < num_rows`` at row ``dest_row[i]`` of device ``dest_device[i]``'s buffer."""
+def push_kernel(rows_ptr, source_row_ptr, dest_device_ptr, dest_row_ptr, peer_address_ptr, rank_ptr, done_ptr,
+                NUM_SLOTS: tl.constexpr, D: tl.constexpr, NUM_PEERS: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+                BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Slot ``j``: stores ``rows[source_row[j]]`` at row ``dest_row[j]`` of device ``dest_device[j]``
+    (a negative device skips the slot), then bumps this program's arrival counter on every peer."""
     pid = tl.program_id(0)
     ELEMENT_BYTES: tl.constexpr = rows_ptr.dtype.element_ty.primitive_bitwidth // 8
-    num_rows = tl.load(num_rows_ptr)
     rank = tl.load(rank_ptr)
-    in_rows = tl.arange(0, BLOCK_ROWS)
+    in_slots = tl.arange(0, BLOCK_SLOTS)
     in_d = tl.arange(0, BLOCK_D)
-    for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
-        rows = tile * BLOCK_ROWS + in_rows
-        valid = rows < num_rows
-        device = tl.load(dest_device_ptr + rows, mask=valid, other=0)
-        dest_row = tl.load(dest_row_ptr + rows, mask=valid, other=0)
+    for tile in range(pid, tl.cdiv(NUM_SLOTS, BLOCK_SLOTS), NUM_PROGRAMS):
+        slots = tile * BLOCK_SLOTS + in_slots
+        device = tl.load(dest_device_ptr + slots, mask=slots < NUM_SLOTS, other=-1)
+        valid = device >= 0
+        device = tl.maximum(device, 0)
+        source_row = tl.load(source_row_ptr + slots, mask=valid, other=0)
+        dest_row = tl.load(dest_row_ptr + slots, mask=valid, other=0)
         lo = tl.load(peer_address_ptr + device * 4).to(tl.int64) & 0xFFFFFFFF
         hi = tl.load(peer_address_ptr + device * 4 + 1).to(tl.int64)
         # The peer's buffer as an element offset from ``rows_ptr`` (one address space): both are
         # 16-byte aligned XLA buffers, and saying so lets the stores be vectorised.
         delta = tl.multiple_of(((hi << 32) | lo) - rows_ptr.to(tl.int64), 16) // ELEMENT_BYTES
         dest = rows_ptr + tl.multiple_of(delta, 16 // ELEMENT_BYTES) + dest_row.to(tl.int64) * D
-        src = rows_ptr + rows.to(tl.int64) * D
+        src = rows_ptr + source_row.to(tl.int64) * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + in_d
             mask = valid[:, None] & (cols < D)[None, :]
@@ -96,14 +95,15 @@ def push_kernel(rows_ptr, dest_device_ptr, dest_row_ptr, num_rows_ptr, peer_addr
         arrivals = _join_address(peer_address_ptr + peer * 4 + 2).to(tl.pointer_type(tl.int32))
         tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
     if pid == 0:
-        tl.store(done_ptr, num_rows)
+        tl.store(done_ptr, rank)
 
 
 @triton.jit
 def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROWS: tl.constexpr,
                 D: tl.constexpr, NUM_PEERS: tl.constexpr, SIGNALS_PER_PEER: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """Waits until every peer's push has signalled, then copies the first ``num_rows`` rows out."""
+    """Waits until every peer's push has signalled, then copies the first ``num_rows`` rows out
+    and writes zeros after them."""
     pid = tl.program_id(0)
     for peer in range(NUM_PEERS):
         while tl.atomic_add(arrivals_ptr + peer, 0, sem="acquire", scope="sys") < SIGNALS_PER_PEER:
@@ -111,15 +111,16 @@ def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROW
     num_rows = tl.load(num_rows_ptr)
     in_rows = tl.arange(0, BLOCK_ROWS)
     in_d = tl.arange(0, BLOCK_D)
-    for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
+    for tile in range(pid, tl.cdiv(NUM_ROWS, BLOCK_ROWS), NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + in_rows
-        valid = rows < num_rows
+        arrived = rows < num_rows
         offsets = rows.to(tl.int64)[:, None] * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + in_d
-            mask = valid[:, None] & (cols < D)[None, :]
-            values = tl.load(recv_ptr + offsets + cols[None, :], mask=mask, cache_modifier=".cg")
-            tl.store(out_ptr + offsets + cols[None, :], values, mask=mask)
+            in_bounds = (rows < NUM_ROWS)[:, None] & (cols < D)[None, :]
+            values = tl.load(recv_ptr + offsets + cols[None, :], mask=in_bounds & arrived[:, None], other=0.0,
+                             cache_modifier=".cg")
+            tl.store(out_ptr + offsets + cols[None, :], values, mask=in_bounds)
 
 
 def _cudart():
@@ -162,8 +163,11 @@ def enable_peer_access(device_ids: tuple[int, ...]) -> None:
     logger.info("peer access enabled between GPUs %s", device_ids)
 
 
-def allocate(num_rows: int, d: int, dtype, num_peers: int, tag: jax.Array):
-    """``(recv, arrivals, address_words)``; ``tag`` only ties the call to its exchange (no CSE)."""
+def allocate(num_rows: int, d: int, dtype, num_peers: int, tag: jax.Array, *, zeroed: bool):
+    """``(recv, arrivals, address_words)``: a receive buffer (zeroed if asked), zeroed counters.
+
+    ``tag`` only ties the call to its exchange, so that XLA never merges two exchanges' buffers.
+    """
     return jax_triton.triton_call(
         tag,
         kernel=allocate_kernel,
@@ -174,30 +178,33 @@ def allocate(num_rows: int, d: int, dtype, num_peers: int, tag: jax.Array):
         ),
         grid=(1,),
         num_warps=1,
-        NUM_PEERS=num_peers,
-        PEERS_PAD=triton.next_power_of_2(num_peers),
+        zeroed_outputs=(0, 1) if zeroed else (1,),
     )
 
 
-def push(rows, dest_device, dest_row, num_rows, peer_addresses, rank, *, num_programs: int,
-         block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
-    """Stores ``rows[i]`` (``i < num_rows``) into peer ``dest_device[i]`` at ``dest_row[i]``."""
-    total, d = rows.shape
+def push(rows, source_row, dest_device, dest_row, peer_addresses, rank, *, num_programs: int,
+         block_slots: int = 8, block_d: int = 1024, num_warps: int = 4):
+    """Slot ``j`` stores ``rows[source_row[j]]`` into peer ``dest_device[j]`` (< 0: none) at ``dest_row[j]``.
+
+    ``peer_addresses [ep, 4]``: every peer's ``allocate`` address words, all-gathered. Returns a
+    one-element token the matching ``wait`` must consume (it orders the push before the wait).
+    """
+    _, d = rows.shape
     return jax_triton.triton_call(
         rows,
+        source_row.astype(jnp.int32),
         dest_device.astype(jnp.int32),
         dest_row.astype(jnp.int32),
-        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
         peer_addresses.reshape(-1),
         jnp.reshape(rank, (1,)).astype(jnp.int32),
         kernel=push_kernel,
         out_shape=jax.ShapeDtypeStruct((1,), jnp.int32),
         grid=(num_programs,),
         num_warps=num_warps,
-        NUM_ROWS=total,
+        NUM_SLOTS=source_row.shape[0],
         D=d,
         NUM_PEERS=peer_addresses.shape[0],
-        BLOCK_ROWS=block_rows,
+        BLOCK_SLOTS=block_slots,
         BLOCK_D=min(block_d, triton.next_power_of_2(d)),
         NUM_PROGRAMS=num_programs,
     )
@@ -205,7 +212,7 @@ def push(rows, dest_device, dest_row, num_rows, peer_addresses, rank, *, num_pro
 
 def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs: int,
          block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
-    """The first ``num_rows`` rows of ``recv`` once every peer has pushed (rows past it are unset)."""
+    """``recv``'s first ``num_rows`` rows once every peer has pushed, zeros after them."""
     total, d = recv.shape
     return jax_triton.triton_call(
         recv,
