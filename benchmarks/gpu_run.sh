@@ -29,7 +29,7 @@ for step in "$@"; do
       timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
     final-ep) timeout 360 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after --chunks 1 2 --reps 10 \
       --deadline 320 2>&1 | tee "$OUT/ep_overlap_final.log" | tail -60 ;;
-    peer-tests) timeout 200 python3 -m pytest tests/gpu/test_peer_exchange.py -v -rs -x -p no:cacheprovider 2>&1 \
+    peer-tests) timeout 200 python3 -m pytest tests/gpu/test_peer_exchange.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_peer_tests.log" | tail -25 ;;
     peer-ep) timeout 420 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after none --chunks 1 \
       --scheduler default --transports all_to_all peer --reps 10 --deadline 380 2>&1 | tee "$OUT/ep_overlap_peer.log" | tail -70 ;;

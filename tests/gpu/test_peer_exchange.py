@@ -42,11 +42,13 @@ def test_triton_stores_match_reference(dtype, width, zeroed):
     for rank in range(RANKS):
         mine = np.argwhere(dest_device == rank)
         dest_row[tuple(mine.T)] = rng.permutation(recv_rows)[: len(mine)]
-    num_arrived = recv_rows if zeroed else int((dest_device >= 0).sum(1).min())
-    if not zeroed:  # every row below num_arrived is stored: number each rank's rows 0, 1, ...
+    if zeroed:
+        num_arrived = recv_rows
+    else:  # unzeroed rows must all be stored: number each rank's arrivals 0, 1, ... and read the fewest
         for rank in range(RANKS):
             mine = np.argwhere(dest_device == rank)
             dest_row[tuple(mine.T)] = np.arange(len(mine))
+        num_arrived = min(int((dest_device == rank).sum()) for rank in range(RANKS))
     values = jnp.asarray(rng.standard_normal((RANKS, slots, width)) * 100).astype(dtype)
     mesh = jax.make_mesh((RANKS,), ("x",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
     prepare_peer_transport(GPUS[:RANKS], "auto")
