@@ -48,7 +48,8 @@ def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_ar
         return peer_store(values.astype(jnp.int8), source_row, dest_device, dest_row, recv_rows, num_arrived,
                           axis_name=axis_name, axis_size=axis_size, zeroed=zeroed, backend=backend).astype(jnp.bool_)
     flat = values.reshape(values.shape[0], -1)
-    recv, arrivals, address = peer.allocate(recv_rows, flat.shape[1], flat.dtype, axis_size, flat, zeroed=zeroed)
+    recv, arrivals, address = peer.allocate(recv_rows, flat.shape[1], axis_size, flat, dest_device, dest_row,
+                                            zeroed=zeroed)
     addresses = jax.lax.all_gather(address, axis_name)
     done = peer.push(flat, source_row, dest_device, dest_row, addresses, jax.lax.axis_index(axis_name),
                      num_programs=PUSH_PROGRAMS)

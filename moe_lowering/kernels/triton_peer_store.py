@@ -54,8 +54,10 @@ def _join_address(words_ptr):
 
 
 @triton.jit
-def allocate_kernel(tag_ptr, recv_ptr, arrivals_ptr, address_ptr):
-    """Publishes the receive buffer's and arrival counters' addresses (both zeroed by the caller)."""
+def allocate_kernel(values_ptr, dest_device_ptr, dest_row_ptr, recv_ptr, arrivals_ptr, address_ptr):
+    """Publishes the receive buffer's and arrival counters' addresses (both zeroed by the caller).
+
+    Reads none of its inputs: they only make the call as distinct as the exchange it serves."""
     _split_address(recv_ptr, address_ptr)
     _split_address(arrivals_ptr, address_ptr + 2)
 
@@ -163,16 +165,20 @@ def enable_peer_access(device_ids: tuple[int, ...]) -> None:
     logger.info("peer access enabled between GPUs %s", device_ids)
 
 
-def allocate(num_rows: int, d: int, dtype, num_peers: int, tag: jax.Array, *, zeroed: bool):
+def allocate(num_rows: int, d: int, num_peers: int, values, dest_device, dest_row, *, zeroed: bool):
     """``(recv, arrivals, address_words)``: a receive buffer (zeroed if asked), zeroed counters.
 
-    ``tag`` only ties the call to its exchange, so that XLA never merges two exchanges' buffers.
+    The exchange's ``values`` and routes are operands only so that XLA's common-subexpression
+    elimination cannot hand two different exchanges one buffer (the rows of one ``values`` sent in
+    two chunks, say): allocations with the same operands serve identical exchanges.
     """
     return jax_triton.triton_call(
-        tag,
+        values,
+        dest_device,
+        dest_row,
         kernel=allocate_kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((num_rows, d), dtype),
+            jax.ShapeDtypeStruct((num_rows, d), values.dtype),
             jax.ShapeDtypeStruct((num_peers,), jnp.int32),
             jax.ShapeDtypeStruct((ADDRESS_WORDS,), jnp.int32),
         ),
