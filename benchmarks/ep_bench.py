@@ -183,7 +183,12 @@ def exchange_from(path: Path | None):
 
     names = ("exchange_expert_rows", "exchange_config", "num_rounds")
     saved = tuple(getattr(sharded_moe_module, name) for name in names)
-    swapped = (module.exchange_expert_rows, baseline_config,
+    def baseline_exchange(cfg, rows, payloads, params, group_sizes):
+        """Older exchanges take the all-gathered counts matrix, not this rank's group sizes."""
+        counts = jax.lax.all_gather(group_sizes, cfg.axis_name)
+        return module.exchange_expert_rows(cfg, rows, payloads, params, counts)
+
+    swapped = (baseline_exchange, baseline_config,
                getattr(module, "num_rounds", None) or getattr(module, "_num_rounds"))
     for name, value in zip(names, swapped):
         setattr(sharded_moe_module, name, value)

@@ -80,7 +80,10 @@ def overflow_loop(mode: str):
     if mode == "none":
         exchange._further_rounds = lambda counts, cfg, body, init: init
     else:
-        def forward_loop_first(cfg, rows, payloads, params, counts, out_dtype, keep_vjp):
+        def forward_loop_first(cfg, rows, payloads, params, group_sizes, keep_vjp):
+            out_dtype = exchange._output_rows(cfg, rows, payloads, params).dtype
+            counts = jax.lax.all_gather(group_sizes, cfg.axis_name)
+
             def body(round_index, out):
                 more, _ = exchange._round_forward(cfg, counts, round_index, rows, payloads, params, out_dtype, False)
                 return out + more
@@ -88,7 +91,7 @@ def overflow_loop(mode: str):
                                                                    False)[0])
             extra = exchange._further_rounds(counts, cfg, body, jnp.zeros(shape.shape, shape.dtype))
             out, vjps = exchange._round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
-            return out + extra, vjps
+            return out + extra, vjps, counts
         exchange._forward = forward_loop_first
     try:
         yield

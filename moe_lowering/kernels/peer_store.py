@@ -5,14 +5,66 @@
 ``[recv_rows, ...]`` rows stored to it. On GPUs of one process (the Triton backend) the sender
 stores the rows itself over NVLink (``triton_peer_store``); elsewhere this module's reference
 all-gathers every rank's slots and scatters the ones addressed here, which is exact and slow.
+
+A store needs a receive buffer whose address every rank knows. ``peer_store`` makes one and
+all-gathers its address; a caller with several stores ahead can instead make their
+``PeerBuffer``s up front and share one all-gather among them (``gather_addresses``, which can
+carry the caller's own small int32 payload too), so the layer pays one sync point, not one per store.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from moe_lowering.kernels import get_backend
+
+# Programs of the Triton kernels: every push program signals every peer once; the waiting
+# programs spin, so they are kept few enough to leave multiprocessors to NCCL's kernels.
+PUSH_PROGRAMS = 132
+WAIT_PROGRAMS = 32
+
+_allocation_ids = itertools.count()
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PeerBuffer:
+    """A receive buffer the other ranks store into, its arrival counters, and address words:
+    this rank's ``[4]`` when made, every rank's ``[ranks, 4]`` once gathered."""
+
+    recv: jax.Array
+    arrivals: jax.Array
+    addresses: jax.Array
+
+
+def uses_kernels(backend: str) -> bool:
+    """Whether stores on ``backend`` run the Triton kernels (else the all-gather reference)."""
+    return get_backend(backend).name == "triton"
+
+
+def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, axis_size: int,
+                    zeroed: bool) -> PeerBuffer:
+    """A fresh receive buffer for ``[recv_rows, *trailing_shape]`` rows (GPU kernels only)."""
+    from moe_lowering.kernels import triton_peer_store as peer
+
+    dtype = jnp.int8 if dtype == jnp.bool_ else dtype
+    allocation_id = jnp.asarray(next(_allocation_ids) % (2**31), jnp.int32).reshape(1)
+    recv, arrivals, address = peer.allocate(recv_rows, math.prod(trailing_shape), dtype, axis_size, allocation_id,
+                                            zeroed=zeroed)
+    return PeerBuffer(recv, arrivals, address)
+
+
+def gather_addresses(buffers, axis_name: str, payload=None):
+    """``(buffers with every rank's addresses, payload all-gathered [ranks, n])`` in one all-gather."""
+    words = [b.addresses for b in buffers] + ([] if payload is None else [payload.astype(jnp.int32)])
+    gathered = jax.lax.all_gather(jnp.concatenate(words), axis_name)
+    out = [PeerBuffer(b.recv, b.arrivals, gathered[:, 4 * i: 4 * i + 4]) for i, b in enumerate(buffers)]
+    return out, (None if payload is None else gathered[:, 4 * len(buffers):])
 
 
 def peer_store_reference(values, source_row, dest_device, dest_row, recv_rows: int, num_arrived, *,
@@ -29,29 +81,26 @@ def peer_store_reference(values, source_row, dest_device, dest_row, recv_rows: i
     return jnp.where(arrived.reshape((-1,) + (1,) * (values.ndim - 1)), out, jnp.zeros((), values.dtype))
 
 
-# Programs of the Triton kernels: every push program signals every peer once; the waiting
-# programs spin, so they are kept few enough to leave multiprocessors to NCCL's kernels.
-PUSH_PROGRAMS = 132
-WAIT_PROGRAMS = 32
-
-
 def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_arrived, *, axis_name: str,
-               axis_size: int, zeroed: bool, backend: str = "auto"):
+               axis_size: int, zeroed: bool, backend: str = "auto", buffer: PeerBuffer | None = None):
     """See the module docstring. ``zeroed``: rows below ``num_arrived`` that no slot names are zero
-    (the Triton path otherwise leaves them unset, which costs nothing when every one is stored)."""
-    if get_backend(backend).name != "triton":
+    (the Triton path otherwise leaves them unset, which costs nothing when every one is stored).
+    ``buffer``: one made by ``allocate_buffer`` with ``zeroed`` alike, its addresses gathered."""
+    if not uses_kernels(backend):
         return peer_store_reference(values, source_row, dest_device, dest_row, recv_rows, num_arrived,
                                     axis_name=axis_name)
     from moe_lowering.kernels import triton_peer_store as peer
 
-    if values.dtype == jnp.bool_:
-        return peer_store(values.astype(jnp.int8), source_row, dest_device, dest_row, recv_rows, num_arrived,
-                          axis_name=axis_name, axis_size=axis_size, zeroed=zeroed, backend=backend).astype(jnp.bool_)
+    if buffer is None:
+        (buffer,), _ = gather_addresses([allocate_buffer(recv_rows, values.shape[1:], values.dtype,
+                                                         axis_size=axis_size, zeroed=zeroed)], axis_name)
+    if buffer.recv.shape[0] != recv_rows:
+        raise ValueError(f"peer store: buffer of {buffer.recv.shape[0]} rows for {recv_rows}")
     flat = values.reshape(values.shape[0], -1)
-    recv, arrivals, address = peer.allocate(recv_rows, flat.shape[1], axis_size, flat, dest_device, dest_row,
-                                            zeroed=zeroed)
-    addresses = jax.lax.all_gather(address, axis_name)
-    done = peer.push(flat, source_row, dest_device, dest_row, addresses, jax.lax.axis_index(axis_name),
+    flat = flat.astype(jnp.int8) if flat.dtype == jnp.bool_ else flat
+    done = peer.push(flat, source_row, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
                      num_programs=PUSH_PROGRAMS)
-    out = peer.wait(recv, arrivals, num_arrived, done, signals_per_peer=PUSH_PROGRAMS, num_programs=WAIT_PROGRAMS)
-    return out.reshape((recv_rows,) + values.shape[1:])
+    out = peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=PUSH_PROGRAMS,
+                    num_programs=WAIT_PROGRAMS)
+    return out.reshape((recv_rows,) + values.shape[1:]).astype(values.dtype)
+

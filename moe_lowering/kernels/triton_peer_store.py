@@ -8,10 +8,12 @@ arrival counters the senders bump after their stores. Nothing is padded, nothing
 
 The receive buffers are ordinary XLA buffers. Each exchange runs as three custom calls per device:
 
-1. ``allocate``: outputs the receive buffer (left unwritten), zeroed arrival counters, and both of
-   their device addresses as int32 words. XLA keeps these buffers alive until step 3 reads them.
+1. ``allocate``: outputs the receive buffer (left unwritten or zeroed), zeroed arrival counters,
+   and both of their device addresses as int32 words. XLA keeps these buffers alive until step 3
+   reads them.
 2. the caller all-gathers the address words over the exchange axis (one tiny collective, which also
-   orders every device's step 1 before any peer's step 3 can store into it), then ``push``: each
+   orders every device's step 1 before any peer's step 2 can store into it; several exchanges can
+   share it), then ``push``: each
    program stores its rows to ``(dest_device, dest_row)`` through the peer's address, then bumps its
    counter on every peer (release, system scope).
 3. ``wait``: spins until every peer's programs have signalled (acquire), then copies the arrived
@@ -54,10 +56,10 @@ def _join_address(words_ptr):
 
 
 @triton.jit
-def allocate_kernel(values_ptr, dest_device_ptr, dest_row_ptr, recv_ptr, arrivals_ptr, address_ptr):
+def allocate_kernel(allocation_id_ptr, recv_ptr, arrivals_ptr, address_ptr):
     """Publishes the receive buffer's and arrival counters' addresses (both zeroed by the caller).
 
-    Reads none of its inputs: they only make the call as distinct as the exchange it serves."""
+    Reads no input: the allocation id only keeps XLA from merging two allocations into one."""
     _split_address(recv_ptr, address_ptr)
     _split_address(arrivals_ptr, address_ptr + 2)
 
@@ -165,20 +167,17 @@ def enable_peer_access(device_ids: tuple[int, ...]) -> None:
     logger.info("peer access enabled between GPUs %s", device_ids)
 
 
-def allocate(num_rows: int, d: int, num_peers: int, values, dest_device, dest_row, *, zeroed: bool):
+def allocate(num_rows: int, trailing: int, dtype, num_peers: int, allocation_id, *, zeroed: bool):
     """``(recv, arrivals, address_words)``: a receive buffer (zeroed if asked), zeroed counters.
 
-    The exchange's ``values`` and routes are operands only so that XLA's common-subexpression
-    elimination cannot hand two different exchanges one buffer (the rows of one ``values`` sent in
-    two chunks, say): allocations with the same operands serve identical exchanges.
+    ``allocation_id`` (an int32 constant unique to the allocation) is an operand only so that XLA's
+    common-subexpression elimination cannot hand two exchanges one buffer and one set of counters.
     """
     return jax_triton.triton_call(
-        values,
-        dest_device,
-        dest_row,
+        allocation_id,
         kernel=allocate_kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((num_rows, d), values.dtype),
+            jax.ShapeDtypeStruct((num_rows, trailing), dtype),
             jax.ShapeDtypeStruct((num_peers,), jnp.int32),
             jax.ShapeDtypeStruct((ADDRESS_WORDS,), jnp.int32),
         ),

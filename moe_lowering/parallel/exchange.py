@@ -52,7 +52,7 @@ import jax.numpy as jnp
 
 from moe_lowering.expert_program import ExpertProgram, ParamKind, RowContext, evaluate
 from moe_lowering.kernels import get_backend
-from moe_lowering.kernels.peer_store import peer_store
+from moe_lowering.kernels.peer_store import PeerBuffer, allocate_buffer, gather_addresses, peer_store, uses_kernels
 from moe_lowering.sparse_moe import expert_matmul
 
 TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
@@ -308,24 +308,73 @@ def num_rounds(counts, cfg: ExchangeConfig):
     return (jnp.max(pair_totals) + cfg.round_rows - 1) // cfg.round_rows
 
 
-def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig):
+def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig, buffer: PeerBuffer | None = None):
     """Rows received in this chunk, sorted by local expert (zeros after the received ones)."""
     if plan.peer_routes is not None:
         routes = plan.peer_routes
         return peer_store(x, plan.send_index.reshape(-1), routes.dispatch_device, routes.dispatch_row,
                           cfg.ep_size * cfg.capacity, plan.local_group_sizes.sum(), axis_name=cfg.axis_name,
-                          axis_size=cfg.ep_size, zeroed=False, backend=cfg.backend)
+                          axis_size=cfg.ep_size, zeroed=False, backend=cfg.backend, buffer=buffer)
     return _dispatch(x, plan, cfg)[plan.slot_of_position]
 
 
-def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int):
+def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int, buffer: PeerBuffer | None = None):
     """A chunk's results, sorted by local expert, on their way home (see :func:`_combine_home`)."""
     if plan.peer_routes is not None:
         routes = plan.peer_routes
         positions = jnp.arange(results.shape[0], dtype=jnp.int32)
         return peer_store(results, positions, routes.return_device, routes.return_row, num_rows, num_rows,
-                          axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=True, backend=cfg.backend)
+                          axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=True, backend=cfg.backend,
+                          buffer=buffer)
     return _return_blocks(results[plan.position_of_slot], plan, cfg)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class _ChunkBuffers:
+    """A chunk's receive buffers for the ``"peer"`` transport, made before the exchange starts:
+    the rows it dispatches (and their payloads), and the results that come home."""
+
+    dispatched: PeerBuffer
+    dispatched_payloads: tuple[PeerBuffer, ...]
+    home: tuple[PeerBuffer, ...]  # one per array that comes home
+
+
+def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int):
+    """Round 0's ``"peer"`` buffers, one :class:`_ChunkBuffers` per chunk, addresses not yet gathered.
+
+    ``dispatched``: the arrays sent out (rows first, then payloads); ``homecoming``: the
+    ``ShapeDtypeStruct`` of each ``[num_rows, ...]`` array that comes back. ``None`` if the
+    transport is not ``"peer"`` on the GPU kernels.
+    """
+    if cfg.transport != "peer" or not uses_kernels(cfg.backend):
+        return None
+    sent_rows = cfg.ep_size * cfg.capacity
+
+    def make(rows, like, zeroed):
+        return allocate_buffer(rows, like.shape[1:], like.dtype, axis_size=cfg.ep_size, zeroed=zeroed)
+
+    return tuple(
+        _ChunkBuffers(make(sent_rows, dispatched[0], False), tuple(make(sent_rows, p, False) for p in dispatched[1:]),
+                      tuple(make(num_rows, h, True) for h in homecoming))
+        for _ in range(cfg.chunks)
+    )
+
+
+def _gather_with_addresses(cfg: ExchangeConfig, buffers, payload=None):
+    """One all-gather for every buffer's address words (and ``payload``): one sync point, not one per store."""
+    flat, tree = jax.tree.flatten(buffers, is_leaf=lambda x: isinstance(x, PeerBuffer))
+    gathered, payload = gather_addresses(flat, cfg.axis_name, payload)
+    return jax.tree.unflatten(tree, gathered), payload
+
+
+def gather_counts(cfg: ExchangeConfig, group_sizes, buffers=None):
+    """``(counts [ep, E], buffers with gathered addresses)``: the all-gathered group sizes, and the
+    ``"peer"`` buffers' addresses in the same collective."""
+    if buffers is None:
+        return jax.lax.all_gather(group_sizes, cfg.axis_name), None
+    buffers, counts = _gather_with_addresses(cfg, buffers, group_sizes)
+    return counts, buffers
 
 
 def _combine_home(sent_home, counts, round_index, num_rows: int, cfg: ExchangeConfig):
@@ -339,21 +388,26 @@ def _chunk_indices(round_index, cfg: ExchangeConfig):
     return [round_index * cfg.chunks + j for j in range(cfg.chunks)]
 
 
-def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool):
-    """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and each chunk's vjp if asked."""
+def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool,
+                   buffers=None):
+    """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and each chunk's vjp if asked.
+
+    ``buffers``: the round's ``"peer"`` buffers made up front (round 0), else each store makes its own.
+    """
     num_rows = rows.shape[0]
     returned, vjps = [], []
-    for chunk_index in _chunk_indices(round_index, cfg):
+    for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
-        sorted_rows = _dispatch_sorted(rows, plan, cfg)
-        sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
+        chunk = _ChunkBuffers(None, (None,) * len(payloads), (None,)) if buffers is None else buffers[j]
+        sorted_rows = _dispatch_sorted(rows, plan, cfg, chunk.dispatched)
+        sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg, b) for p, b in zip(payloads, chunk.dispatched_payloads))
         program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
         if keep_vjp:
             result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
             vjps.append(vjp)
         else:
             result = program(sorted_rows, sorted_payloads, params)
-        returned.append(_send_home(result.astype(out_dtype), plan, cfg, num_rows))
+        returned.append(_send_home(result.astype(out_dtype), plan, cfg, num_rows, chunk.home[0]))
     return _combine_home(returned, counts, round_index, num_rows, cfg), tuple(vjps)
 
 
@@ -365,39 +419,43 @@ def _further_rounds(counts, cfg: ExchangeConfig, body, init):
     return state
 
 
-def _forward(cfg: ExchangeConfig, rows, payloads, params, counts, out_dtype, keep_vjp: bool):
-    out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
+def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, keep_vjp: bool):
+    """``(results at home, round 0's vjps, counts)``."""
+    out_rows = _output_rows(cfg, rows, payloads, params)
+    buffers = _preallocate(cfg, (rows, *payloads), (out_rows,), rows.shape[0])
+    counts, buffers = gather_counts(cfg, group_sizes, buffers)
+    out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_rows.dtype, keep_vjp, buffers)
 
     def body(round_index, out):
-        more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_dtype, False)
+        more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_rows.dtype, False)
         return out + more  # rounds cover disjoint rows: exact
 
-    return _further_rounds(counts, cfg, body, out), vjps
+    return _further_rounds(counts, cfg, body, out), vjps, counts
 
 
-def _output_dtype(cfg: ExchangeConfig, rows, payloads, params):
-    """Dtype of the program's output rows (abstract evaluation, no FLOPs)."""
+def _output_rows(cfg: ExchangeConfig, rows, payloads, params) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of the program's output rows (abstract evaluation, no FLOPs)."""
     group_sizes = jax.ShapeDtypeStruct((cfg.local_experts,), jnp.int32)
     expert_of_row = jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32)
-    return jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads,
-                          params).dtype
+    return jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads, params)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, counts):
+def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, group_sizes):
     """Expert-program outputs for my sorted ``rows``, computed on the ranks that own their experts.
 
     ``rows [N, D]`` sorted by global expert (dropped copies last, never sent); ``payloads`` are
     per-row values of the program's ``PER_TOKEN`` inputs, in the same order; ``params`` the
-    program inputs with expert-indexed ones sliced to this rank's experts; ``counts [ep, E]``
-    the all-gathered group sizes. Rows that were not sent come back as zeros.
+    program inputs with expert-indexed ones sliced to this rank's experts; ``group_sizes [E]``
+    my rows per expert (all-gathered here into the counts matrix, together with the ``"peer"``
+    transport's buffer addresses). Rows that were not sent come back as zeros.
     """
-    out, _ = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), False)
+    out, _, _ = _forward(cfg, rows, payloads, params, group_sizes, False)
     return out
 
 
-def _exchange_fwd(cfg, rows, payloads, params, counts):
-    out, vjps = _forward(cfg, rows, payloads, params, counts, _output_dtype(cfg, rows, payloads, params), True)
+def _exchange_fwd(cfg, rows, payloads, params, group_sizes):
+    out, vjps, counts = _forward(cfg, rows, payloads, params, group_sizes, True)
     return out, (rows, payloads, params, counts, vjps)
 
 
@@ -421,26 +479,28 @@ def _add_rounded(total, more):
     return jax.tree.map(add, total, more)
 
 
-def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloads, params, d_out):
+def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloads, params, d_out, buffers=None):
     """Cotangents of one round: rows and payloads at home, params summed over the round's chunks.
 
     ``vjps``: the forward's per-chunk vjps (round 0: only the output cotangents travel), or
     ``None`` to dispatch the rows again and recompute each chunk's program under ``jax.vjp``.
+    ``buffers``: round 0's ``"peer"`` buffers made up front (cotangents out; rows and payloads home).
     """
     num_rows = rows.shape[0]
     returned_rows, returned_payloads, d_params = [], [[] for _ in payloads], None
     for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
+        chunk = _ChunkBuffers(None, (), (None,) * (1 + len(payloads))) if buffers is None else buffers[j]
         if vjps is None:
             program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
             sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
             _, vjp = jax.vjp(program, _dispatch_sorted(rows, plan, cfg), sorted_payloads, params)
         else:
             vjp = vjps[j]
-        g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg))
-        returned_rows.append(_send_home(g_rows.astype(rows.dtype), plan, cfg, num_rows))
-        for returned, g, p in zip(returned_payloads, g_payloads, payloads):
-            returned.append(_send_home(g.astype(p.dtype), plan, cfg, num_rows))
+        g_rows, g_payloads, g_params = vjp(_dispatch_sorted(d_out, plan, cfg, chunk.dispatched))
+        returned_rows.append(_send_home(g_rows.astype(rows.dtype), plan, cfg, num_rows, chunk.home[0]))
+        for returned, g, p, home in zip(returned_payloads, g_payloads, payloads, chunk.home[1:]):
+            returned.append(_send_home(g.astype(p.dtype), plan, cfg, num_rows, home))
         if d_params is None:
             d_params = tuple(_param_cotangent(g, p) for g, p in zip(g_params, params))
         else:
@@ -451,7 +511,10 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
 
 def _exchange_bwd(cfg, residuals, d_out):
     rows, payloads, params, counts, vjps = residuals
-    state = _round_backward(cfg, counts, 0, vjps, rows, payloads, params, d_out)
+    buffers = _preallocate(cfg, (d_out,), (rows, *payloads), rows.shape[0])
+    if buffers is not None:
+        buffers, _ = _gather_with_addresses(cfg, buffers)
+    state = _round_backward(cfg, counts, 0, vjps, rows, payloads, params, d_out, buffers)
 
     def body(round_index, state):
         d_rows, d_payloads, d_params = state

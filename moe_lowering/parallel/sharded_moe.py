@@ -193,9 +193,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         else:
             payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)
                              for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
-            counts = jax.lax.all_gather(routing.group_sizes, layout.expert_axis)
-            out_rows = exchange_expert_rows(cfg, rows, payloads, params, counts)
-            rounds = num_rounds(counts, cfg)
+            out_rows = exchange_expert_rows(cfg, rows, payloads, params, routing.group_sizes)
+            rounds = num_rounds(jax.lax.all_gather(routing.group_sizes, layout.expert_axis), cfg)
         out = combine(out_rows, expert_weights, routing)
         stats = ShardedMoEStats(dropped_copies=jax.lax.psum(dropped, axes), exchange_rounds=jax.lax.pmax(rounds, axes))
         return out, stats
