@@ -80,7 +80,7 @@ class Layout:
         if self.expert_axis:
             parts.append(
                 f"expert parallel over {self.expert_axis!r} ({self.expert_parallel_size} ranks x "
-                f"{self.local_experts} experts): all-to-all of token rows and of the counts matrix"
+                f"{self.local_experts} experts): all-to-all of token rows, all-gather of the counts matrix"
             )
         else:
             parts.append("no expert-parallel axis: every device holds all experts")

@@ -154,8 +154,9 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
     rows_per_pair = exchange_capacity or max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
     rows_per_chunk = -(-rows_per_pair // chunks)
-    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange %d chunk(s) of %d rows/pair/round, "
-             "expert capacity %s", layout.describe(), local_tokens, chunks, rows_per_chunk, capacity)
+    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round, "
+             "expert capacity %s", layout.describe(), local_tokens, exchange_transport, chunks, rows_per_chunk,
+             capacity)
 
     if pad:
         log.info("sharded_sparse_moe: padding %d tokens to a multiple of %d devices", pad, num_slices)
