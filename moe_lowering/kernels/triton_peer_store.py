@@ -16,8 +16,8 @@ The receive buffers are ordinary XLA buffers. Each exchange runs as three custom
    share it), then ``push``: each
    program stores its rows to ``(dest_device, dest_row)`` through the peer's address, then bumps its
    counter on every peer (release, system scope).
-3. ``wait``: spins until every peer's programs have signalled (acquire), then copies the arrived
-   rows out into a fresh XLA buffer.
+3. ``wait``: spins until every peer's programs have signalled (acquire), then zeros the rows past
+   the arrived ones; its output is the receive buffer itself (aliased), so nothing is copied.
 
 Peer stores need CUDA peer access between the devices, which ``enable_peer_access`` turns on.
 """
@@ -106,8 +106,10 @@ def push_kernel(rows_ptr, source_row_ptr, dest_device_ptr, dest_row_ptr, peer_ad
 def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROWS: tl.constexpr,
                 D: tl.constexpr, NUM_PEERS: tl.constexpr, SIGNALS_PER_PEER: tl.constexpr,
                 BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """Waits until every peer's push has signalled, then copies the first ``num_rows`` rows out
-    and writes zeros after them."""
+    """Waits until every peer's push has signalled, then writes zeros from row ``num_rows`` on.
+
+    ``out`` is ``recv`` itself (aliased): the rows are already where the peers stored them, and
+    the kernels that read them next start after this one ends, so they see the peers' stores."""
     pid = tl.program_id(0)
     for peer in range(NUM_PEERS):
         while tl.atomic_add(arrivals_ptr + peer, 0, sem="acquire", scope="sys") < SIGNALS_PER_PEER:
@@ -115,16 +117,14 @@ def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROW
     num_rows = tl.load(num_rows_ptr)
     in_rows = tl.arange(0, BLOCK_ROWS)
     in_d = tl.arange(0, BLOCK_D)
-    for tile in range(pid, tl.cdiv(NUM_ROWS, BLOCK_ROWS), NUM_PROGRAMS):
+    zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
+    for tile in range(num_rows // BLOCK_ROWS + pid, tl.cdiv(NUM_ROWS, BLOCK_ROWS), NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + in_rows
-        arrived = rows < num_rows
+        tail = (rows >= num_rows) & (rows < NUM_ROWS)
         offsets = rows.to(tl.int64)[:, None] * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + in_d
-            in_bounds = (rows < NUM_ROWS)[:, None] & (cols < D)[None, :]
-            values = tl.load(recv_ptr + offsets + cols[None, :], mask=in_bounds & arrived[:, None], other=0.0,
-                             cache_modifier=".cg")
-            tl.store(out_ptr + offsets + cols[None, :], values, mask=in_bounds)
+            tl.store(out_ptr + offsets + cols[None, :], zeros, mask=tail[:, None] & (cols < D)[None, :])
 
 
 def _cudart():
@@ -217,7 +217,7 @@ def push(rows, source_row, dest_device, dest_row, peer_addresses, rank, *, num_p
 
 def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs: int,
          block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
-    """``recv``'s first ``num_rows`` rows once every peer has pushed, zeros after them."""
+    """``recv``'s first ``num_rows`` rows once every peer has pushed, zeros after them (in place)."""
     total, d = recv.shape
     return jax_triton.triton_call(
         recv,
@@ -226,6 +226,7 @@ def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs:
         done,
         kernel=wait_kernel,
         out_shape=jax.ShapeDtypeStruct((total, d), recv.dtype),
+        input_output_aliases={0: 0},
         grid=(num_programs,),
         num_warps=num_warps,
         NUM_ROWS=total,
