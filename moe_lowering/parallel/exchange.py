@@ -335,9 +335,14 @@ class _ChunkBuffers:
     """A chunk's receive buffers for the ``"peer"`` transport, made before the exchange starts:
     the rows it dispatches (and their payloads), and the results that come home."""
 
-    dispatched: PeerBuffer
-    dispatched_payloads: tuple[PeerBuffer, ...]
-    home: tuple[PeerBuffer, ...]  # one per array that comes home
+    dispatched: PeerBuffer | None
+    dispatched_payloads: tuple[PeerBuffer | None, ...]
+    home: tuple[PeerBuffer | None, ...]  # one per array that comes home
+
+    @classmethod
+    def none(cls, num_payloads: int, num_home: int) -> "_ChunkBuffers":
+        """No buffers made up front: each store makes its own (further rounds, other transports)."""
+        return cls(None, (None,) * num_payloads, (None,) * num_home)
 
 
 def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int):
@@ -368,7 +373,7 @@ def _gather_with_addresses(cfg: ExchangeConfig, buffers, payload=None):
     return jax.tree.unflatten(tree, gathered), payload
 
 
-def gather_counts(cfg: ExchangeConfig, group_sizes, buffers=None):
+def _gather_counts(cfg: ExchangeConfig, group_sizes, buffers=None):
     """``(counts [ep, E], buffers with gathered addresses)``: the all-gathered group sizes, and the
     ``"peer"`` buffers' addresses in the same collective."""
     if buffers is None:
@@ -398,7 +403,7 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
     returned, vjps = [], []
     for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
-        chunk = _ChunkBuffers(None, (None,) * len(payloads), (None,)) if buffers is None else buffers[j]
+        chunk = _ChunkBuffers.none(len(payloads), 1) if buffers is None else buffers[j]
         sorted_rows = _dispatch_sorted(rows, plan, cfg, chunk.dispatched)
         sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg, b) for p, b in zip(payloads, chunk.dispatched_payloads))
         program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
@@ -423,7 +428,7 @@ def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, keep_vjp:
     """``(results at home, round 0's vjps, counts)``."""
     out_rows = _output_rows(cfg, rows, payloads, params)
     buffers = _preallocate(cfg, (rows, *payloads), (out_rows,), rows.shape[0])
-    counts, buffers = gather_counts(cfg, group_sizes, buffers)
+    counts, buffers = _gather_counts(cfg, group_sizes, buffers)
     out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_rows.dtype, keep_vjp, buffers)
 
     def body(round_index, out):
@@ -490,7 +495,7 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
     returned_rows, returned_payloads, d_params = [], [[] for _ in payloads], None
     for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
-        chunk = _ChunkBuffers(None, (), (None,) * (1 + len(payloads))) if buffers is None else buffers[j]
+        chunk = _ChunkBuffers.none(0, 1 + len(payloads)) if buffers is None else buffers[j]
         if vjps is None:
             program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
             sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
