@@ -42,7 +42,7 @@ def destinations(key, ep, rows):
 def build_peer(mesh, ep, rows, d, dtype, push_programs, block_rows, block_d, wait_programs):
     def body(x, dest_device, dest_row, counts):
         rank = jax.lax.axis_index("x")
-        recv, arrivals, address = peer.allocate(ep * rows, d, ep, x[0], dest_device[0], dest_row[0], zeroed=False)
+        recv, arrivals, address = peer.allocate(ep * rows, d, dtype, ep, jnp.zeros((1,), jnp.int32), zeroed=False)
         table = jax.lax.all_gather(address, "x")
         done = peer.push(x[0], jnp.arange(rows, dtype=jnp.int32), dest_device[0], dest_row[0], table, rank,
                          num_programs=push_programs, block_slots=block_rows, block_d=block_d)
