@@ -9,13 +9,13 @@ arrival counters the senders bump after their stores. Nothing is padded, nothing
 The receive buffers are ordinary XLA buffers. Each exchange runs as three custom calls per device:
 
 1. ``allocate``: outputs the receive buffer (left unwritten or zeroed), zeroed arrival counters,
-   and both of their device addresses as int32 words. XLA keeps these buffers alive until step 3
-   reads them.
-2. the caller all-gathers the address words over the exchange axis (one tiny collective, which also
-   orders every device's step 1 before any peer's step 2 can store into it; several exchanges can
-   share it), then ``push``: each
-   program stores its rows to ``(dest_device, dest_row)`` through the peer's address, then bumps its
-   counter on every peer (release, system scope).
+   and both of their device addresses as int32 words. XLA keeps these buffers alive until the
+   ``wait`` that consumes them.
+2. ``push``, after the caller has all-gathered the address words over the exchange axis (one tiny
+   collective, which several exchanges can share; it also orders every device's ``allocate``
+   before any peer's ``push`` stores into its buffers): each program stores its rows at
+   ``(dest_device, dest_row)`` through the peer's address, then bumps its counter on every peer
+   (release, system scope).
 3. ``wait``: spins until every peer's programs have signalled (acquire), then zeros the rows past
    the arrived ones; its output is the receive buffer itself (aliased), so nothing is copied.
 
@@ -151,6 +151,8 @@ def enable_peer_access(device_ids: tuple[int, ...]) -> None:
     """Turns on CUDA peer access between every pair of ``device_ids`` (local CUDA ordinals)."""
     cudart = _cudart()
     already_enabled = 704  # cudaErrorPeerAccessAlreadyEnabled
+    current = ctypes.c_int(0)
+    cudart.cudaGetDevice(ctypes.byref(current))  # restored below: the calling thread's device is not ours
     for device in device_ids:
         for peer in device_ids:
             if peer == device:
@@ -164,6 +166,7 @@ def enable_peer_access(device_ids: tuple[int, ...]) -> None:
             if status not in (0, already_enabled):
                 raise RuntimeError(f"peer exchange: cudaDeviceEnablePeerAccess({device} -> {peer}) failed: {status}")
             cudart.cudaGetLastError()
+    cudart.cudaSetDevice(current.value)
     logger.info("peer access enabled between GPUs %s", device_ids)
 
 
