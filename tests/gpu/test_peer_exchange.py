@@ -96,3 +96,33 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
     got, want = out_and_grads("peer"), out_and_grads("all_to_all")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(len(GPUS) < 4, reason="needs four GPUs of one host")
+@pytest.mark.parametrize("quant", [None, "fp8_e4m3"])
+def test_peer_on_fsdp_by_expert_mesh(quant):
+    """(fsdp=2, expert=2): the peer stores run beside the FSDP weight all-gathers (bf16 or FP8) and
+    their reduce-scatters, on two EP groups at once; bit for bit against all_to_all."""
+    cases = _parallel_cases()
+    tokens, indices, weights, params = cases.random_case(9, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
+                                                         top_k=2, dtype=jnp.bfloat16, skew_to=None)
+    cotangent = jnp.asarray(np.random.default_rng(10).standard_normal(tokens.shape), jnp.bfloat16)
+    program = cases.swiglu_program()
+    mesh = jax.make_mesh((2, 2), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2, devices=GPUS[:4])
+    specs = [P("expert", "fsdp", None), P("expert", "fsdp", None), P("expert", None, "fsdp")]
+    layout = plan_layout(mesh, P(("fsdp", "expert")), specs, E)
+
+    def out_and_grads(transport):
+        def moe(t, w, p):
+            return sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout,
+                                      exchange_transport=transport, weight_gather_quant=quant)
+
+        def run(t, w, p, g):
+            out, vjp = jax.vjp(moe, t, w, p)
+            return out, vjp(g)
+
+        return jax.jit(run)(tokens, weights, params, cotangent)
+
+    got, want = out_and_grads("peer"), out_and_grads("all_to_all")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
