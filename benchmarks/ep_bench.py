@@ -530,23 +530,34 @@ def nccl_env_probes(bench: Bench, out_dir: Path, smoke: bool):
             bench.record({"name": f"nccl env {label}", "error": done.stderr[-800:]})
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    """The options every layer benchmark here shares (see :func:`bench_from_args`)."""
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
     parser.add_argument("--deadline", type=float, default=240.0, help="seconds; later measurements are skipped")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
-    parser.add_argument("--baseline-exchange", type=Path, help="a previous exchange.py to time beside this one")
-    parser.add_argument("--gathers", action="store_true", help="also time the FSDP weight gathers")
-    parser.add_argument("--nccl-env", action="store_true", help="also time the bare transports under NCCL variants")
-    parser.add_argument("--transports-only", action="store_true", help=argparse.SUPPRESS)  # an --nccl-env child
-    args = parser.parse_args(argv)
+
+
+def bench_from_args(name: str, args) -> Bench:
+    """Logging to stdout and a ``Bench`` writing ``{name}_[smoke_]{device}_{date}.json`` under ``--out``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     kind = jax.devices()[0].device_kind.replace(" ", "_")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-    bench = Bench(out_dir / f"ep_bench_{'smoke_' if args.smoke else ''}{kind}_{stamp}.json", args.deadline, args.reps)
+    return Bench(out_dir / f"{name}_{'smoke_' if args.smoke else ''}{kind}_{stamp}.json", args.deadline, args.reps)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_bench_args(parser)
+    parser.add_argument("--baseline-exchange", type=Path, help="a previous exchange.py to time beside this one")
+    parser.add_argument("--gathers", action="store_true", help="also time the FSDP weight gathers")
+    parser.add_argument("--nccl-env", action="store_true", help="also time the bare transports under NCCL variants")
+    parser.add_argument("--transports-only", action="store_true", help=argparse.SUPPRESS)  # an --nccl-env child
+    args = parser.parse_args(argv)
+    bench = bench_from_args("ep_bench", args)
+    out_dir = bench.out_path.parent
     big, wide = (CONFIGS["smoke"],) * 2 if args.smoke else (CONFIGS["mixtral"], CONFIGS["deepseek"])
     eps = [e for e in (2, 4) if e <= jax.device_count()]
     ragged_ok = jax.devices()[0].platform != "cpu"

@@ -9,7 +9,6 @@ Per config (Mixtral-like, DeepSeek-like): the dense reference and the sparse lay
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
@@ -22,7 +21,17 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ep_bench import CONFIGS, Bench, LayerBench, _print_table, make_mesh, rel_err, with_grad  # noqa: E402
+from ep_bench import (  # noqa: E402
+    CONFIGS,
+    Bench,
+    LayerBench,
+    _print_table,
+    add_bench_args,
+    bench_from_args,
+    make_mesh,
+    rel_err,
+    with_grad,
+)
 
 from moe_lowering.parallel.layout import plan_layout  # noqa: E402
 from moe_lowering.parallel.sharded_moe import sharded_sparse_moe  # noqa: E402
@@ -61,17 +70,9 @@ def measure(bench: Bench, layer: LayerBench, quant, with_backward: bool):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
-    parser.add_argument("--deadline", type=float, default=240.0, help="seconds; later measurements are skipped")
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
+    add_bench_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    kind = jax.devices()[0].device_kind.replace(" ", "_")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
-    bench = Bench(out_dir / f"fp8_layer_{'smoke_' if args.smoke else ''}{kind}_{stamp}.json", args.deadline, args.reps)
+    bench = bench_from_args("fp8_layer", args)
     configs = (CONFIGS["smoke"],) if args.smoke else (CONFIGS["deepseek"], CONFIGS["mixtral"])
     for cfg in configs:
         layer = LayerBench(bench, cfg)
