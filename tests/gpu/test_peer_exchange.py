@@ -14,6 +14,7 @@ from moe_lowering.kernels.peer_store import peer_store
 from moe_lowering.parallel import plan_layout, sharded_sparse_moe
 from moe_lowering.parallel._jax_shim import shard_map
 from moe_lowering.parallel.exchange import prepare_peer_transport
+from parallel_cases import random_case, random_peer_routes, swiglu_program
 
 GPUS = [d for d in jax.devices() if d.platform == "gpu"]
 pytestmark = pytest.mark.skipif(len(GPUS) < 2, reason="needs two GPUs of one host")
@@ -21,34 +22,15 @@ RANKS = min(4, len(GPUS))
 E = 8
 
 
-def _parallel_cases():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-    import parallel_cases
-
-    return parallel_cases
-
-
 @pytest.mark.parametrize("dtype, width", [(jnp.float32, 40), (jnp.bfloat16, 4096), (jnp.int32, 1)])
 @pytest.mark.parametrize("zeroed", [True, False])
 def test_triton_stores_match_reference(dtype, width, zeroed):
     slots, recv_rows = 300, 500
     rng = np.random.default_rng(width)
-    source_row = rng.integers(0, slots, size=(RANKS, slots)).astype(np.int32)
-    dest_device = rng.integers(-1, RANKS, size=(RANKS, slots)).astype(np.int32)
-    dest_row = np.zeros((RANKS, slots), np.int32)
-    for rank in range(RANKS):
-        mine = np.argwhere(dest_device == rank)
-        dest_row[tuple(mine.T)] = rng.permutation(recv_rows)[: len(mine)]
-    if zeroed:
-        num_arrived = recv_rows
-    else:  # unzeroed rows must all be stored: number each rank's arrivals 0, 1, ... and read the fewest
-        for rank in range(RANKS):
-            mine = np.argwhere(dest_device == rank)
-            dest_row[tuple(mine.T)] = np.arange(len(mine))
-        num_arrived = min(int((dest_device == rank).sum()) for rank in range(RANKS))
+    # Unzeroed rows must all be stored: number each rank's arrivals 0, 1, ... and read the fewest.
+    source_row, dest_device, dest_row = random_peer_routes(rng, ranks=RANKS, slots=slots, recv_rows=recv_rows,
+                                                           packed=not zeroed)
+    num_arrived = recv_rows if zeroed else min(int((dest_device == rank).sum()) for rank in range(RANKS))
     values = jnp.asarray(rng.standard_normal((RANKS, slots, width)) * 100).astype(dtype)
     mesh = jax.make_mesh((RANKS,), ("x",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
     prepare_peer_transport(GPUS[:RANKS], "auto")
@@ -72,12 +54,11 @@ def test_triton_stores_match_reference(dtype, width, zeroed):
 @pytest.mark.parametrize("exchange_capacity, chunks, skew_to", [(None, 1, None), (5, 1, None), (None, 2, 0)])
 def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to):
     """Bit for bit: both transports put the same rows in the same sorted order before the GEMMs."""
-    cases = _parallel_cases()
-    tokens, indices, weights, params = cases.random_case(7, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
+    tokens, indices, weights, params = random_case(7, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
                                                          top_k=2, dtype=dtype, expert_bias=False, token_scale=True,
                                                          skew_to=skew_to)
     cotangent = jnp.asarray(np.random.default_rng(8).standard_normal(tokens.shape), dtype)
-    program = cases.swiglu_program(token_scale=True)
+    program = swiglu_program(token_scale=True)
     mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
     layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
 
@@ -103,11 +84,10 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
 def test_peer_on_fsdp_by_expert_mesh(quant):
     """(fsdp=2, expert=2): the peer stores run beside the FSDP weight all-gathers (bf16 or FP8) and
     their reduce-scatters, on two EP groups at once; bit for bit against all_to_all."""
-    cases = _parallel_cases()
-    tokens, indices, weights, params = cases.random_case(9, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
+    tokens, indices, weights, params = random_case(9, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
                                                          top_k=2, dtype=jnp.bfloat16, skew_to=None)
     cotangent = jnp.asarray(np.random.default_rng(10).standard_normal(tokens.shape), jnp.bfloat16)
-    program = cases.swiglu_program()
+    program = swiglu_program()
     mesh = jax.make_mesh((2, 2), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2, devices=GPUS[:4])
     specs = [P("expert", "fsdp", None), P("expert", "fsdp", None), P("expert", None, "fsdp")]
     layout = plan_layout(mesh, P(("fsdp", "expert")), specs, E)

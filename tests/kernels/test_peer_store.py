@@ -10,26 +10,16 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from moe_lowering.kernels.peer_store import peer_store
 from moe_lowering.parallel._jax_shim import shard_map
+from parallel_cases import random_peer_routes
 
 RANKS, SLOTS, RECV_ROWS, WIDTH = 4, 12, 20, 3
-
-
-def _routes(seed):
-    """Random slots: a source row, a destination rank (-1: none) and a row there unique per rank."""
-    rng = np.random.default_rng(seed)
-    source_row = rng.integers(0, SLOTS, size=(RANKS, SLOTS)).astype(np.int32)
-    dest_device = rng.integers(-1, RANKS, size=(RANKS, SLOTS)).astype(np.int32)
-    dest_row = np.zeros((RANKS, SLOTS), np.int32)
-    for rank in range(RANKS):
-        mine = np.argwhere(dest_device == rank)
-        dest_row[tuple(mine.T)] = rng.permutation(RECV_ROWS)[: len(mine)]
-    return source_row, dest_device, dest_row
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("num_arrived", [RECV_ROWS, 7])
 def test_peer_store_reference(seed, num_arrived):
-    source_row, dest_device, dest_row = _routes(seed)
+    source_row, dest_device, dest_row = random_peer_routes(np.random.default_rng(seed), ranks=RANKS, slots=SLOTS,
+                                                           recv_rows=RECV_ROWS)
     values = np.random.default_rng(seed + 10).normal(size=(RANKS, SLOTS, WIDTH)).astype(np.float32)
     mesh = jax.make_mesh((RANKS,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:RANKS])
 

@@ -86,3 +86,19 @@ def random_case(seed, *, num_tokens, d_model, d_ff, num_experts, top_k, dtype=jn
         params.append(1.0 + 0.5 * rng.standard_normal((num_tokens, 1)))
     params = [jnp.asarray(p, dtype) for p in params]
     return jnp.asarray(tokens, dtype), jnp.asarray(indices), jnp.asarray(weights, dtype), params
+
+
+def random_peer_routes(rng, *, ranks, slots, recv_rows, packed=False):
+    """Random peer-store slots per rank: ``(source_row, dest_device, dest_row)``, each ``[ranks, slots]``.
+
+    A slot reads a random source row and names a random rank (``-1``: none) and a row there, unique
+    per destination rank; ``packed`` numbers each rank's arrivals ``0, 1, ...`` instead.
+    """
+    source_row = rng.integers(0, slots, size=(ranks, slots)).astype(np.int32)
+    dest_device = rng.integers(-1, ranks, size=(ranks, slots)).astype(np.int32)
+    dest_row = np.zeros((ranks, slots), np.int32)
+    for rank in range(ranks):
+        mine = np.argwhere(dest_device == rank)
+        rows = np.arange(len(mine)) if packed else rng.permutation(recv_rows)[: len(mine)]
+        dest_row[tuple(mine.T)] = rows
+    return source_row, dest_device, dest_row
