@@ -78,7 +78,7 @@ def overflow_loop(mode: str):
         return
     saved = exchange._forward, exchange._further_rounds
     if mode == "none":
-        exchange._further_rounds = lambda counts, cfg, body, init: init
+        exchange._further_rounds = lambda counts, cfg, body, init, num_rows: init
     else:
         def forward_loop_first(cfg, rows, payloads, params, group_sizes, keep_vjp):
             out_dtype = exchange._output_rows(cfg, rows, payloads, params).dtype
@@ -89,7 +89,7 @@ def overflow_loop(mode: str):
                 return out + more
             shape = jax.eval_shape(lambda: exchange._round_forward(cfg, counts, 0, rows, payloads, params, out_dtype,
                                                                    False)[0])
-            extra = exchange._further_rounds(counts, cfg, body, jnp.zeros(shape.shape, shape.dtype))
+            extra = exchange._further_rounds(counts, cfg, body, jnp.zeros(shape.shape, shape.dtype), rows.shape[0])
             out, vjps = exchange._round_forward(cfg, counts, 0, rows, payloads, params, out_dtype, keep_vjp)
             return out + extra, vjps, counts
         exchange._forward = forward_loop_first

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -37,6 +37,11 @@ for step in "$@"; do
       --scheduler default --transports all_to_all peer --reps 10 --deadline 290 2>&1 | tee "$OUT/ep_overlap_peer2.log" | tail -60 ;;
     peer-ep-quick) timeout 250 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --configs deepseek mixtral \
       --scheduler default --transports all_to_all peer --reps 10 --deadline 215 2>&1 | tee "$OUT/ep_overlap_peer3.log" | tail -40 ;;
+    ep2-base) timeout 330 python3 benchmarks/ep_overlap.py --out "$OUT" --profile --loops after none --chunks 1 \
+      --scheduler default --transports peer --reps 10 --deadline 290 2>&1 | tee "$OUT/ep2_base.log" | tail -60 ;;
+    cmdbuf) mkdir -p "$OUT/cmdbuf"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+      timeout 240 python3 benchmarks/ep_overlap.py --out "$OUT/cmdbuf" --loops after none --chunks 1 \
+      --scheduler default --transports peer --reps 10 --deadline 200 2>&1 | tee "$OUT/cmdbuf.log" | tail -40 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

@@ -416,8 +416,19 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
     return _combine_home(returned, counts, round_index, num_rows, cfg), tuple(vjps)
 
 
-def _further_rounds(counts, cfg: ExchangeConfig, body, init):
-    """``body(round_index, state)`` for rounds 1, 2, ... while the largest pair has rows left (usually none)."""
+def single_round(cfg: ExchangeConfig, num_rows: int) -> bool:
+    """Whether one round holds every pair whatever the routing: no pair can exceed ``num_rows``
+    (all of a rank's rows), so no overflow loop is built, and nothing waits on the host."""
+    return cfg.round_rows >= num_rows
+
+
+def _further_rounds(counts, cfg: ExchangeConfig, body, init, num_rows: int):
+    """``body(round_index, state)`` for rounds 1, 2, ... while the largest pair has rows left (usually none).
+
+    The loop's trip count is read on the host (a device-to-host copy and a sync every step), so it
+    is left out where :func:`single_round` says one round suffices."""
+    if single_round(cfg, num_rows):
+        return init
     rounds = num_rounds(counts, cfg)
     _, state = jax.lax.while_loop(lambda s: s[0] < rounds, lambda s: (s[0] + 1, body(s[0], s[1])),
                                   (jnp.ones((), jnp.int32), init))
@@ -435,7 +446,7 @@ def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, keep_vjp:
         more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_rows.dtype, False)
         return out + more  # rounds cover disjoint rows: exact
 
-    return _further_rounds(counts, cfg, body, out), vjps, counts
+    return _further_rounds(counts, cfg, body, out, rows.shape[0]), vjps, counts
 
 
 def _output_rows(cfg: ExchangeConfig, rows, payloads, params) -> jax.ShapeDtypeStruct:
@@ -528,7 +539,7 @@ def _exchange_bwd(cfg, residuals, d_out):
         return (d_rows + more_rows, tuple(a + b for a, b in zip(d_payloads, more_payloads)),
                 tuple(_add_rounded(a, g) for a, g in zip(d_params, more_params)))
 
-    d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, state)
+    d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, state, rows.shape[0])
     return d_rows, d_payloads, d_params, None
 
 

@@ -43,6 +43,11 @@ log = logging.getLogger(__name__)
 # Rows per (source, destination) pair per exchange round, relative to a perfectly balanced
 # split: random routing over-fills some pairs by a few percent, so 1.25 keeps it to one round.
 EXCHANGE_SLACK = 1.25
+# Up to this many EP ranks the ``"peer"`` transport sizes its receive buffers for the worst case
+# (every row of every rank sent to one rank): one round, no overflow loop, so nothing waits on the
+# host (the loop's trip count cost 0.2-0.4 ms a step on H200s, benchmarks/EP_NOTES.md). The price
+# is elementwise work and memory over unused rows: the buffers are ``ep`` times the balanced share.
+PEER_SINGLE_ROUND_MAX_RANKS = 4
 # Chunks per exchange round (see :mod:`exchange`): more chunks hide more of the transport under
 # the GEMMs but re-read the local expert weights once per chunk.
 EXCHANGE_CHUNKS = 1
@@ -127,7 +132,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     not implemented on XLA:CPU; ``"peer"``, NVLink stores from Triton kernels, needs every EP
     device to be a GPU of this process; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
     rows per (source, destination) pair per round (default: the balanced share times
-    ``EXCHANGE_SLACK``). ``exchange_chunks``: independent slices per round, so one slice's
+    ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS`` ranks, all of a
+    rank's rows, so one round always suffices). ``exchange_chunks``: independent slices per round, so one slice's
     transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
     ``return_stats`` the result is ``(out, ShardedMoEStats)``.
     """
@@ -152,7 +158,12 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     chunks = EXCHANGE_CHUNKS if exchange_chunks is None else exchange_chunks
     if not isinstance(chunks, int) or chunks <= 0:
         raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
-    rows_per_pair = exchange_capacity or max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
+    if exchange_capacity:
+        rows_per_pair = exchange_capacity
+    elif exchange_transport == "peer" and ep <= PEER_SINGLE_ROUND_MAX_RANKS:
+        rows_per_pair = local_tokens * top_k  # a rank's every row: one round under any skew
+    else:
+        rows_per_pair = max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
     rows_per_chunk = -(-rows_per_pair // chunks)
     log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round, "
              "expert capacity %s", layout.describe(), local_tokens, exchange_transport, chunks, rows_per_chunk,

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moe_lowering.parallel import drop_over_capacity, expert_capacity, plan_layout, sharded_sparse_moe
 from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
+from moe_lowering.parallel.sharded_moe import PEER_SINGLE_ROUND_MAX_RANKS
 from moe_lowering.sparse_moe import sparse_moe
 from parallel_cases import dense_reference, random_case, swiglu_program
 
@@ -200,6 +201,26 @@ def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, sk
     assert_close(got, want, 1e-5)
     hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
     assert not collectives(hlo, "all-to-all")
+    # Sized for the worst case by default on few ranks: one round, no overflow loop waiting on the host.
+    looped = exchange_capacity is not None or layout.expert_parallel_size > PEER_SINGLE_ROUND_MAX_RANKS
+    assert has_exchange_loop(jax.make_jaxpr(moe)(tokens, weights, params).jaxpr) == looped
+
+
+def has_exchange_loop(jaxpr) -> bool:
+    """Whether a ``while`` loop of ``jaxpr`` (at any depth) exchanges rows (its body all-gathers)."""
+    def sub_jaxprs(eqn):
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(item, "jaxpr", item)
+                if hasattr(inner, "eqns"):
+                    yield inner
+
+    def contains(jaxpr, name) -> bool:
+        return any(eqn.primitive.name == name or any(contains(j, name) for j in sub_jaxprs(eqn))
+                   for eqn in jaxpr.eqns)
+
+    return any((eqn.primitive.name == "while" and contains(eqn.params["body_jaxpr"].jaxpr, "all_gather"))
+               or any(has_exchange_loop(j) for j in sub_jaxprs(eqn)) for eqn in jaxpr.eqns)
 
 
 def test_drop_over_capacity_semantics():
