@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from ep_bench import CONFIGS, Bench, LayerBench, bench_gemm_only, make_mesh, with_grad  # noqa: E402
 from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe  # noqa: E402
+from moe_lowering.parallel import sharded_moe as sharded_moe_module  # noqa: E402
 
 log = logging.getLogger("ep_overlap")
 
@@ -97,6 +98,22 @@ def overflow_loop(mode: str):
         yield
     finally:
         exchange._forward, exchange._further_rounds = saved
+
+
+@contextlib.contextmanager
+def peer_variant(name: str):
+    """The ``"peer"`` transport as committed (``fused``: one round sized for the worst case, the
+    output GEMM storing its rows home), without the GEMM-fused return (``unfused``), or as before
+    both (``looped``: slack-sized rounds with the overflow loop, unfused)."""
+    saved = exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS
+    if name in ("unfused", "looped"):
+        exchange._output_matmul = lambda cfg, params: None
+    if name == "looped":
+        sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS = 0
+    try:
+        yield
+    finally:
+        exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS = saved
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -170,11 +187,11 @@ class Overlap:
                         ms_b2b=ms_b2b)
 
     def sparse(self, ep: int, chunks: int, grid: str, lhs: bool, fwd_bwd: bool = False,
-               transport: str = "all_to_all", profile: bool = False, loop: str = "after"):
+               transport: str = "all_to_all", profile: bool = False, loop: str = "after", variant: str = "fused"):
         cfg, layer = self.cfg, self.layer
         mesh, specs, (tokens, indices, weights, params) = self.mesh_args(ep)
         layout = plan_layout(mesh, P("expert"), specs, cfg.E)
-        with gemm_grid(grid, self.margin), overflow_loop(loop):
+        with gemm_grid(grid, self.margin), overflow_loop(loop), peer_variant(variant):
             if fwd_bwd:
                 cotangent = jax.device_put(layer.cotangent, NamedSharding(mesh, P("expert")))
                 program = layer.program
@@ -191,6 +208,8 @@ class Overlap:
             ms, ms_b2b, compiled = timed(self.bench, fn, args, lhs)
         row = dict(impl="sparse", mesh=f"ep{ep}", ms=ms, ms_b2b=ms_b2b, chunks=chunks, grid=grid, lhs=lhs,
                    loop=loop, transport=transport, **{"pass": "fwdbwd" if fwd_bwd else "fwd"})
+        if transport == "peer":
+            row["peer_variant"] = variant
         if not fwd_bwd and layer.reference is not None:
             row["rel_err_vs_1gpu_sparse"] = ep_bench.rel_err(compiled(*args), layer.reference)
         if profile:
@@ -351,6 +370,19 @@ def _idle_gaps(plane, steps: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+def fwd_bwd_rows(bench: Bench, run: "Overlap", cfg, ep: int, args, transport_variants):
+    """Forward+backward on one GPU and at ``ep`` (dense, then each sparse transport)."""
+    bench.run(f"{cfg.name} 1gpu dense fwdbwd", lambda: run.single("dense", fwd_bwd=True), min_left=60)
+    bench.run(f"{cfg.name} 1gpu sparse fwdbwd", lambda: run.single("sparse", fwd_bwd=True), min_left=60)
+    bench.run(f"{cfg.name} ep{ep} dense fwdbwd", lambda: run.dense(ep, fwd_bwd=True), min_left=60)
+    for transport, variant in transport_variants:
+        for loop in args.loops:
+            if loop != "first":  # the forward-only variant
+                bench.run(f"{cfg.name} ep{ep} sparse {transport}{variant and '-' + variant} fwdbwd c1 loop={loop}",
+                          lambda: run.sparse(ep, 1, "all", False, True, loop=loop, transport=transport,
+                                             variant=variant or "fused"), min_left=60)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and traces")
@@ -365,6 +397,10 @@ def main(argv=None):
                         help="XLA's default GPU scheduler and/or its latency-hiding scheduler forced on")
     parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "peer"],
                         help="exchange transports of the sparse layer (each with every other variant)")
+    parser.add_argument("--peer-variants", nargs="+", default=["fused"], choices=["fused", "unfused", "looped"],
+                        help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
+                             "home), without that fusion, or slack-sized rounds with the overflow loop")
+    parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
     parser.add_argument("--exchange-only", action="store_true",
                         help="only the token exchange's bandwidth (and the layer HLO with --dump-hlo)")
@@ -379,6 +415,7 @@ def main(argv=None):
     bench = Bench(out_dir / f"ep_overlap_{'smoke_' if args.smoke else ''}{kind}_{stamp}.json", args.deadline,
                   args.reps)
     configs = [CONFIGS["smoke"]] if args.smoke else [CONFIGS[c] for c in args.configs]
+    transport_variants = [(t, v) for t in args.transports for v in (args.peer_variants if t == "peer" else [""])]
     eps = [e for e in (4, 2) if e <= jax.device_count()]
     lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else tuple(v == "lhs" for v in args.scheduler)
     trace_root = Path(tempfile.mkdtemp()) if args.smoke else out_dir
@@ -405,30 +442,25 @@ def main(argv=None):
         for ep in eps:
             bench.run(f"{cfg.name} ep{ep} gemm-only", lambda: run.gemm_only(ep))
             bench.run(f"{cfg.name} ep{ep} dense", lambda: run.dense(ep))
-            for transport in args.transports:
+            for transport, variant in transport_variants:
                 for loop in args.loops:
                     for chunks in args.chunks:
                         for grid in args.grids:
                             for lhs in lhs_variants:
-                                bench.run(f"{cfg.name} ep{ep} sparse {transport} c{chunks} {grid} lhs={lhs} loop={loop}",
-                                          lambda: run.sparse(ep, chunks, grid, lhs, loop=loop, transport=transport))
+                                bench.run(f"{cfg.name} ep{ep} sparse {transport}{variant and '-' + variant} c{chunks} "
+                                          f"{grid} lhs={lhs} loop={loop}",
+                                          lambda: run.sparse(ep, chunks, grid, lhs, loop=loop, transport=transport,
+                                                             variant=variant or "fused"))
             if ep != eps[0]:
                 continue
-            bench.run(f"{cfg.name} 1gpu dense fwdbwd", lambda: run.single("dense", fwd_bwd=True), min_left=60)
-            bench.run(f"{cfg.name} 1gpu sparse fwdbwd", lambda: run.single("sparse", fwd_bwd=True), min_left=60)
-            bench.run(f"{cfg.name} ep{ep} dense fwdbwd", lambda: run.dense(ep, fwd_bwd=True), min_left=60)
-            for transport in args.transports:
-                for loop in args.loops:
-                    if loop != "first":  # the forward-only variant
-                        bench.run(f"{cfg.name} ep{ep} sparse {transport} fwdbwd c1 loop={loop}",
-                                  lambda: run.sparse(ep, 1, "all", False, True, loop=loop, transport=transport),
-                                  min_left=60)
+            for _ in () if args.forward_only else (1,):
+                fwd_bwd_rows(bench, run, cfg, ep, args, transport_variants)
             if args.profile:
-                for transport in args.transports:
+                for transport, variant in transport_variants:
                     for loop in args.loops:
-                        bench.run(f"{cfg.name} ep{ep} profile {transport} c1 loop={loop}",
+                        bench.run(f"{cfg.name} ep{ep} profile {transport}{variant and '-' + variant} c1 loop={loop}",
                                   lambda: run.sparse(ep, 1, "all", False, profile=True, loop=loop,
-                                                     transport=transport), min_left=40)
+                                                     transport=transport, variant=variant or "fused"), min_left=40)
         del run
     log.info("wrote %s; skipped: %s", bench.out_path, bench.doc["skipped"])
     ep_bench._print_table(bench.doc["rows"])

@@ -106,6 +106,11 @@ def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_
 
 def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals, d_out):
     lhs, rhs, group_sizes = residuals
+    return (*grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset), None)
+
+
+def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto", group_offset: int = 0):
+    """``(d_lhs, d_rhs)`` of ``grouped_matmul(lhs, rhs, group_sizes)`` for the output cotangent ``d_out``."""
     kernels = get_backend(backend)
     d_lhs = kernels.gmm(
         d_out, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype
@@ -113,7 +118,7 @@ def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals
     d_rhs = kernels.tgmm(
         lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype
     )
-    return d_lhs, d_rhs, None
+    return d_lhs, d_rhs
 
 
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -104,3 +104,38 @@ def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_ar
                     num_programs=WAIT_PROGRAMS)
     return out.reshape((recv_rows,) + values.shape[1:]).astype(values.dtype)
 
+
+def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows: int, num_arrived, *,
+                         axis_name: str, axis_size: int, backend: str = "auto", buffer: PeerBuffer | None = None,
+                         group_offset=0, preferred_element_type=None):
+    """``peer_store`` of the grouped product ``lhs[r] @ rhs[group(r)]``, row ``r`` as slot ``r``.
+
+    On the Triton kernels the GEMM's epilogue stores each output row straight into its receiving
+    rank's buffer (``triton_grouped_matmul.gmm_push``): the exchange runs under the GEMM instead of
+    after it, and the product never exists on the computing GPU. Elsewhere, and for dtypes the
+    kernel lacks, the product is formed and stored as ``peer_store`` does. Rows below
+    ``num_arrived`` that no slot names are zero (``buffer``, if given, was made zeroed).
+    """
+    kernels = get_backend(backend)
+    product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if not uses_kernels(backend) or not {lhs.dtype, rhs.dtype, product_dtype} <= {
+            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
+        product = kernels.gmm(lhs, rhs, group_sizes, group_offset=group_offset,
+                              preferred_element_type=preferred_element_type)
+        slots = jnp.arange(lhs.shape[0], dtype=jnp.int32)
+        return peer_store(product, slots, dest_device, dest_row, recv_rows, num_arrived, axis_name=axis_name,
+                          axis_size=axis_size, zeroed=True, backend=backend, buffer=buffer)
+    from moe_lowering.kernels import triton_grouped_matmul, triton_peer_store as peer
+
+    if buffer is None:
+        (buffer,), _ = gather_addresses([allocate_buffer(recv_rows, (rhs.shape[2],), product_dtype,
+                                                         axis_size=axis_size, zeroed=True)], axis_name)
+    if buffer.recv.shape != (recv_rows, rhs.shape[2]) or buffer.recv.dtype != product_dtype:
+        raise ValueError(f"grouped_matmul_store: buffer {buffer.recv.shape} {buffer.recv.dtype} for "
+                         f"[{recv_rows}, {rhs.shape[2]}] {product_dtype}")
+    done, signalling_programs = triton_grouped_matmul.gmm_push(
+        lhs, rhs, group_sizes, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
+        group_offset=group_offset, preferred_element_type=preferred_element_type)
+    return peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=signalling_programs,
+                     num_programs=WAIT_PROGRAMS)
+

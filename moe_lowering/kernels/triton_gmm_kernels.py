@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moe_lowering.kernels.triton_peer_address import peer_row_pointers, signal_peers
+
 
 @triton.jit
 def _band_swizzle(tile, rows_of_tiles, cols_of_tiles, GROUP_M: tl.constexpr):
@@ -92,6 +94,47 @@ def _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M: tl.con
 
 
 @triton.jit
+def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                  TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  COMPUTE_F32: tl.constexpr):
+    """float32 ``lhs[row0 : row0 + BLOCK_M] @ rhs[local_group][:, cols]`` (rows past ``M`` read clamped)."""
+    in_m = tl.arange(0, BLOCK_M)
+    in_k = tl.arange(0, BLOCK_K)
+    # Rows past the group (or past M) are read clamped and never stored. Column indices stay
+    # unclamped along the contiguous axis (a clamp would hide their contiguity from the
+    # compiler and cost the 16-byte pipelined loads); a remainder there is masked instead.
+    tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
+    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
+    weight_ptr = rhs_ptr + tl.cast(local_group, tl.int64) * (K * N)
+    if TRANSPOSE_RHS:
+        b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + in_k[:, None]
+        b_step = BLOCK_K
+    else:
+        b_ptrs = weight_ptr + in_k[:, None] * N + cols[None, :]
+        b_step = BLOCK_K * N
+    b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            if TRANSPOSE_RHS or N % BLOCK_N == 0:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
+        else:
+            k_ok = (k0 + in_k) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
+        if COMPUTE_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
 def gmm_kernel(
     lhs_ptr,
     rhs_ptr,
@@ -124,45 +167,15 @@ def gmm_kernel(
 
     in_m = tl.arange(0, BLOCK_M)
     in_n = tl.arange(0, BLOCK_N)
-    in_k = tl.arange(0, BLOCK_K)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
         group, group_start, group_end, pm, pn = _tile_position(
             tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
         )
 
         row0 = group_start + pm * BLOCK_M
-        # Rows past the group (or past M) are read clamped and never stored. Column indices stay
-        # unclamped along the contiguous axis (a clamp would hide their contiguity from the
-        # compiler and cost the 16-byte pipelined loads); a remainder there is masked instead.
-        tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
         cols = pn * BLOCK_N + in_n
-        a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
-        weight_ptr = rhs_ptr + tl.cast(group - offset, tl.int64) * (K * N)
-        if TRANSPOSE_RHS:
-            b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + in_k[:, None]
-            b_step = BLOCK_K
-        else:
-            b_ptrs = weight_ptr + in_k[:, None] * N + cols[None, :]
-            b_step = BLOCK_K * N
-        b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if K % BLOCK_K == 0:
-                a = tl.load(a_ptrs)
-                if TRANSPOSE_RHS or N % BLOCK_N == 0:
-                    b = tl.load(b_ptrs)
-                else:
-                    b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
-            else:
-                k_ok = (k0 + in_k) < K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
-            if COMPUTE_F32:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += b_step
+        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
+                            BLOCK_K, COMPUTE_F32)
 
         rows = row0 + in_m
         out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
@@ -177,6 +190,67 @@ def gmm_kernel(
     for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
         offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
         tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+
+
+@triton.jit
+def gmm_push_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    dest_device_ptr,
+    dest_row_ptr,
+    peer_address_ptr,
+    rank_ptr,
+    done_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    NUM_PEERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """``gmm_kernel``'s product, each output row stored straight into a peer's receive buffer.
+
+    Row ``r`` of a local group goes to row ``dest_row[r]`` of rank ``dest_device[r]`` (negative:
+    nowhere); rows outside the local groups are not stored at all. Then every program bumps its
+    arrival counter on every peer, as ``triton_peer_store.push_kernel`` does, so the receiver's
+    ``wait`` counts ``NUM_PROGRAMS`` signals per peer. ``done`` (typed like the output) orders the
+    wait after this kernel and is the base the peers' addresses are taken relative to.
+    """
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
+    rank = tl.load(rank_ptr)
+    in_m = tl.arange(0, BLOCK_M)
+    in_n = tl.arange(0, BLOCK_N)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
+        row0 = group_start + pm * BLOCK_M
+        cols = pn * BLOCK_N + in_n
+        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, False, BLOCK_M, BLOCK_N,
+                            BLOCK_K, COMPUTE_F32)
+
+        rows = row0 + in_m
+        device = tl.load(dest_device_ptr + rows, mask=rows < group_end, other=-1)
+        stored = device >= 0
+        device = tl.maximum(device, 0)
+        dest_row = tl.load(dest_row_ptr + rows, mask=stored, other=0)
+        dest = peer_row_pointers(done_ptr, peer_address_ptr, device, dest_row, N)
+        tl.store(dest[:, None] + cols[None, :], acc.to(done_ptr.dtype.element_ty),
+                 mask=stored[:, None] & (cols < N)[None, :])
+    signal_peers(peer_address_ptr, rank, NUM_PEERS)
 
 
 @triton.jit

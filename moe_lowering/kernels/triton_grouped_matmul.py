@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax_triton
 
 from moe_lowering.kernels import grouped_matmul as reference
-from moe_lowering.kernels.triton_gmm_kernels import gmm_kernel, tgmm_kernel
+from moe_lowering.kernels.triton_gmm_kernels import gmm_kernel, gmm_push_kernel, tgmm_kernel
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,58 @@ def gmm(
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
     )
+
+
+def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank, *, group_offset=0,
+             preferred_element_type=None):
+    """``gmm``'s rows stored straight into peers' receive buffers: ``(done token, programs that signal)``.
+
+    Row ``r`` of a local group goes to row ``dest_row[r]`` of rank ``dest_device[r]`` (negative:
+    nowhere) through ``peer_addresses [ranks, 4]`` (all-gathered ``allocate`` words); the matching
+    ``triton_peer_store.wait`` consumes the token and counts the returned number of signals per
+    peer. Same tiles as ``gmm``, so every row equals ``gmm``'s bit for bit.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"gmm_push: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    _check_group_sizes(group_sizes, "gmm_push")
+    num_rows, k = lhs.shape
+    num_local_groups, _, n = rhs.shape
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if not {lhs.dtype, rhs.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+        raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
+    compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
+    config = gmm_config(num_rows, k, n, num_local_groups, compute_f32)
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    num_groups = group_sizes.shape[0]
+    done = jax_triton.triton_call(
+        lhs,
+        rhs,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        dest_device.astype(jnp.int32),
+        dest_row.astype(jnp.int32),
+        peer_addresses.reshape(-1),
+        jnp.reshape(rank, (1,)).astype(jnp.int32),
+        kernel=gmm_push_kernel,
+        out_shape=jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=num_groups,
+        GROUPS_PAD=_next_power_of_two(num_groups),
+        NUM_PEERS=peer_addresses.shape[0],
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+    )
+    return done, num_programs
 
 
 def tgmm(

@@ -36,32 +36,22 @@ import jax_triton
 import triton
 import triton.language as tl
 
+from moe_lowering.kernels.triton_peer_address import (
+    ADDRESS_WORDS,
+    peer_row_pointers,
+    signal_peers,
+    split_address,
+)
+
 logger = logging.getLogger(__name__)
-
-ADDRESS_WORDS = 4  # receive buffer address (lo, hi), arrival counters address (lo, hi)
-
-
-@triton.jit
-def _split_address(pointer, out_ptr):
-    address = pointer.to(tl.int64)
-    tl.store(out_ptr, (address & 0xFFFFFFFF).to(tl.int32))
-    tl.store(out_ptr + 1, (address >> 32).to(tl.int32))
-
-
-@triton.jit
-def _join_address(words_ptr):
-    lo = tl.load(words_ptr).to(tl.int64) & 0xFFFFFFFF
-    hi = tl.load(words_ptr + 1).to(tl.int64)
-    return (hi << 32) | lo
-
 
 @triton.jit
 def allocate_kernel(allocation_id_ptr, recv_ptr, arrivals_ptr, address_ptr):
     """Publishes the receive buffer's and arrival counters' addresses (both zeroed by the caller).
 
     Reads no input: the allocation id only keeps XLA from merging two allocations into one."""
-    _split_address(recv_ptr, address_ptr)
-    _split_address(arrivals_ptr, address_ptr + 2)
+    split_address(recv_ptr, address_ptr)
+    split_address(arrivals_ptr, address_ptr + 2)
 
 
 @triton.jit
@@ -71,7 +61,6 @@ def push_kernel(rows_ptr, source_row_ptr, dest_device_ptr, dest_row_ptr, peer_ad
     """Slot ``j``: stores ``rows[source_row[j]]`` at row ``dest_row[j]`` of device ``dest_device[j]``
     (a negative device skips the slot), then bumps this program's arrival counter on every peer."""
     pid = tl.program_id(0)
-    ELEMENT_BYTES: tl.constexpr = rows_ptr.dtype.element_ty.primitive_bitwidth // 8
     rank = tl.load(rank_ptr)
     in_slots = tl.arange(0, BLOCK_SLOTS)
     in_d = tl.arange(0, BLOCK_D)
@@ -82,22 +71,14 @@ def push_kernel(rows_ptr, source_row_ptr, dest_device_ptr, dest_row_ptr, peer_ad
         device = tl.maximum(device, 0)
         source_row = tl.load(source_row_ptr + slots, mask=valid, other=0)
         dest_row = tl.load(dest_row_ptr + slots, mask=valid, other=0)
-        lo = tl.load(peer_address_ptr + device * 4).to(tl.int64) & 0xFFFFFFFF
-        hi = tl.load(peer_address_ptr + device * 4 + 1).to(tl.int64)
-        # The peer's buffer as an element offset from ``rows_ptr`` (one address space): both are
-        # 16-byte aligned XLA buffers, and saying so lets the stores be vectorised.
-        delta = tl.multiple_of(((hi << 32) | lo) - rows_ptr.to(tl.int64), 16) // ELEMENT_BYTES
-        dest = rows_ptr + tl.multiple_of(delta, 16 // ELEMENT_BYTES) + dest_row.to(tl.int64) * D
+        dest = peer_row_pointers(rows_ptr, peer_address_ptr, device, dest_row, D)
         src = rows_ptr + source_row.to(tl.int64) * D
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + in_d
             mask = valid[:, None] & (cols < D)[None, :]
             values = tl.load(src[:, None] + cols[None, :], mask=mask)
             tl.store(dest[:, None] + cols[None, :], values, mask=mask)
-    tl.debug_barrier()
-    for peer in range(NUM_PEERS):
-        arrivals = _join_address(peer_address_ptr + peer * 4 + 2).to(tl.pointer_type(tl.int32))
-        tl.atomic_add(arrivals + rank, 1, sem="release", scope="sys")
+    signal_peers(peer_address_ptr, rank, NUM_PEERS)
     if pid == 0:
         tl.store(done_ptr, rank)
 

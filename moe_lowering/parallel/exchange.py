@@ -50,10 +50,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from moe_lowering.expert_program import ExpertProgram, ParamKind, RowContext, evaluate
+from moe_lowering.expert_program import (
+    Elementwise,
+    ExpertMatmul,
+    ExpertProgram,
+    ParamKind,
+    ParamRef,
+    RowContext,
+    evaluate,
+    topological_nodes,
+)
 from moe_lowering.kernels import get_backend
-from moe_lowering.kernels.peer_store import PeerBuffer, allocate_buffer, gather_addresses, peer_store, uses_kernels
-from moe_lowering.sparse_moe import expert_matmul
+from moe_lowering.kernels.peer_store import (
+    PeerBuffer,
+    allocate_buffer,
+    gather_addresses,
+    grouped_matmul_store,
+    peer_store,
+    uses_kernels,
+)
+from moe_lowering.sparse_moe import expert_matmul, grouped_matmul_cotangents
 
 TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
 
@@ -284,8 +300,11 @@ def _gather_home(returned_chunks, home_index):
     return jnp.take(returned, home_index, axis=0, mode="fill", fill_value=0)
 
 
-def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows, sorted_payloads, params):
-    """The expert program on rows sorted by local expert; per-token inputs arrive as row payloads."""
+def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows, sorted_payloads, params,
+                   program: ExpertProgram | None = None):
+    """The expert program (or ``program``, a part of it) on rows sorted by local expert; per-token
+    inputs arrive as row payloads."""
+    program = program or cfg.program
     payload_iter = iter(sorted_payloads)
     values = [next(payload_iter) if kind is ParamKind.PER_TOKEN else p
               for kind, p in zip(cfg.program.param_kinds, params)]
@@ -299,7 +318,47 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
         return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type)
 
-    return evaluate(cfg.program, values, context, matmul)
+    return evaluate(program, values, context, matmul)
+
+
+@dataclass(frozen=True)
+class _OutputMatmul:
+    """The program's last grouped GEMM, which the ``"peer"`` transport fuses with the return:
+    its epilogue stores every output row straight to the row's home rank
+    (:func:`~moe_lowering.kernels.peer_store.grouped_matmul_store`), so the return exchange runs
+    under the GEMM, not after it. ``prefix`` is the program up to that GEMM's input."""
+
+    matmul: ExpertMatmul
+    prefix: ExpertProgram
+    weight_read_before: bool  # the prefix reads the same weight too (its gradients add up)
+
+
+def _output_matmul(cfg: ExchangeConfig, params) -> _OutputMatmul | None:
+    """The fusable output GEMM: the ``"peer"`` transport, a program ending in a grouped GEMM, and a
+    plain weight array (a weight object, e.g. FP8-gathered, multiplies itself instead)."""
+    output = cfg.program.output
+    if cfg.transport != "peer" or not isinstance(output, ExpertMatmul):
+        return None
+    weight = params[output.weight]
+    if not isinstance(weight, jax.Array) or weight.ndim != 3:
+        return None
+    nodes = tuple(n for n in (cfg.program.nodes or topological_nodes(output)) if n is not output)
+    prefix = ExpertProgram(output.source, cfg.program.param_kinds, nodes)
+    read_before = any((isinstance(n, ExpertMatmul) and n.weight == output.weight)
+                      or (isinstance(n, Elementwise) and ParamRef(output.weight) in n.operands) for n in nodes)
+    return _OutputMatmul(output, prefix, read_before)
+
+
+def _output_matmul_vjp(fused: _OutputMatmul, backend: str, lhs, weight, group_sizes, prefix_vjp, d_out):
+    """The chunk's vjp when its output GEMM was fused with the return: the GEMM's two cotangent
+    products, then the prefix's vjp; same ``(rows, payloads, params)`` cotangents as ``jax.vjp``."""
+    d_lhs, d_weight = grouped_matmul_cotangents(lhs, weight, group_sizes, d_out.astype(lhs.dtype), backend)
+    d_rows, d_payloads, d_params = prefix_vjp(d_lhs)
+    d_params = list(d_params)
+    index = fused.matmul.weight
+    d_params[index] = (_add_rounded(d_params[index], d_weight) if fused.weight_read_before
+                       else d_weight.astype(d_params[index].dtype))
+    return d_rows, d_payloads, tuple(d_params)
 
 
 def num_rounds(counts, cfg: ExchangeConfig):
@@ -327,6 +386,16 @@ def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int, bu
                           axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=True, backend=cfg.backend,
                           buffer=buffer)
     return _return_blocks(results[plan.position_of_slot], plan, cfg)
+
+
+def _send_home_from_matmul(lhs, weight, fused: _OutputMatmul, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int,
+                           buffer: PeerBuffer | None = None):
+    """``_send_home(lhs @ weight[expert])`` with the product stored home by the GEMM itself (``"peer"``)."""
+    routes = plan.peer_routes
+    return grouped_matmul_store(lhs, weight, plan.local_group_sizes, routes.return_device, routes.return_row,
+                                num_rows, num_rows, axis_name=cfg.axis_name, axis_size=cfg.ep_size,
+                                backend=cfg.backend, buffer=buffer,
+                                preferred_element_type=fused.matmul.preferred_element_type)
 
 
 @jax.tree_util.register_dataclass
@@ -406,13 +475,23 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
         chunk = _ChunkBuffers.none(len(payloads), 1) if buffers is None else buffers[j]
         sorted_rows = _dispatch_sorted(rows, plan, cfg, chunk.dispatched)
         sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg, b) for p, b in zip(payloads, chunk.dispatched_payloads))
-        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+        fused = _output_matmul(cfg, params)
+        program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row,
+                                    program=None if fused is None else fused.prefix)
         if keep_vjp:
             result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
-            vjps.append(vjp)
         else:
-            result = program(sorted_rows, sorted_payloads, params)
-        returned.append(_send_home(result.astype(out_dtype), plan, cfg, num_rows, chunk.home[0]))
+            result, vjp = program(sorted_rows, sorted_payloads, params), None
+        if fused is None:
+            returned.append(_send_home(result.astype(out_dtype), plan, cfg, num_rows, chunk.home[0]))
+        else:  # ``result`` is the output GEMM's input; the GEMM stores its rows at home
+            weight = params[fused.matmul.weight]
+            returned.append(_send_home_from_matmul(result, weight, fused, plan, cfg, num_rows, chunk.home[0]))
+            if keep_vjp:
+                vjp = jax.tree_util.Partial(functools.partial(_output_matmul_vjp, fused, cfg.backend), result, weight,
+                                            plan.local_group_sizes, vjp)
+        if keep_vjp:
+            vjps.append(vjp)
     return _combine_home(returned, counts, round_index, num_rows, cfg), tuple(vjps)
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from moe_lowering.kernels.peer_store import peer_store
+from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.peer_store import grouped_matmul_store, peer_store, peer_store_reference
 from moe_lowering.parallel import plan_layout, sharded_sparse_moe
 from moe_lowering.parallel._jax_shim import shard_map
 from moe_lowering.parallel.exchange import prepare_peer_transport
@@ -48,6 +49,36 @@ def test_triton_stores_match_reference(dtype, width, zeroed):
     for _ in range(3):  # fresh buffers every call: nothing left over from an earlier exchange
         np.testing.assert_array_equal(run("triton"), got)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gemm_stores_its_rows_on_peers(dtype):
+    """``grouped_matmul_store``'s GEMM epilogue stores equal ``gmm`` then the reference store, bit
+    for bit; rows outside the local groups (and slots naming no rank) are stored nowhere."""
+    rows, k, n, groups, recv_rows = 300, 64, 96, 3, 500
+    rng = np.random.default_rng(11)
+    _, dest_device, dest_row = random_peer_routes(rng, ranks=RANKS, slots=rows, recv_rows=recv_rows)
+    group_sizes = np.stack([rng.multinomial(rows - 40, np.ones(groups) / groups) for _ in range(RANKS)])
+    dest_device[np.arange(rows)[None, :] >= group_sizes.sum(1, keepdims=True)] = -1  # outside the groups
+    lhs = jnp.asarray(rng.standard_normal((RANKS, rows, k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((RANKS, groups, k, n)) / 8, dtype)
+    mesh = jax.make_mesh((RANKS,), ("x",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
+    prepare_peer_transport(GPUS[:RANKS], "auto")
+
+    def body(lhs, rhs, sizes, device, row):
+        lhs, rhs, sizes, device, row = lhs[0], rhs[0], sizes[0], device[0], row[0]
+        stored = grouped_matmul_store(lhs, rhs, sizes, device, row, recv_rows, recv_rows, axis_name="x",
+                                      axis_size=RANKS, backend="auto")
+        product = get_backend("auto").gmm(lhs, rhs, sizes)
+        reference = peer_store_reference(product, jnp.arange(rows), device, row, recv_rows, recv_rows, axis_name="x")
+        return stored[None], reference[None]
+
+    fn = jax.jit(shard_map(body, mesh=mesh, in_specs=(P("x"),) * 5, out_specs=(P("x"), P("x"))))
+    args = (lhs, rhs, jnp.asarray(group_sizes, jnp.int32), jnp.asarray(dest_device), jnp.asarray(dest_row))
+    got, want = fn(*args)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(want, np.float32)).sum() > 0
+    np.testing.assert_array_equal(np.asarray(fn(*args)[0], np.float32), np.asarray(got, np.float32))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -9,7 +9,9 @@ partitioning's ``[all tokens, local experts, f]``.
 
 from __future__ import annotations
 
+import functools
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moe_lowering.parallel import drop_over_capacity, expert_capacity, plan_layout, sharded_sparse_moe
 from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
+from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput
+from moe_lowering.parallel import exchange
 from moe_lowering.parallel.sharded_moe import PEER_SINGLE_ROUND_MAX_RANKS
 from moe_lowering.sparse_moe import sparse_moe
 from parallel_cases import dense_reference, random_case, swiglu_program
@@ -204,6 +208,36 @@ def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, sk
     # Sized for the worst case by default on few ranks: one round, no overflow loop waiting on the host.
     looped = exchange_capacity is not None or layout.expert_parallel_size > PEER_SINGLE_ROUND_MAX_RANKS
     assert has_exchange_loop(jax.make_jaxpr(moe)(tokens, weights, params).jaxpr) == looped
+
+
+def test_peer_output_gemm_reads_its_weight_twice():
+    """``(x @ w[e]) @ w[e]``: the output GEMM fused with the return uses a weight the rest of the
+    program reads too, so its weight gradient adds to the prefix's (exact on the reference path)."""
+    layout = plan_layout(jax.make_mesh((4,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:4]),
+                         P("expert"), [P("expert")], E)
+    tokens, indices, weights, _, cotangent = case(21, num_tokens=64, expert_bias=False, token_scale=False)
+    square = jnp.asarray(np.random.default_rng(22).standard_normal((E, 64, 64)) / 8, jnp.float32)
+    program = ExpertProgram(ExpertMatmul(ExpertMatmul(RowInput(), 0), 0), (ParamKind.EXPERT_WEIGHT,))
+    fused = exchange._output_matmul(exchange.exchange_config(program=program, axis_name="expert", ep_size=4,
+                                                             local_experts=2, capacity=8, transport="peer"), (square,))
+    assert fused is not None and fused.weight_read_before
+    moe = sharded(layout, indices, program, exchange_transport="peer")
+    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, (square,), cotangent)
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, (square,), cotangent)
+    assert_close(got, want, 1e-5)
+
+
+def test_output_gemm_fuses_only_on_peer_with_plain_weights():
+    program = swiglu_program()
+    weights = tuple(jnp.zeros(s, jnp.float32) for s in ((2, 4, 3), (2, 4, 3), (2, 3, 4)))
+    config = functools.partial(exchange.exchange_config, program=program, axis_name="expert", ep_size=4,
+                               local_experts=2, capacity=8)
+    fused = exchange._output_matmul(config(transport="peer"), weights)
+    assert fused is not None and fused.prefix.output is program.output.source and not fused.weight_read_before
+    assert exchange._output_matmul(config(transport="all_to_all"), weights) is None
+    weight_object = SimpleNamespace(grouped_matmul=lambda *a: None)  # e.g. an FP8-gathered weight
+    assert exchange._output_matmul(config(transport="peer"), weights[:2] + (weight_object,)) is None
 
 
 def has_exchange_loop(jaxpr) -> bool:
