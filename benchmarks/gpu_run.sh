@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -42,7 +42,8 @@ for step in "$@"; do
     cmdbuf) mkdir -p "$OUT/cmdbuf"; XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
       timeout 240 python3 benchmarks/ep_overlap.py --out "$OUT/cmdbuf" --loops after none --chunks 1 \
       --scheduler default --transports peer --reps 10 --deadline 200 2>&1 | tee "$OUT/cmdbuf.log" | tail -40 ;;
-    fused-tests) timeout 240 python3 -m pytest tests/gpu/test_peer_exchange.py tests/gpu/test_triton_grouped_matmul.py \
+    fused-tests) timeout 240 python3 -m pytest tests/gpu/test_peer_exchange.py \
+      "tests/gpu/test_triton_grouped_matmul.py::test_gmm_without_zeros_outside_writes_the_group_rows_alike" \
       -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_fused_tests.log" | tail -25 ;;
     ep2-fused) timeout 390 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
       --transports all_to_all peer --peer-variants fused unfused looped --reps 10 --forward-only --profile \
@@ -50,6 +51,12 @@ for step in "$@"; do
     ep2-fused-fwdbwd) mkdir -p "$OUT/fwdbwd"; timeout 520 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
       --chunks 1 --scheduler default --transports all_to_all peer --peer-variants fused looped --reps 10 \
       --deadline 480 2>&1 | tee "$OUT/ep2_fused_fwdbwd.log" | tail -40 ;;
+    ep2-final) timeout 230 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs deepseek mixtral --transports all_to_all peer --peer-variants fused looped --reps 10 --forward-only \
+        --profile --deadline 200 2>&1 | tee "$OUT/ep2_final.log" | tail -40
+      mkdir -p "$OUT/fwdbwd"; timeout 230 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after --chunks 1 \
+        --scheduler default --configs mixtral --transports all_to_all peer --peer-variants fused looped --reps 10 \
+        --deadline 200 2>&1 | tee "$OUT/ep2_final_fwdbwd.log" | tail -20 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

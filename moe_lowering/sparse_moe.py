@@ -91,20 +91,25 @@ def _combine_bwd(residuals, d_out):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None):
-    """``lhs[r] @ rhs[group(r)]`` for rows sorted by group; backward is two more grouped products."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
+                   zero_outside: bool = True):
+    """``lhs[r] @ rhs[group(r)]`` for rows sorted by group; backward is two more grouped products.
+
+    Rows outside the groups are zero, or unspecified with ``zero_outside=False`` (for callers that
+    never read them, e.g. the unused tail of a receive buffer sized for the worst case)."""
     return get_backend(backend).gmm(
-        lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type
+        lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
+        zero_outside=zero_outside,
     )
 
 
-def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type):
-    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type)
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside):
+    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
     return out, (lhs, rhs, group_sizes)
 
 
-def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, residuals, d_out):
+def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, zero_outside, residuals, d_out):
     lhs, rhs, group_sizes = residuals
     return (*grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset), None)
 
@@ -124,7 +129,8 @@ def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto
 grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None):
+def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
+                  zero_outside: bool = True):
     """``grouped_matmul``, or the weight's own product for a weight kept in another form.
 
     A weight object with a ``grouped_matmul(lhs, group_sizes, backend, group_offset,
@@ -134,7 +140,7 @@ def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: in
     own_product = getattr(rhs, "grouped_matmul", None)
     if own_product is not None:
         return own_product(lhs, group_sizes, backend, group_offset, preferred_element_type)
-    return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type)
+    return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
 
 
 class SwigluResiduals(NamedTuple):

@@ -24,7 +24,7 @@ BACKEND_NAMES = ("auto", "xla", "triton")
 class KernelBackend:
     """The grouped products a backend provides; see ``grouped_matmul`` for their contracts.
 
-    ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type)`` and
+    ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type, zero_outside)`` and
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
     with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up

@@ -85,8 +85,11 @@ def gmm(
     transpose_rhs: bool = False,
     preferred_element_type=None,
     tile_rows: int | None = None,
+    zero_outside: bool = True,
 ):
-    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero.
+    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero
+    (with ``zero_outside=False`` they are unspecified: a caller that never reads them saves the
+    writes; this implementation writes zeros either way).
 
     With ``transpose_rhs`` the weights are ``[G, N, K]`` and used transposed (the activation
     gradient reads the forward weights without copying them).

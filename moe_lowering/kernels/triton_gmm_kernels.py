@@ -154,8 +154,10 @@ def gmm_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
+    ZERO_OUTSIDE: tl.constexpr = True,
 ):
-    """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere.
+    """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere
+    (left unwritten elsewhere without ``ZERO_OUTSIDE``).
 
     ``rhs`` is ``[G, K, N]``, or ``[G, N, K]`` read transposed with ``TRANSPOSE_RHS``.
     """
@@ -182,14 +184,15 @@ def gmm_kernel(
         store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    # Rows outside the local groups (before them, after them, dropped rows) are zero.
-    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
-        sizes, group_ids, offset, is_local, M, BLOCK_M
-    )
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
-        offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
-        tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+    if ZERO_OUTSIDE:  # rows outside the local groups (before them, after them, dropped rows) are zero
+        rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
+            sizes, group_ids, offset, is_local, M, BLOCK_M
+        )
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
+            offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M,
+                                            BLOCK_N)
+            tl.store(out_ptr + offsets, zeros, mask=zero_mask)
 
 
 @triton.jit

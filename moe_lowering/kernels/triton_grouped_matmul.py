@@ -119,8 +119,10 @@ def gmm(
     transpose_rhs: bool = False,
     preferred_element_type=None,
     config: TileConfig | None = None,
+    zero_outside: bool = True,
 ):
-    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero."""
+    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero,
+    or left unwritten with ``zero_outside=False``."""
     if lhs.ndim != 2 or rhs.ndim != 3:
         raise ValueError(f"gmm: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
     _check_group_sizes(group_sizes, "gmm")
@@ -135,7 +137,7 @@ def gmm(
     if not {lhs.dtype, rhs.dtype, out_dtype} <= set(_KERNEL_DTYPES):
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
-                             preferred_element_type=preferred_element_type)
+                             preferred_element_type=preferred_element_type, zero_outside=zero_outside)
     compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
     config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
@@ -163,6 +165,7 @@ def gmm(
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
+        ZERO_OUTSIDE=bool(zero_outside),
     )
 
 

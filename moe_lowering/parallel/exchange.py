@@ -315,8 +315,13 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
         token_of_row=jnp.arange(sorted_rows.shape[0], dtype=jnp.int32),
     )
 
+    # Rows past the received ones are never sent home, and the grouped GEMMs' gradients never read
+    # them, so their products need no zeros, unless a per-expert or constant param's gradient sums
+    # over every row (unwritten rows could hold non-finite values, and 0 * inf is not 0).
+    zero_outside = any(kind in (ParamKind.PER_EXPERT, ParamKind.CONSTANT) for kind in program.param_kinds)
+
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
-        return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type)
+        return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside)
 
     return evaluate(program, values, context, matmul)
 

@@ -48,6 +48,9 @@ EXCHANGE_SLACK = 1.25
 # host (the loop's trip count cost 0.2-0.4 ms a step on H200s, benchmarks/EP_NOTES.md). The price
 # is elementwise work and memory over unused rows: the buffers are ``ep`` times the balanced share.
 PEER_SINGLE_ROUND_MAX_RANKS = 4
+# ... and while the rows received in that round fit in this many bytes per device (the expert
+# program's intermediates scale with them; beyond it, slack-sized rounds and the loop instead).
+PEER_SINGLE_ROUND_MAX_BYTES = 2 << 30
 # Chunks per exchange round (see :mod:`exchange`): more chunks hide more of the transport under
 # the GEMMs but re-read the local expert weights once per chunk.
 EXCHANGE_CHUNKS = 1
@@ -130,11 +133,12 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``exchange_transport``: how
     token rows travel, one of ``TRANSPORTS`` (``"ragged"``, ``jax.lax.ragged_all_to_all``, is
     not implemented on XLA:CPU; ``"peer"``, NVLink stores from Triton kernels, needs every EP
-    device to be a GPU of this process; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``). ``exchange_capacity``:
-    rows per (source, destination) pair per round (default: the balanced share times
-    ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS`` ranks, all of a
-    rank's rows, so one round always suffices). ``exchange_chunks``: independent slices per round, so one slice's
-    transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
+    device to be a GPU of this process; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``).
+    ``exchange_capacity``: rows per (source, destination) pair per round (default: the balanced
+    share times ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS``
+    ranks, all of a rank's rows while they fit ``PEER_SINGLE_ROUND_MAX_BYTES``, so one round
+    always suffices and nothing waits on the host). ``exchange_chunks``: independent slices per
+    round, so one slice's transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
     ``return_stats`` the result is ``(out, ShardedMoEStats)``.
     """
     params = tuple(params)
@@ -160,13 +164,14 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
     if exchange_capacity:
         rows_per_pair = exchange_capacity
-    elif exchange_transport == "peer" and ep <= PEER_SINGLE_ROUND_MAX_RANKS:
+    elif exchange_transport == "peer" and _single_round_fits(ep, local_tokens * top_k, tokens):
         rows_per_pair = local_tokens * top_k  # a rank's every row: one round under any skew
     else:
         rows_per_pair = max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
     rows_per_chunk = -(-rows_per_pair // chunks)
-    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round, "
+    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round%s, "
              "expert capacity %s", layout.describe(), local_tokens, exchange_transport, chunks, rows_per_chunk,
+             " (one round under any skew: no overflow loop)" if rows_per_pair >= local_tokens * top_k else "",
              capacity)
 
     if pad:
@@ -218,6 +223,12 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         out = out[:num_tokens]
     out = _jax_shim.reshard(out, mesh, layout.tokens_spec)
     return (out, stats) if return_stats else out
+
+
+def _single_round_fits(ep: int, rows_per_device: int, tokens) -> bool:
+    """Whether the ``"peer"`` exchange sizes one round for the worst case (see the constants)."""
+    received_bytes = ep * rows_per_device * tokens.shape[1] * tokens.dtype.itemsize
+    return ep <= PEER_SINGLE_ROUND_MAX_RANKS and received_bytes <= PEER_SINGLE_ROUND_MAX_BYTES
 
 
 def _gather_fsdp(params, program: ExpertProgram, layout: Layout, quant):

@@ -93,10 +93,14 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
     mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
     layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
 
+    # The same rounds and chunks on both transports (by default "peer" makes one round of a rank's
+    # every row): chunks and rounds partition the weight-gradient sums, and so their rounding.
+    capacity = exchange_capacity or tokens.shape[0] // RANKS * 2
+
     def out_and_grads(transport):
         def moe(t, w, p):
             return sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout,
-                                      exchange_transport=transport, exchange_capacity=exchange_capacity,
+                                      exchange_transport=transport, exchange_capacity=capacity,
                                       exchange_chunks=chunks)
 
         def run(t, w, p, g):

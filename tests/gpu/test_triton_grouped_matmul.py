@@ -165,3 +165,20 @@ def test_table_picks_a_config_for_every_benchmark_shape():
     for rows, k, n, groups in [(16384, 4096, 14336, 8), (131072, 2048, 768, 128), (32768, 7168, 2048, 256)]:
         for pick in (tgm.gmm_config, tgm.tgmm_config):
             assert pick(rows, k, n, groups, False) in tgm.TABLE_CONFIGS
+
+
+@pytest.mark.parametrize("case", ["rows-outside-groups", "group-offset-window"])
+def test_gmm_without_zeros_outside_writes_the_group_rows_alike(case):
+    """``zero_outside=False`` leaves rows outside the local groups unwritten and the rest as ``gmm``'s."""
+    group_sizes, num_rows, group_offset, local_groups = CASES[case]
+    k_lhs, k_rhs = jax.random.split(jax.random.key(3))
+    lhs = _random(k_lhs, (num_rows, 96), jnp.bfloat16)
+    rhs = _random(k_rhs, (local_groups, 96, 136), jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    inside = (_group_of_row(group_sizes, num_rows) >= group_offset) & (
+        _group_of_row(group_sizes, num_rows) < group_offset + local_groups)
+    full = np.asarray(tgm.gmm(lhs, rhs, sizes, group_offset=group_offset), np.float32)
+    _poison((num_rows, 136), jnp.bfloat16)
+    partial = np.asarray(tgm.gmm(lhs, rhs, sizes, group_offset=group_offset, zero_outside=False), np.float32)
+    np.testing.assert_array_equal(partial[inside], full[inside])
+    assert (full[~inside] == 0).all()

@@ -23,6 +23,7 @@ from moe_lowering.parallel import drop_over_capacity, expert_capacity, plan_layo
 from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
 from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput
 from moe_lowering.parallel import exchange
+from moe_lowering.parallel import sharded_moe as sharded_moe_module
 from moe_lowering.parallel.sharded_moe import PEER_SINGLE_ROUND_MAX_RANKS
 from moe_lowering.sparse_moe import sparse_moe
 from parallel_cases import dense_reference, random_case, swiglu_program
@@ -238,6 +239,16 @@ def test_output_gemm_fuses_only_on_peer_with_plain_weights():
     assert exchange._output_matmul(config(transport="all_to_all"), weights) is None
     weight_object = SimpleNamespace(grouped_matmul=lambda *a: None)  # e.g. an FP8-gathered weight
     assert exchange._output_matmul(config(transport="peer"), weights[:2] + (weight_object,)) is None
+
+
+def test_peer_single_round_within_its_byte_bound(monkeypatch):
+    layout = make_layout("fsdp2_expert4", expert_bias=True)
+    tokens, indices, weights, params, _ = case(13, num_tokens=128)
+    moe = sharded(layout, indices, swiglu_program(expert_bias=True, token_scale=True), exchange_transport="peer")
+    assert not has_exchange_loop(jax.make_jaxpr(moe)(tokens, weights, params).jaxpr)
+    monkeypatch.setattr(sharded_moe_module, "PEER_SINGLE_ROUND_MAX_BYTES", 1024)
+    retraced = lambda *a: moe(*a)  # noqa: E731  (a new function: make_jaxpr caches by function)
+    assert has_exchange_loop(jax.make_jaxpr(retraced)(tokens, weights, params).jaxpr)
 
 
 def has_exchange_loop(jaxpr) -> bool:
