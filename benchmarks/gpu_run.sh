@@ -55,8 +55,8 @@ for step in "$@"; do
         --configs deepseek mixtral --transports all_to_all peer --peer-variants fused looped --reps 10 --forward-only \
         --profile --deadline 200 2>&1 | tee "$OUT/ep2_final.log" | tail -40
       mkdir -p "$OUT/fwdbwd"; timeout 230 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after --chunks 1 \
-        --scheduler default --configs mixtral --transports all_to_all peer --peer-variants fused looped --reps 10 \
-        --deadline 200 2>&1 | tee "$OUT/ep2_final_fwdbwd.log" | tail -20 ;;
+        --scheduler default --configs "${FWDBWD_CONFIG:-mixtral}" --transports all_to_all peer --peer-variants fused \
+        looped --reps 10 --deadline 200 2>&1 | tee "$OUT/ep2_final_fwdbwd.log" | tail -20 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

@@ -82,10 +82,13 @@ def peer_store_reference(values, source_row, dest_device, dest_row, recv_rows: i
 
 
 def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_arrived, *, axis_name: str,
-               axis_size: int, zeroed: bool, backend: str = "auto", buffer: PeerBuffer | None = None):
+               axis_size: int, zeroed: bool, backend: str = "auto", buffer: PeerBuffer | None = None,
+               zero_tail: bool = True):
     """See the module docstring. ``zeroed``: rows below ``num_arrived`` that no slot names are zero
     (the Triton path otherwise leaves them unset, which costs nothing when every one is stored).
-    ``buffer``: one made by ``allocate_buffer`` with ``zeroed`` alike, its addresses gathered."""
+    ``zero_tail=False``: rows from ``num_arrived`` on are unspecified instead of zero (for callers
+    that never read them). ``buffer``: one made by ``allocate_buffer`` with ``zeroed`` alike, its
+    addresses gathered."""
     if not uses_kernels(backend):
         return peer_store_reference(values, source_row, dest_device, dest_row, recv_rows, num_arrived,
                                     axis_name=axis_name)
@@ -101,20 +104,20 @@ def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_ar
     done = peer.push(flat, source_row, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
                      num_programs=PUSH_PROGRAMS)
     out = peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=PUSH_PROGRAMS,
-                    num_programs=WAIT_PROGRAMS)
+                    num_programs=WAIT_PROGRAMS, zero_tail=zero_tail)
     return out.reshape((recv_rows,) + values.shape[1:]).astype(values.dtype)
 
 
 def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows: int, num_arrived, *,
-                         axis_name: str, axis_size: int, backend: str = "auto", buffer: PeerBuffer | None = None,
-                         group_offset=0, preferred_element_type=None):
+                         axis_name: str, axis_size: int, zeroed: bool = True, backend: str = "auto",
+                         buffer: PeerBuffer | None = None, group_offset=0, preferred_element_type=None):
     """``peer_store`` of the grouped product ``lhs[r] @ rhs[group(r)]``, row ``r`` as slot ``r``.
 
     On the Triton kernels the GEMM's epilogue stores each output row straight into its receiving
     rank's buffer (``triton_grouped_matmul.gmm_push``): the exchange runs under the GEMM instead of
     after it, and the product never exists on the computing GPU. Elsewhere, and for dtypes the
-    kernel lacks, the product is formed and stored as ``peer_store`` does. Rows below
-    ``num_arrived`` that no slot names are zero (``buffer``, if given, was made zeroed).
+    kernel lacks, the product is formed and stored as ``peer_store`` does. ``zeroed`` as for
+    ``peer_store`` (``buffer``, if given, was made alike); rows from ``num_arrived`` on are zero.
     """
     kernels = get_backend(backend)
     product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
@@ -124,12 +127,12 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
                               preferred_element_type=preferred_element_type)
         slots = jnp.arange(lhs.shape[0], dtype=jnp.int32)
         return peer_store(product, slots, dest_device, dest_row, recv_rows, num_arrived, axis_name=axis_name,
-                          axis_size=axis_size, zeroed=True, backend=backend, buffer=buffer)
+                          axis_size=axis_size, zeroed=zeroed, backend=backend, buffer=buffer)
     from moe_lowering.kernels import triton_grouped_matmul, triton_peer_store as peer
 
     if buffer is None:
         (buffer,), _ = gather_addresses([allocate_buffer(recv_rows, (rhs.shape[2],), product_dtype,
-                                                         axis_size=axis_size, zeroed=True)], axis_name)
+                                                         axis_size=axis_size, zeroed=zeroed)], axis_name)
     if buffer.recv.shape != (recv_rows, rhs.shape[2]) or buffer.recv.dtype != product_dtype:
         raise ValueError(f"grouped_matmul_store: buffer {buffer.recv.shape} {buffer.recv.dtype} for "
                          f"[{recv_rows}, {rhs.shape[2]}] {product_dtype}")

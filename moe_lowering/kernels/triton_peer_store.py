@@ -86,8 +86,10 @@ def push_kernel(rows_ptr, source_row_ptr, dest_device_ptr, dest_row_ptr, peer_ad
 @triton.jit
 def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROWS: tl.constexpr,
                 D: tl.constexpr, NUM_PEERS: tl.constexpr, SIGNALS_PER_PEER: tl.constexpr,
-                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
-    """Waits until every peer's push has signalled, then writes zeros from row ``num_rows`` on.
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                ZERO_TAIL: tl.constexpr = True):
+    """Waits until every peer's push has signalled, then writes zeros from row ``num_rows`` on
+    (without ``ZERO_TAIL`` those rows are left as they are).
 
     ``out`` is ``recv`` itself (aliased): the rows are already where the peers stored them, and
     the kernels that read them next start after this one ends, so they see the peers' stores."""
@@ -95,17 +97,18 @@ def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROW
     for peer in range(NUM_PEERS):
         while tl.atomic_add(arrivals_ptr + peer, 0, sem="acquire", scope="sys") < SIGNALS_PER_PEER:
             pass
-    num_rows = tl.load(num_rows_ptr)
-    in_rows = tl.arange(0, BLOCK_ROWS)
-    in_d = tl.arange(0, BLOCK_D)
-    zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
-    for tile in range(num_rows // BLOCK_ROWS + pid, tl.cdiv(NUM_ROWS, BLOCK_ROWS), NUM_PROGRAMS):
-        rows = tile * BLOCK_ROWS + in_rows
-        tail = (rows >= num_rows) & (rows < NUM_ROWS)
-        offsets = rows.to(tl.int64)[:, None] * D
-        for d0 in range(0, D, BLOCK_D):
-            cols = d0 + in_d
-            tl.store(out_ptr + offsets + cols[None, :], zeros, mask=tail[:, None] & (cols < D)[None, :])
+    if ZERO_TAIL:
+        num_rows = tl.load(num_rows_ptr)
+        in_rows = tl.arange(0, BLOCK_ROWS)
+        in_d = tl.arange(0, BLOCK_D)
+        zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
+        for tile in range(num_rows // BLOCK_ROWS + pid, tl.cdiv(NUM_ROWS, BLOCK_ROWS), NUM_PROGRAMS):
+            rows = tile * BLOCK_ROWS + in_rows
+            tail = (rows >= num_rows) & (rows < NUM_ROWS)
+            offsets = rows.to(tl.int64)[:, None] * D
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + in_d
+                tl.store(out_ptr + offsets + cols[None, :], zeros, mask=tail[:, None] & (cols < D)[None, :])
 
 
 def _cudart():
@@ -199,9 +202,10 @@ def push(rows, source_row, dest_device, dest_row, peer_addresses, rank, *, num_p
     )
 
 
-def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs: int,
+def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs: int, zero_tail: bool = True,
          block_rows: int = 8, block_d: int = 1024, num_warps: int = 4):
-    """``recv``'s first ``num_rows`` rows once every peer has pushed, zeros after them (in place)."""
+    """``recv``'s first ``num_rows`` rows once every peer has pushed, zeros after them (in place;
+    left as they are without ``zero_tail``)."""
     total, d = recv.shape
     return jax_triton.triton_call(
         recv,
@@ -220,4 +224,5 @@ def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs:
         BLOCK_ROWS=block_rows,
         BLOCK_D=min(block_d, triton.next_power_of_2(d)),
         NUM_PROGRAMS=num_programs,
+        ZERO_TAIL=bool(zero_tail),
     )

@@ -315,10 +315,7 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
         token_of_row=jnp.arange(sorted_rows.shape[0], dtype=jnp.int32),
     )
 
-    # Rows past the received ones are never sent home, and the grouped GEMMs' gradients never read
-    # them, so their products need no zeros, unless a per-expert or constant param's gradient sums
-    # over every row (unwritten rows could hold non-finite values, and 0 * inf is not 0).
-    zero_outside = any(kind in (ParamKind.PER_EXPERT, ParamKind.CONSTANT) for kind in program.param_kinds)
+    zero_outside = _tails_read(cfg)  # rows past the received ones: see there
 
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
         return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside)
@@ -372,14 +369,38 @@ def num_rounds(counts, cfg: ExchangeConfig):
     return (jnp.max(pair_totals) + cfg.round_rows - 1) // cfg.round_rows
 
 
+def _tails_read(cfg: ExchangeConfig) -> bool:
+    """Whether the expert program can read rows past the received ones: a per-expert or constant
+    param's gradient sums over every row (unspecified rows could hold non-finite values, and
+    0 * inf is not 0). Otherwise those rows need no zeros: they are never sent home, and the
+    grouped GEMMs and their gradients read only the rows of their groups."""
+    return any(kind in (ParamKind.PER_EXPERT, ParamKind.CONSTANT) for kind in cfg.program.param_kinds)
+
+
+def _home_written_once(cfg: ExchangeConfig, num_rows: int) -> bool:
+    """Whether one chunk returns every row that was sent: then the home buffers need no zeros
+    but past the sent rows (which sort first); with several chunks or rounds each returns a part
+    and the parts are summed."""
+    return cfg.chunks == 1 and single_round(cfg, num_rows)
+
+
 def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig, buffer: PeerBuffer | None = None):
-    """Rows received in this chunk, sorted by local expert (zeros after the received ones)."""
+    """Rows received in this chunk, sorted by local expert (zeros after the received ones, where
+    the program could read them)."""
     if plan.peer_routes is not None:
         routes = plan.peer_routes
         return peer_store(x, plan.send_index.reshape(-1), routes.dispatch_device, routes.dispatch_row,
                           cfg.ep_size * cfg.capacity, plan.local_group_sizes.sum(), axis_name=cfg.axis_name,
-                          axis_size=cfg.ep_size, zeroed=False, backend=cfg.backend, buffer=buffer)
+                          axis_size=cfg.ep_size, zeroed=False, backend=cfg.backend, buffer=buffer,
+                          zero_tail=_tails_read(cfg))
     return _dispatch(x, plan, cfg)[plan.slot_of_position]
+
+
+def _home_rows(plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int):
+    """``(zeroed, rows that arrive)`` of a chunk's home buffer (rows past those arrive as zeros)."""
+    if _home_written_once(cfg, num_rows):
+        return False, plan.send_sizes.sum()
+    return True, num_rows
 
 
 def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int, buffer: PeerBuffer | None = None):
@@ -387,8 +408,9 @@ def _send_home(results, plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int, bu
     if plan.peer_routes is not None:
         routes = plan.peer_routes
         positions = jnp.arange(results.shape[0], dtype=jnp.int32)
-        return peer_store(results, positions, routes.return_device, routes.return_row, num_rows, num_rows,
-                          axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=True, backend=cfg.backend,
+        zeroed, arriving = _home_rows(plan, cfg, num_rows)
+        return peer_store(results, positions, routes.return_device, routes.return_row, num_rows, arriving,
+                          axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=zeroed, backend=cfg.backend,
                           buffer=buffer)
     return _return_blocks(results[plan.position_of_slot], plan, cfg)
 
@@ -397,8 +419,9 @@ def _send_home_from_matmul(lhs, weight, fused: _OutputMatmul, plan: _ChunkPlan, 
                            buffer: PeerBuffer | None = None):
     """``_send_home(lhs @ weight[expert])`` with the product stored home by the GEMM itself (``"peer"``)."""
     routes = plan.peer_routes
+    zeroed, arriving = _home_rows(plan, cfg, num_rows)
     return grouped_matmul_store(lhs, weight, plan.local_group_sizes, routes.return_device, routes.return_row,
-                                num_rows, num_rows, axis_name=cfg.axis_name, axis_size=cfg.ep_size,
+                                num_rows, arriving, axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=zeroed,
                                 backend=cfg.backend, buffer=buffer,
                                 preferred_element_type=fused.matmul.preferred_element_type)
 
@@ -433,9 +456,10 @@ def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int):
     def make(rows, like, zeroed):
         return allocate_buffer(rows, like.shape[1:], like.dtype, axis_size=cfg.ep_size, zeroed=zeroed)
 
+    home_zeroed = not _home_written_once(cfg, num_rows)
     return tuple(
         _ChunkBuffers(make(sent_rows, dispatched[0], False), tuple(make(sent_rows, p, False) for p in dispatched[1:]),
-                      tuple(make(num_rows, h, True) for h in homecoming))
+                      tuple(make(num_rows, h, home_zeroed) for h in homecoming))
         for _ in range(cfg.chunks)
     )
 

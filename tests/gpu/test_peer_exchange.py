@@ -82,16 +82,21 @@ def test_gemm_stores_its_rows_on_peers(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("exchange_capacity, chunks, skew_to", [(None, 1, None), (5, 1, None), (None, 2, 0)])
-def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to):
+@pytest.mark.parametrize("exchange_capacity, chunks, skew_to, expert_bias", [
+    (None, 1, None, False),  # one round, one chunk: buffers need no zeros past the rows that arrive
+    (None, 1, None, True),  # a per-expert bias: its gradient sums every row, so the tails are zeroed
+    (5, 1, None, False),  # several rounds (the overflow loop)
+    (None, 2, 0, False),  # two chunks, every copy to one rank
+])
+def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to, expert_bias):
     """Bit for bit: both transports put the same rows in the same sorted order before the GEMMs."""
     tokens, indices, weights, params = random_case(7, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
-                                                         top_k=2, dtype=dtype, expert_bias=False, token_scale=True,
-                                                         skew_to=skew_to)
+                                                   top_k=2, dtype=dtype, expert_bias=expert_bias, token_scale=True,
+                                                   skew_to=skew_to)
     cotangent = jnp.asarray(np.random.default_rng(8).standard_normal(tokens.shape), dtype)
-    program = swiglu_program(token_scale=True)
+    program = swiglu_program(expert_bias=expert_bias, token_scale=True)
     mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
-    layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
+    layout = plan_layout(mesh, P("expert"), [P("expert")] * (4 if expert_bias else 3), E)
 
     # The same rounds and chunks on both transports (by default "peer" makes one round of a rank's
     # every row): chunks and rounds partition the weight-gradient sums, and so their rounding.
