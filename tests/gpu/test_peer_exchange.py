@@ -115,7 +115,15 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
         return jax.jit(run)(tokens, weights, params, cotangent)
 
     got, want = out_and_grads("peer"), out_and_grads("all_to_all")
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    (out, (d_tokens, d_weights, d_params)), (out_want, (d_tokens_want, d_weights_want, d_params_want)) = got, want
+    if expert_bias:  # its gradient is a scatter-add over rows: XLA:GPU's atomics sum in no fixed order
+        bias_grad, bias_grad_want = d_params[3], d_params_want[3]
+        error = float(jnp.linalg.norm((bias_grad - bias_grad_want).astype(jnp.float32))
+                      / jnp.linalg.norm(bias_grad_want.astype(jnp.float32)))
+        assert error < (1e-5 if dtype == jnp.float32 else 3e-2), error
+        d_params, d_params_want = d_params[:3] + d_params[4:], d_params_want[:3] + d_params_want[4:]
+    for a, b in zip(jax.tree.leaves((out, d_tokens, d_weights, d_params)),
+                    jax.tree.leaves((out_want, d_tokens_want, d_weights_want, d_params_want)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
