@@ -29,7 +29,7 @@ WEIGHT_GATHER_QUANT = (None, "fp8_e4m3", "mxfp8")
 
 
 def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False, weight_gather_quant=None,
-                   input_shardings=(), capacity_factor: float | None = None):
+                   input_shardings=(), capacity_factor: float | None = None, exchange_transport: str = "all_to_all"):
     """``(fn, report)``: ``fn(*flat_args)`` runs ``closed_jaxpr`` with its MoE regions rewritten.
 
     The shared entry point of the decorator and the ``moe-rewrite`` tool. ``input_shardings``
@@ -39,20 +39,23 @@ def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False,
     _check_backend(backend)
     _check_quant(weight_gather_quant)
     _check_capacity(capacity_factor)
+    _check_transport(exchange_transport)
     scope = analyse_program(closed_jaxpr)
-    report = build_report(scope, input_shardings, capacity_factor)
+    report = build_report(scope, input_shardings, capacity_factor, exchange_transport)
     if strict and not report.regions:
         raise MoeNotFoundError(_not_found_message(report))
-    options = RewriteOptions(backend, weight_gather_quant, tuple(input_shardings), capacity_factor)
+    options = RewriteOptions(backend, weight_gather_quant, tuple(input_shardings), capacity_factor, exchange_transport)
     return make_rewritten(scope, options), report
 
 
-def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None) -> ExplainReport:
+def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None,
+                 exchange_transport: str = "all_to_all") -> ExplainReport:
     regions = []
     for path, region in scope.all_regions():
         owner = _scope_at(scope, path)
         layout = region_layout(owner, region, input_shardings)
-        regions.append(region_report(region, path, layout.describe() if layout is not None else None, capacity_factor))
+        described = layout.describe(exchange_transport) if layout is not None else None
+        regions.append(region_report(region, path, described, capacity_factor))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())
         for _, anchor, failure in scope.all_near_misses()
@@ -92,6 +95,14 @@ def _check_quant(weight_gather_quant) -> None:
         )
 
 
+def _check_transport(exchange_transport) -> None:
+    from moe_lowering.parallel.exchange import TRANSPORTS
+
+    if exchange_transport not in TRANSPORTS:
+        raise ValueError(f"moe_optimize: unknown exchange_transport {exchange_transport!r}; expected one of "
+                         f"{', '.join(map(repr, TRANSPORTS))}")
+
+
 def _check_capacity(capacity_factor) -> None:
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"moe_optimize: capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
@@ -127,12 +138,13 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     declared = options.get("declared_shardings")
     if declared is None and _compat.is_jitted(fn):
         declared = _compat.jit_options(fn).get("in_shardings")
-    report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared), options.get("capacity_factor"))
+    report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared),
+                          options.get("capacity_factor"), options.get("exchange_transport", "all_to_all"))
     return report
 
 
 def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None, exchange_transport: str = "all_to_all"):
     """Rewrites the dense-reference MoE layers of ``fn`` into sorted, dropless grouped-GEMM MoE.
 
     Usable bare (``@moe_optimize``) or with options, on a plain or a ``jax.jit``-wrapped
@@ -146,13 +158,19 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     ``capacity_factor`` opts into dropping: each expert keeps its first
     ``ceil(capacity_factor * tokens * k / E)`` token copies in token order (on one device and
     sharded alike); ``None``, the default, is dropless and keeps the reference's results.
+    ``exchange_transport`` says how expert-parallel token rows travel: ``"all_to_all"`` (NCCL,
+    the default; works across processes), ``"peer"`` (Triton kernels store rows GPU to GPU over
+    NVLink and the last GEMM stores results home; every mesh device must be a GPU of this
+    process; the fastest measured, see ``benchmarks/EP_NOTES.md``), ``"ppermute"`` or
+    ``"ragged"`` (``jax.lax.ragged_all_to_all``).
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)
     _check_capacity(capacity_factor)
+    _check_transport(exchange_transport)
     if fn is None:
         return functools.partial(moe_optimize, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
-                                 capacity_factor=capacity_factor)
+                                 capacity_factor=capacity_factor, exchange_transport=exchange_transport)
     if not callable(fn):
         raise TypeError(f"moe_optimize expects a function, got {type(fn).__name__}")
     jitted = _compat.is_jitted(fn)
@@ -165,7 +183,8 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
         shardings = _input_shardings(args, kwargs, declared)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
-                                     input_shardings=shardings, capacity_factor=capacity_factor)
+                                     input_shardings=shardings, capacity_factor=capacity_factor,
+                                     exchange_transport=exchange_transport)
         if report.regions:
             log.info("moe_lowering: rewrote %d MoE region(s) in %s", len(report.regions), _name(original))
         elif not warned:
@@ -196,7 +215,8 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
 
     rewritten.__moe_original__ = original
-    rewritten.__moe_options__ = {"capacity_factor": capacity_factor, "declared_shardings": declared}
+    rewritten.__moe_options__ = {"capacity_factor": capacity_factor, "declared_shardings": declared,
+                                 "exchange_transport": exchange_transport}
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))
     return rewritten

@@ -74,13 +74,14 @@ class Layout:
                 return dim
         return None
 
-    def describe(self) -> str:
+    def describe(self, exchange_transport: str = "all_to_all") -> str:
         """One paragraph for ``explain``: the axes, their sizes and the collectives they imply."""
         parts = []
         if self.expert_axis:
             parts.append(
                 f"expert parallel over {self.expert_axis!r} ({self.expert_parallel_size} ranks x "
-                f"{self.local_experts} experts): all-to-all of token rows, all-gather of the counts matrix"
+                f"{self.local_experts} experts): {_EXCHANGE_WORDS.get(exchange_transport, exchange_transport)}, "
+                "all-gather of the counts matrix"
             )
         else:
             parts.append("no expert-parallel axis: every device holds all experts")
@@ -96,6 +97,14 @@ class Layout:
             f"{self.compute_axes} ({math.prod(self.mesh.shape[a] for a in self.compute_axes)} slices)"
         )
         return "; ".join(parts)
+
+
+_EXCHANGE_WORDS = {
+    "all_to_all": "all-to-all of token rows",
+    "ppermute": "collective permutes of token rows",
+    "ragged": "ragged all-to-all of token rows",
+    "peer": "token rows stored GPU to GPU by Triton kernels (results stored home by the last GEMM)",
+}
 
 
 def _axes_of(entry) -> tuple[str, ...]:

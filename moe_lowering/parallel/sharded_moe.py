@@ -170,7 +170,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         rows_per_pair = max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
     rows_per_chunk = -(-rows_per_pair // chunks)
     log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round%s, "
-             "expert capacity %s", layout.describe(), local_tokens, exchange_transport, chunks, rows_per_chunk,
+             "expert capacity %s", layout.describe(exchange_transport), local_tokens, exchange_transport, chunks, rows_per_chunk,
              " (one round under any skew: no overflow loop)" if rows_per_pair >= local_tokens * top_k else "",
              capacity)
 

@@ -180,11 +180,12 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     if layout is not None:
         from moe_lowering.parallel import sharded_sparse_moe
 
-        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe())
+        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(options.exchange_transport))
         out, stats = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
                                         num_experts=region.num_experts, layout=layout, backend=options.backend,
                                         weight_gather_quant=options.weight_gather_quant,
-                                        capacity_factor=capacity_factor, return_stats=True)
+                                        capacity_factor=capacity_factor, exchange_transport=options.exchange_transport,
+                                        return_stats=True)
         _report_dropped(region, capacity_factor, stats.dropped_copies)
         return _to_output_layout(out, region)
     if capacity_factor is not None:
@@ -216,12 +217,14 @@ def _report_dropped(region: MoeRegion, capacity_factor, dropped) -> None:
 
 @dataclass(frozen=True)
 class RewriteOptions:
-    """How regions are lowered: kernels, FSDP weight-gather quantisation, optional expert capacity."""
+    """How regions are lowered: kernels, FSDP weight-gather quantisation, optional expert capacity,
+    the expert-parallel exchange's transport."""
 
     backend: str = "auto"
     weight_gather_quant: str | None = None
     input_shardings: tuple = ()  # per top-level input: a NamedSharding or None
     capacity_factor: float | None = None  # None: dropless
+    exchange_transport: str = "all_to_all"  # how expert-parallel token rows travel (parallel.exchange.TRANSPORTS)
 
 
 def declared_shardings(scope: ScopeResult, input_shardings) -> dict:
