@@ -12,7 +12,10 @@ and mesh (1 GPU, EP=4, EP=2):
 * the sparse layer for chunks x GEMM grid (``all``: one program per multiprocessor; ``margin``:
   ``--margin`` multiprocessors left free; ``tiles``: one program per tile, not persistent) x
   XLA's latency-hiding scheduler as compiled by default / forced on;
-* forward + backward at EP=4 for the best forward variants;
+* each exchange transport (``--transports``), and for ``"peer"`` its forms (``--peer-variants``:
+  as committed, without the GEMM-fused return, or as before round 5 with slack-sized rounds and
+  the overflow loop);
+* forward + backward at the largest EP for the best forward variants (``--forward-only`` skips it);
 * ``--profile``: a ``jax.profiler`` trace of chosen variants, summarised per GPU stream (busy
   time, NCCL time, NCCL time that overlaps a compute kernel) with ``jax.profiler.ProfileData``.
 
