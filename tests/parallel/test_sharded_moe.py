@@ -114,6 +114,8 @@ def fake_quantized(w, quant, fsdp_dim, shards):
     # two chunks of 2 rows per pair, several rounds: each chunk's product reduce-scatters its own
     # weight gradient, and the exchange sums them
     ("fsdp2_expert4", "fp8_e4m3", {"exchange_chunks": 2, "exchange_capacity": 3}),
+    # the peer transport: its one round, with FP8 weight objects (no GEMM-fused return for them)
+    ("fsdp2_expert4", "fp8_e4m3", {"exchange_transport": "peer"}),
 ])
 def test_fp8_weight_gather(mesh_name, quant, exchange):
     layout = make_layout(mesh_name)
