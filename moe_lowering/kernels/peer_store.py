@@ -119,16 +119,18 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
     kernel lacks, the product is formed and stored as ``peer_store`` does. ``zeroed`` as for
     ``peer_store`` (``buffer``, if given, was made alike); rows from ``num_arrived`` on are zero.
     """
-    kernels = get_backend(backend)
     product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    if not uses_kernels(backend) or not {lhs.dtype, rhs.dtype, product_dtype} <= {
-            jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)}:
-        product = kernels.gmm(lhs, rhs, group_sizes, group_offset=group_offset,
-                              preferred_element_type=preferred_element_type)
+    stored_by_gemm = False
+    if uses_kernels(backend):
+        from moe_lowering.kernels import triton_grouped_matmul, triton_peer_store as peer
+
+        stored_by_gemm = triton_grouped_matmul.has_kernel(lhs.dtype, rhs.dtype, product_dtype)
+    if not stored_by_gemm:
+        product = get_backend(backend).gmm(lhs, rhs, group_sizes, group_offset=group_offset,
+                                           preferred_element_type=preferred_element_type)
         slots = jnp.arange(lhs.shape[0], dtype=jnp.int32)
         return peer_store(product, slots, dest_device, dest_row, recv_rows, num_arrived, axis_name=axis_name,
                           axis_size=axis_size, zeroed=zeroed, backend=backend, buffer=buffer)
-    from moe_lowering.kernels import triton_grouped_matmul, triton_peer_store as peer
 
     if buffer is None:
         (buffer,), _ = gather_addresses([allocate_buffer(recv_rows, (rhs.shape[2],), product_dtype,

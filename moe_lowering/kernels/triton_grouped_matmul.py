@@ -106,6 +106,11 @@ def _offset_array(group_offset):
     return jnp.asarray(group_offset, jnp.int32).reshape(1)
 
 
+def has_kernel(*dtypes) -> bool:
+    """Whether the kernels take operands and outputs of these dtypes (else the XLA path runs)."""
+    return {jnp.dtype(d) for d in dtypes} <= set(_KERNEL_DTYPES)
+
+
 def _compute_f32(*dtypes) -> bool:
     return not (len(set(dtypes)) == 1 and dtypes[0] in _TENSOR_CORE_DTYPES)
 
@@ -134,7 +139,7 @@ def gmm(
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
         return jnp.zeros((num_rows, n), out_dtype)
-    if not {lhs.dtype, rhs.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+    if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
@@ -184,7 +189,7 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
     num_rows, k = lhs.shape
     num_local_groups, _, n = rhs.shape
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    if not {lhs.dtype, rhs.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+    if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
         raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
     compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
     config = gmm_config(num_rows, k, n, num_local_groups, compute_f32)
@@ -241,7 +246,7 @@ def tgmm(
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
         return jnp.zeros((num_local_groups, k, n), out_dtype)
-    if not {lhs.dtype, grad.dtype, out_dtype} <= set(_KERNEL_DTYPES):
+    if not has_kernel(lhs.dtype, grad.dtype, out_dtype):
         log.debug("tgmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, grad.dtype, out_dtype)
         return reference.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
                               preferred_element_type=preferred_element_type)
