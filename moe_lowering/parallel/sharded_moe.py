@@ -17,7 +17,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from moe_lowering.expert_program import ExpertProgram, ParamKind
 from moe_lowering.parallel import _jax_shim
@@ -220,9 +220,30 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     mapped = _jax_shim.shard_map(local_moe, mesh=mesh, in_specs=tuple(in_specs), out_specs=(token_spec, stats_spec))
     out, stats = mapped(*args)
     if pad:
-        out = out[:num_tokens]
-    out = _jax_shim.reshard(out, mesh, layout.tokens_spec)
+        out = _unpadded(out, num_tokens, layout)
+    else:
+        out = _jax_shim.reshard(out, mesh, layout.tokens_spec)
     return (out, stats) if return_stats else out
+
+
+def _unpadded(out, num_tokens: int, layout: Layout):
+    """The first ``num_tokens`` rows of the padded output, in the caller's token layout.
+
+    Explicit mesh axes cannot shard a dimension their devices do not divide, so neither the slice
+    of the sharded rows nor a result sharded like the caller's (unpadded) tokens exists there: the
+    rows are gathered first and the result stays replicated over the token axes that do not
+    divide it. Auto axes take the caller's spec as a constraint either way.
+    """
+    mesh = layout.mesh
+    if not any(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit for a in layout.compute_axes):
+        return _jax_shim.reshard(out[:num_tokens], mesh, layout.tokens_spec)
+    out = _jax_shim.reshard(out, mesh, PartitionSpec())[:num_tokens]
+    token_shards = math.prod(mesh.shape[a] for a in layout.token_axes)
+    if num_tokens % token_shards == 0:
+        return _jax_shim.reshard(out, mesh, layout.tokens_spec)
+    log.info("sharded_sparse_moe: %d tokens do not split over %d token shards; the output stays replicated",
+             num_tokens, token_shards)
+    return out
 
 
 def _single_round_fits(ep: int, rows_per_device: int, tokens) -> bool:

@@ -76,6 +76,7 @@ def case(seed, num_tokens=64, **kwargs):
 
 @pytest.mark.parametrize("mesh_name, num_tokens, exchange_capacity", [
     ("expert8", 60, None),  # T not a multiple of the device count: padded inside
+    ("fsdp2_expert4", 60, None),  # the same on Explicit axes, which cannot slice a sharded dim to 60
     ("fsdp2_expert4", 64, 3),  # 3 rows per pair per round: several rounds forward and backward
     ("data2_expert2_fsdp2", 64, None),
 ])
@@ -286,13 +287,16 @@ def test_drop_over_capacity_semantics():
     assert int(dropped) == int(np.sum(np.maximum(seen - 4, 0))) > 0
 
 
-def test_capacity_factor_drops_like_single_device():
+@pytest.mark.parametrize("transport", ["all_to_all", "peer"])
+def test_capacity_factor_drops_like_single_device(transport):
+    """Dropped copies sort last and never travel; on ``"peer"`` (one round) they are exactly the
+    home rows past the sent ones, which its return leaves zero."""
     layout = make_layout("data2_expert2_fsdp2")
     tokens, indices, weights, params, _ = case(6, expert_bias=False, token_scale=False)
     indices = indices.at[:24, 0].set(3)  # overfill expert 3
     program = swiglu_program()
-    out, stats = jax.jit(lambda t, w, p: sharded(layout, indices, program, capacity_factor=1.0, return_stats=True)(
-        t, w, p))(tokens, weights, params)
+    out, stats = jax.jit(lambda t, w, p: sharded(layout, indices, program, capacity_factor=1.0, return_stats=True,
+                                                 exchange_transport=transport)(t, w, p))(tokens, weights, params)
     kept, dropped = drop_over_capacity(indices, E, expert_capacity(64, 2, E, 1.0))
     assert int(stats.dropped_copies) == int(dropped) > 0
     assert_close(out, dense_reference(tokens, kept, weights, params, num_experts=E), 1e-5)
