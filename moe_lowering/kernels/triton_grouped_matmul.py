@@ -143,10 +143,7 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
-    compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
-    config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
-    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
-    num_groups = group_sizes.shape[0]
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
     return jax_triton.triton_call(
         lhs,
         rhs,
@@ -154,6 +151,19 @@ def gmm(
         _offset_array(group_offset),
         kernel=gmm_kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        ZERO_OUTSIDE=bool(zero_outside),
+        **launch,
+    )
+
+
+def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
+                      config: TileConfig | None = None) -> dict:
+    """Grid, warps, stages and the constants ``gmm_kernel`` and ``gmm_push_kernel`` share."""
+    compute_f32 = _compute_f32(lhs_dtype, rhs_dtype)
+    config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    return dict(
         grid=(num_programs,),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -163,14 +173,12 @@ def gmm(
         NUM_LOCAL_GROUPS=num_local_groups,
         NUM_GROUPS=num_groups,
         GROUPS_PAD=_next_power_of_two(num_groups),
-        TRANSPOSE_RHS=bool(transpose_rhs),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
-        ZERO_OUTSIDE=bool(zero_outside),
     )
 
 
@@ -191,10 +199,7 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
         raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
-    compute_f32 = _compute_f32(lhs.dtype, rhs.dtype)
-    config = gmm_config(num_rows, k, n, num_local_groups, compute_f32)
-    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
-    num_groups = group_sizes.shape[0]
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0])
     done = jax_triton.triton_call(
         lhs,
         rhs,
@@ -206,24 +211,10 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
         jnp.reshape(rank, (1,)).astype(jnp.int32),
         kernel=gmm_push_kernel,
         out_shape=jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype),
-        grid=(num_programs,),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        M=num_rows,
-        K=k,
-        N=n,
-        NUM_LOCAL_GROUPS=num_local_groups,
-        NUM_GROUPS=num_groups,
-        GROUPS_PAD=_next_power_of_two(num_groups),
         NUM_PEERS=peer_addresses.shape[0],
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        NUM_PROGRAMS=num_programs,
-        COMPUTE_F32=compute_f32,
+        **launch,
     )
-    return done, num_programs
+    return done, launch["NUM_PROGRAMS"]
 
 
 def tgmm(
