@@ -135,6 +135,21 @@ def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, M: tl.constexpr, K:
 
 
 @triton.jit
+def _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles, tile_ends, n_tiles, M: tl.constexpr,
+              K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """Work item ``tile`` of a row-tiled grouped product: ``(float32 tile, first row, columns, group end)``."""
+    group, group_start, group_end, pm, pn = _tile_position(
+        tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+    )
+    row0 = group_start + pm * BLOCK_M
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
+                        BLOCK_K, COMPUTE_F32)
+    return acc, row0, cols, group_end
+
+
+@triton.jit
 def gmm_kernel(
     lhs_ptr,
     rhs_ptr,
@@ -168,17 +183,10 @@ def gmm_kernel(
     )
 
     in_m = tl.arange(0, BLOCK_M)
-    in_n = tl.arange(0, BLOCK_N)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        group, group_start, group_end, pm, pn = _tile_position(
-            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
-        )
-
-        row0 = group_start + pm * BLOCK_M
-        cols = pn * BLOCK_N + in_n
-        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
-                            BLOCK_K, COMPUTE_F32)
-
+        acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
+                                               tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K,
+                                               GROUP_M, COMPUTE_F32)
         rows = row0 + in_m
         out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
         store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
@@ -235,16 +243,10 @@ def gmm_push_kernel(
     )
     rank = tl.load(rank_ptr)
     in_m = tl.arange(0, BLOCK_M)
-    in_n = tl.arange(0, BLOCK_N)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        group, group_start, group_end, pm, pn = _tile_position(
-            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
-        )
-        row0 = group_start + pm * BLOCK_M
-        cols = pn * BLOCK_N + in_n
-        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, False, BLOCK_M, BLOCK_N,
-                            BLOCK_K, COMPUTE_F32)
-
+        acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
+                                               tile_ends, n_tiles, M, K, N, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                               COMPUTE_F32)
         rows = row0 + in_m
         device = tl.load(dest_device_ptr + rows, mask=rows < group_end, other=-1)
         stored = device >= 0
