@@ -45,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from ep_bench import CONFIGS, Bench, LayerBench, bench_gemm_only, make_mesh, with_grad  # noqa: E402
 from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe  # noqa: E402
 from moe_lowering.parallel import sharded_moe as sharded_moe_module  # noqa: E402
+from moe_lowering.kernels.swiglu_rows import swiglu_rows_reference  # noqa: E402
 
 log = logging.getLogger("ep_overlap")
 
@@ -107,16 +108,20 @@ def overflow_loop(mode: str):
 def peer_variant(name: str):
     """The ``"peer"`` transport as committed (``fused``: one round sized for the worst case, the
     output GEMM storing its rows home), without the GEMM-fused return (``unfused``), or as before
-    both (``looped``: slack-sized rounds with the overflow loop, unfused)."""
-    saved = exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS
+    both (``looped``: slack-sized rounds with the overflow loop, unfused), or with the SwiGLU
+    activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
+    ``swiglu_rows``)."""
+    saved = exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows
     if name in ("unfused", "looped"):
         exchange._output_matmul = lambda cfg, params: None
     if name == "looped":
         sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS = 0
+    if name == "all-rows":
+        exchange.swiglu_rows = lambda gate, up, num_rows, backend: swiglu_rows_reference(gate, up, num_rows)
     try:
         yield
     finally:
-        exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS = saved
+        exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows = saved
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -400,9 +405,10 @@ def main(argv=None):
                         help="XLA's default GPU scheduler and/or its latency-hiding scheduler forced on")
     parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "peer"],
                         help="exchange transports of the sparse layer (each with every other variant)")
-    parser.add_argument("--peer-variants", nargs="+", default=["fused"], choices=["fused", "unfused", "looped"],
+    parser.add_argument("--peer-variants", nargs="+", default=["fused"], choices=["fused", "unfused", "looped", "all-rows"],
                         help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
-                             "home), without that fusion, or slack-sized rounds with the overflow loop")
+                             "home), without that fusion, slack-sized rounds with the overflow loop, or the SwiGLU "
+                             "activation over the whole receive buffer")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
     parser.add_argument("--exchange-only", action="store_true",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -62,6 +62,14 @@ for step in "$@"; do
       timeout 400 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
         --configs mixtral deepseek --transports all_to_all peer --reps 10 --forward-only --deadline 370 2>&1 \
         | tee "$OUT/ep_issue4.log" | tail -30 ;;
+    issue4-rows) timeout 170 python3 -m pytest tests/gpu/test_peer_exchange.py tests/gpu/test_triton_swiglu_rows.py -v -rs \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_peer_rows_tests.log" | tail -8
+      timeout 400 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs mixtral deepseek --transports all_to_all peer --peer-variants fused all-rows --reps 10 --forward-only \
+        --deadline 370 2>&1 | tee "$OUT/ep_issue4_rows.log" | tail -30 ;;
+    issue4-fwdbwd) mkdir -p "$OUT/fwdbwd"; timeout 520 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
+        --chunks 1 --scheduler default --configs "${FWDBWD_CONFIG:-mixtral}" --transports all_to_all peer \
+        --peer-variants fused all-rows --reps 10 --deadline 480 2>&1 | tee "$OUT/ep_issue4_fwdbwd.log" | tail -30 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

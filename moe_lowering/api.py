@@ -29,7 +29,7 @@ WEIGHT_GATHER_QUANT = (None, "fp8_e4m3", "mxfp8")
 
 
 def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False, weight_gather_quant=None,
-                   input_shardings=(), capacity_factor: float | None = None, exchange_transport: str = "all_to_all"):
+                   input_shardings=(), capacity_factor: float | None = None, exchange_transport: str = "auto"):
     """``(fn, report)``: ``fn(*flat_args)`` runs ``closed_jaxpr`` with its MoE regions rewritten.
 
     The shared entry point of the decorator and the ``moe-rewrite`` tool. ``input_shardings``
@@ -41,20 +41,26 @@ def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False,
     _check_capacity(capacity_factor)
     _check_transport(exchange_transport)
     scope = analyse_program(closed_jaxpr)
-    report = build_report(scope, input_shardings, capacity_factor, exchange_transport)
+    report = build_report(scope, input_shardings, capacity_factor, exchange_transport, backend)
     if strict and not report.regions:
         raise MoeNotFoundError(_not_found_message(report))
     options = RewriteOptions(backend, weight_gather_quant, tuple(input_shardings), capacity_factor, exchange_transport)
     return make_rewritten(scope, options), report
 
 
-def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None,
-                 exchange_transport: str = "all_to_all") -> ExplainReport:
+def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, exchange_transport: str = "auto",
+                 backend: str = "auto") -> ExplainReport:
+    """The regions and near misses of ``scope``; each sharded region names the transport it would
+    run (``"auto"`` resolved on its mesh, as the rewrite resolves it)."""
+    from moe_lowering.parallel.exchange import resolve_transport
+
     regions = []
     for path, region in scope.all_regions():
         owner = _scope_at(scope, path)
         layout = region_layout(owner, region, input_shardings)
-        described = layout.describe(exchange_transport) if layout is not None else None
+        described = None
+        if layout is not None:
+            described = layout.describe(resolve_transport(exchange_transport, layout.devices, backend))
         regions.append(region_report(region, path, described, capacity_factor))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())
@@ -96,11 +102,11 @@ def _check_quant(weight_gather_quant) -> None:
 
 
 def _check_transport(exchange_transport) -> None:
-    from moe_lowering.parallel.exchange import TRANSPORTS
+    from moe_lowering.parallel.exchange import TRANSPORT_CHOICES
 
-    if exchange_transport not in TRANSPORTS:
+    if exchange_transport not in TRANSPORT_CHOICES:
         raise ValueError(f"moe_optimize: unknown exchange_transport {exchange_transport!r}; expected one of "
-                         f"{', '.join(map(repr, TRANSPORTS))}")
+                         f"{', '.join(map(repr, TRANSPORT_CHOICES))}")
 
 
 def _check_capacity(capacity_factor) -> None:
@@ -139,12 +145,13 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     if declared is None and _compat.is_jitted(fn):
         declared = _compat.jit_options(fn).get("in_shardings")
     report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared),
-                          options.get("capacity_factor"), options.get("exchange_transport", "all_to_all"))
+                          options.get("capacity_factor"), options.get("exchange_transport", "auto"),
+                          options.get("backend", "auto"))
     return report
 
 
 def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None,
-                 capacity_factor: float | None = None, exchange_transport: str = "all_to_all"):
+                 capacity_factor: float | None = None, exchange_transport: str = "auto"):
     """Rewrites the dense-reference MoE layers of ``fn`` into sorted, dropless grouped-GEMM MoE.
 
     Usable bare (``@moe_optimize``) or with options, on a plain or a ``jax.jit``-wrapped
@@ -158,11 +165,12 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     ``capacity_factor`` opts into dropping: each expert keeps its first
     ``ceil(capacity_factor * tokens * k / E)`` token copies in token order (on one device and
     sharded alike); ``None``, the default, is dropless and keeps the reference's results.
-    ``exchange_transport`` says how expert-parallel token rows travel: ``"all_to_all"`` (NCCL,
-    the default; works across processes), ``"peer"`` (Triton kernels store rows GPU to GPU over
-    NVLink and the last GEMM stores results home; every mesh device must be a GPU of this
-    process; the fastest measured, see ``benchmarks/EP_NOTES.md``), ``"ppermute"`` or
-    ``"ragged"`` (``jax.lax.ragged_all_to_all``).
+    ``exchange_transport`` says how expert-parallel token rows travel: ``"auto"`` (the default)
+    picks ``"peer"`` on a one-process GPU mesh with the Triton kernels and ``"all_to_all"``
+    otherwise; ``"all_to_all"`` (NCCL; works across processes), ``"peer"`` (Triton kernels store
+    rows GPU to GPU over NVLink and the last GEMM stores results home; every mesh device must be
+    a GPU of this process; the fastest measured, see ``benchmarks/EP_NOTES.md``), ``"ppermute"``
+    or ``"ragged"`` (``jax.lax.ragged_all_to_all``). ``explain`` names the transport picked.
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)
@@ -215,7 +223,7 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
 
     rewritten.__moe_original__ = original
-    rewritten.__moe_options__ = {"capacity_factor": capacity_factor, "declared_shardings": declared,
+    rewritten.__moe_options__ = {"backend": backend, "capacity_factor": capacity_factor, "declared_shardings": declared,
                                  "exchange_transport": exchange_transport}
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))

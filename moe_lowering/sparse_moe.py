@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate
 from moe_lowering.kernels import get_backend
 from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
+from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 
 class SortedRouting(NamedTuple):
@@ -197,6 +198,37 @@ def _grouped_swiglu_matmul_bwd(backend, group_offset, preferred_element_type, re
 
 
 grouped_swiglu_matmul.defvjp(_grouped_swiglu_matmul_fwd, _grouped_swiglu_matmul_bwd)
+
+
+class SwigluRowsResiduals(NamedTuple):
+    """What ``swiglu_rows``'s backward keeps: both pre-activations and the rows that count."""
+
+    gate: jax.Array  # [M, N]
+    up: jax.Array  # [M, N]
+    num_rows: jax.Array  # [] rows [0, num_rows) are computed, later ones unspecified
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def swiglu_rows(gate, up, num_rows, backend: str = "auto"):
+    """``silu(gate) * up`` on rows ``[0, num_rows)``, later rows unspecified (forward and backward).
+
+    For buffers sized for the worst case whose tail nothing reads: on the Triton backend it costs
+    the rows that arrived, not the buffer (``kernels/swiglu_rows.py``).
+    """
+    return (get_backend(backend).swiglu_rows or swiglu_rows_reference)(gate, up, num_rows)
+
+
+def _swiglu_rows_fwd(gate, up, num_rows, backend):
+    return swiglu_rows(gate, up, num_rows, backend), SwigluRowsResiduals(gate, up, num_rows)
+
+
+def _swiglu_rows_bwd(backend, residuals: SwigluRowsResiduals, d_out):
+    grads = get_backend(backend).swiglu_rows_grads or swiglu_rows_grads_reference
+    d_gate, d_up = grads(d_out, residuals.gate, residuals.up, residuals.num_rows)
+    return d_gate, d_up, None
+
+
+swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
 
 
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",

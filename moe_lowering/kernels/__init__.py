@@ -30,12 +30,17 @@ class KernelBackend:
     with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
     product was measured no slower than two ``gmm`` calls and an elementwise pass (the XLA
     path on a CPU; not the Triton kernel on an H200); ``None`` keeps SwiGLU programs unfused.
+    ``swiglu_rows(gate, up, num_rows)`` and ``swiglu_rows_grads(d_out, gate, up, num_rows)``
+    (contract in ``swiglu_rows``): SwiGLU's elementwise part on a buffer's leading rows;
+    ``None`` uses the jnp reference, which computes every row.
     """
 
     name: str
     gmm: Callable
     tgmm: Callable
     swiglu_gmm: Callable | None = None
+    swiglu_rows: Callable | None = None
+    swiglu_rows_grads: Callable | None = None
 
 
 _BACKEND_MODULES = {

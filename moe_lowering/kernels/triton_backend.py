@@ -18,7 +18,7 @@ def load() -> KernelBackend:
     if "rocm" in str(getattr(gpus[0].client, "platform_version", "")).lower():
         raise BackendUnavailable(f"the Triton backend is built for CUDA GPUs, found ROCm ({gpus[0].device_kind})")
     try:
-        from moe_lowering.kernels import triton_grouped_matmul
+        from moe_lowering.kernels import triton_grouped_matmul, triton_swiglu_rows
     except ImportError as err:
         raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
     # No swiglu_gmm: the fused kernel (triton_swiglu_gmm) measured no faster on an H200 at any
@@ -27,4 +27,6 @@ def load() -> KernelBackend:
         name="triton",
         gmm=sequential_under_vmap(triton_grouped_matmul.gmm),
         tgmm=sequential_under_vmap(triton_grouped_matmul.tgmm),
+        swiglu_rows=sequential_under_vmap(triton_swiglu_rows.swiglu_rows),
+        swiglu_rows_grads=sequential_under_vmap(triton_swiglu_rows.swiglu_rows_grads),
     )

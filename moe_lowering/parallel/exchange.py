@@ -69,7 +69,7 @@ from moe_lowering.kernels.peer_store import (
     peer_store,
     uses_kernels,
 )
-from moe_lowering.sparse_moe import expert_matmul, grouped_matmul_cotangents
+from moe_lowering.sparse_moe import expert_matmul, grouped_matmul_cotangents, swiglu_rows
 
 TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
 
@@ -320,7 +320,16 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
         return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside)
 
-    return evaluate(program, values, context, matmul)
+    if zero_outside:
+        return evaluate(program, values, context, matmul)
+
+    def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
+        """Both products, then the activation on the received rows only: the buffer is sized for
+        the worst case (``ep`` times a balanced arrival with ``"peer"``), its tail is never read."""
+        gate, up = (matmul(lhs, rhs, sizes, offset, preferred_element_type) for rhs in (gate_rhs, up_rhs))
+        return swiglu_rows(gate, up, jnp.sum(sizes), cfg.backend)
+
+    return evaluate(program, values, context, matmul, swiglu_matmul=swiglu_matmul)
 
 
 @dataclass(frozen=True)
@@ -666,6 +675,32 @@ def prepare_peer_transport(devices, backend: str) -> None:
     from moe_lowering.kernels import triton_peer_store
 
     triton_peer_store.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
+
+
+AUTO_TRANSPORT = "auto"
+TRANSPORT_CHOICES = (AUTO_TRANSPORT,) + TRANSPORTS  # what callers may ask for; resolve_transport names the one used
+
+
+def resolve_transport(requested: str, devices, backend: str) -> str:
+    """The transport to run for ``requested`` on ``devices``: names pass through; ``"auto"`` is
+    ``"peer"`` where it can run, else ``"all_to_all"``.
+
+    Peer stores go from GPU to GPU through the Triton kernels, so they need more than one device,
+    every one a GPU of this process, and the Triton backend; across processes or on CPUs the
+    NCCL/XLA collectives carry the rows.
+    """
+    if requested != AUTO_TRANSPORT:
+        return requested
+    from moe_lowering.kernels import BackendUnavailable
+
+    devices, local = list(devices), set(jax.local_devices())
+    if len(devices) < 2 or any(d.platform != "gpu" or d not in local for d in devices):
+        return "all_to_all"
+    try:
+        triton = get_backend(backend).name == "triton"
+    except BackendUnavailable:
+        triton = False
+    return "peer" if triton else "all_to_all"
 
 
 def exchange_config(**kwargs: Any) -> ExchangeConfig:

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class Layout:
     fsdp_axis: str | None
     token_axes: tuple[str, ...]
     expert_param_specs: tuple[PartitionSpec, ...]
+
+    @property
+    def devices(self) -> tuple:
+        """The mesh's devices; none for an abstract mesh (Explicit axes traced inside ``jit``),
+        whose devices the trace does not know."""
+        return tuple(self.mesh.devices.flat) if isinstance(self.mesh, Mesh) else ()
 
     @property
     def expert_parallel_size(self) -> int:
@@ -75,7 +81,11 @@ class Layout:
         return None
 
     def describe(self, exchange_transport: str = "all_to_all") -> str:
-        """One paragraph for ``explain``: the axes, their sizes and the collectives they imply."""
+        """One paragraph for ``explain``: the axes, their sizes and the collectives they imply.
+
+        ``exchange_transport`` is the transport that runs (``exchange.resolve_transport``'s answer,
+        never ``"auto"``, which depends on the devices and kernels).
+        """
         parts = []
         if self.expert_axis:
             parts.append(

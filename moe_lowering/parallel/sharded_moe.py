@@ -28,11 +28,12 @@ from moe_lowering.parallel.capacity import (
     local_expert_counts,
 )
 from moe_lowering.parallel.exchange import (
-    TRANSPORTS,
+    TRANSPORT_CHOICES,
     exchange_config,
     exchange_expert_rows,
     num_rounds,
     prepare_peer_transport,
+    resolve_transport,
 )
 from moe_lowering.parallel.layout import Layout
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight, gather_weight_fp8
@@ -123,7 +124,7 @@ def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSp
 
 def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
                        num_experts: int, layout: Layout, backend: str = "auto", capacity_factor: float | None = None,
-                       weight_gather_quant: str | None = None, exchange_transport: str = "all_to_all",
+                       weight_gather_quant: str | None = None, exchange_transport: str = "auto",
                        exchange_capacity: int | None = None, exchange_chunks: int | None = None,
                        return_stats: bool = False):
     """``sparse_moe`` over ``layout.mesh``: same result (up to float reordering), callable inside ``jit``.
@@ -131,9 +132,11 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     ``capacity_factor``: drop copies beyond ``ceil(factor * T * k / E)`` per expert (see
     :mod:`capacity`); ``None`` is dropless. ``weight_gather_quant``: ``None`` (exact),
     ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``exchange_transport``: how
-    token rows travel, one of ``TRANSPORTS`` (``"ragged"``, ``jax.lax.ragged_all_to_all``, is
-    not implemented on XLA:CPU; ``"peer"``, NVLink stores from Triton kernels, needs every EP
-    device to be a GPU of this process; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``).
+    token rows travel, one of ``TRANSPORT_CHOICES``. ``"auto"`` (the default) picks ``"peer"`` on a
+    one-process GPU mesh with the Triton kernels and ``"all_to_all"`` otherwise (see
+    ``resolve_transport``); ``"peer"``, NVLink stores from Triton kernels, needs every EP device to
+    be a GPU of this process; ``"ragged"``, ``jax.lax.ragged_all_to_all``, is not implemented on
+    XLA:CPU; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``.
     ``exchange_capacity``: rows per (source, destination) pair per round (default: the balanced
     share times ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS``
     ranks, all of a rank's rows while they fit ``PEER_SINGLE_ROUND_MAX_BYTES``, so one round
@@ -143,8 +146,9 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     """
     params = tuple(params)
     _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
-    if exchange_transport not in TRANSPORTS:
-        raise ValueError(f"exchange_transport must be one of {TRANSPORTS}, got {exchange_transport!r}")
+    if exchange_transport not in TRANSPORT_CHOICES:
+        raise ValueError(f"exchange_transport must be one of {TRANSPORT_CHOICES}, got {exchange_transport!r}")
+    exchange_transport = resolve_transport(exchange_transport, layout.devices, backend)
     if exchange_transport == "peer" and layout.expert_parallel_size > 1:
         prepare_peer_transport(layout.mesh.devices.flat, backend)
     if weight_gather_quant is not None and layout.fsdp_axis is None:

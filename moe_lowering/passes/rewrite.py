@@ -179,12 +179,14 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     layout = _sharded_layout(region, sharding_of)
     if layout is not None:
         from moe_lowering.parallel import sharded_sparse_moe
+        from moe_lowering.parallel.exchange import resolve_transport
 
-        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(options.exchange_transport))
+        transport = resolve_transport(options.exchange_transport, layout.devices, options.backend)
+        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(transport))
         out, stats = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
                                         num_experts=region.num_experts, layout=layout, backend=options.backend,
                                         weight_gather_quant=options.weight_gather_quant,
-                                        capacity_factor=capacity_factor, exchange_transport=options.exchange_transport,
+                                        capacity_factor=capacity_factor, exchange_transport=transport,
                                         return_stats=True)
         _report_dropped(region, capacity_factor, stats.dropped_copies)
         return _to_output_layout(out, region)
@@ -224,7 +226,7 @@ class RewriteOptions:
     weight_gather_quant: str | None = None
     input_shardings: tuple = ()  # per top-level input: a NamedSharding or None
     capacity_factor: float | None = None  # None: dropless
-    exchange_transport: str = "all_to_all"  # how expert-parallel token rows travel (parallel.exchange.TRANSPORTS)
+    exchange_transport: str = "auto"  # how expert-parallel token rows travel (parallel.exchange.TRANSPORT_CHOICES)
 
 
 def declared_shardings(scope: ScopeResult, input_shardings) -> dict:

@@ -154,3 +154,34 @@ def test_peer_on_fsdp_by_expert_mesh(quant):
     got, want = out_and_grads("peer"), out_and_grads("all_to_all")
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_default_transport_is_peer_on_this_host():
+    """``"auto"``, the default, picks ``"peer"`` on the GPUs of this process with the Triton kernels,
+    and the layer it runs is the explicit ``"peer"`` one: no token all-to-all, bit for bit."""
+    from moe_lowering.parallel.exchange import resolve_transport
+
+    assert resolve_transport("auto", GPUS[:RANKS], "auto") == "peer"
+    tokens, indices, weights, params = random_case(12, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
+                                                   top_k=2, dtype=jnp.bfloat16, skew_to=None)
+    cotangent = jnp.asarray(np.random.default_rng(13).standard_normal(tokens.shape), jnp.bfloat16)
+    program = swiglu_program()
+    mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
+    layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
+    assert layout.devices == tuple(GPUS[:RANKS])
+
+    def out_and_grads(**transport):
+        def moe(t, w, p):
+            return sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout, **transport)
+
+        def run(t, w, p, g):
+            out, vjp = jax.vjp(moe, t, w, p)
+            return out, vjp(g)
+
+        return jax.jit(run)
+
+    default, peer = out_and_grads(), out_and_grads(exchange_transport="peer")
+    args = (tokens, weights, params, cotangent)
+    assert "all-to-all" not in default.lower(*args).compile().as_text()
+    for a, b in zip(jax.tree.leaves(default(*args)), jax.tree.leaves(peer(*args)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -28,6 +28,14 @@ def test_expert_fsdp_and_token_axes(axis_type):
     assert "'expert'" in text and "'fsdp'" in text and "all-to-all" in text and "all-gather" in text
 
 
+def test_devices_are_known_for_a_concrete_mesh_only():
+    """An abstract mesh (Explicit axes traced inside ``jit``) names no devices, so the exchange
+    transport "auto" cannot pick GPU-to-GPU stores on it."""
+    concrete = mesh((8,), ("expert",))
+    assert plan_layout(concrete, P("expert"), [P("expert")], 16).devices == tuple(jax.devices("cpu")[:8])
+    assert plan_layout(concrete.abstract_mesh, P("expert"), [P("expert")], 16).devices == ()
+
+
 def test_pure_expert_parallel_and_replicated_bias():
     layout = plan_layout(mesh((8,), ("expert",)), P("expert"), [P("expert"), None], 16)
     assert (layout.expert_axis, layout.fsdp_axis, layout.local_experts) == ("expert", None, 2)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moe_lowering import explain, moe_optimize
+from moe_lowering.parallel import exchange
 from moe_lowering.testing.zoo import ZOO
 
 pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8, reason="needs 8 host devices (tests/conftest.py)")
@@ -106,3 +109,35 @@ def test_peer_transport_through_the_decorator():
 def test_unknown_transport_is_named():
     with pytest.raises(ValueError, match="exchange_transport 'nvshmem'"):
         moe_optimize(lambda x: x, exchange_transport="nvshmem")
+
+
+def test_explain_on_cpus_names_all_to_all_by_default():
+    """The default transport ("auto") reads as the one it resolves to on host CPUs."""
+    model, _, _, shardings, placed = _setup()
+    for fn in (jax.jit(model.fn, in_shardings=shardings),
+               moe_optimize(jax.jit(model.fn, in_shardings=shardings), exchange_transport="auto")):
+        layout = explain(fn, *placed).regions[0].parallel_layout
+        assert "(4 ranks x 2 experts): all-to-all of token rows," in layout, layout
+        assert "auto" not in layout
+
+
+def test_explain_names_the_transport_resolved_for_the_mesh_and_backend(monkeypatch):
+    model, _, _, shardings, placed = _setup()
+    asked = []
+
+    def as_on_gpus(requested, devices, backend):
+        asked.append((requested, tuple(devices), backend))
+        return "peer"
+
+    monkeypatch.setattr(exchange, "resolve_transport", as_on_gpus)
+    layout = explain(moe_optimize(jax.jit(model.fn, in_shardings=shardings), backend="xla"), *placed)
+    assert "token rows stored GPU to GPU" in layout.regions[0].parallel_layout
+    assert asked == [("auto", tuple(shardings[1].mesh.devices.flat), "xla")]
+
+
+def test_rewrite_logs_the_resolved_transport(caplog):
+    model, _, _, shardings, placed = _setup()
+    with caplog.at_level(logging.INFO, logger="moe_lowering"):
+        moe_optimize(jax.jit(model.fn, in_shardings=shardings), strict=True)(*placed)
+    lowered = [r.getMessage() for r in caplog.records if "expert-parallel lowering" in r.getMessage()]
+    assert lowered and all("all-to-all of token rows" in m for m in lowered), lowered

@@ -189,18 +189,23 @@ def test_ppermute_transport(mesh_name, exchange_capacity, skew_to):
         assert int(stats.exchange_rounds) >= 2
 
 
-@pytest.mark.parametrize("mesh_name, exchange_capacity, exchange_chunks, skew_to", [
-    ("expert8", None, 1, None),
-    ("fsdp2_expert4", 3, 1, None),  # several rounds: the while_loop path forward and backward
-    ("fsdp2_expert4", None, 2, 0),  # every copy to rank 0, two chunks a round
-    ("data2_expert2_fsdp2", None, 1, None),
+@pytest.mark.parametrize("mesh_name, exchange_capacity, exchange_chunks, skew_to, expert_bias", [
+    ("expert8", None, 1, None, True),
+    ("fsdp2_expert4", 3, 1, None, True),  # several rounds: the while_loop path forward and backward
+    ("fsdp2_expert4", None, 2, 0, True),  # every copy to rank 0, two chunks a round
+    ("data2_expert2_fsdp2", None, 1, None, True),
+    # no per-expert param: rows past the received ones are never read, so they get no zeros and
+    # the SwiGLU activation runs on the received rows only (``swiglu_rows``)
+    ("fsdp2_expert4", None, 1, None, False),
+    ("fsdp2_expert4", 3, 1, None, False),
+    ("expert8", None, 2, 0, False),
 ])
-def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, skew_to):
+def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, skew_to, expert_bias):
     """The ``"peer"`` transport's destinations (sorted positions out, home rows back), through the
     all-gather reference of its stores; the GPU kernels are checked against it in tests/gpu."""
-    layout = make_layout(mesh_name, expert_bias=True)
-    tokens, indices, weights, params, cotangent = case(13, num_tokens=128, skew_to=skew_to)
-    program = swiglu_program(expert_bias=True, token_scale=True)
+    layout = make_layout(mesh_name, expert_bias=expert_bias)
+    tokens, indices, weights, params, cotangent = case(13, num_tokens=128, skew_to=skew_to, expert_bias=expert_bias)
+    program = swiglu_program(expert_bias=expert_bias, token_scale=True)
     moe = sharded(layout, indices, program, exchange_transport="peer", exchange_capacity=exchange_capacity,
                   exchange_chunks=exchange_chunks)
     got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)

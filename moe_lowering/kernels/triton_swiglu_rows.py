@@ -1,0 +1,54 @@
+"""``swiglu_rows`` and its gradient on a CUDA GPU: Triton kernels as XLA custom calls.
+
+Contract and CPU path: :mod:`swiglu_rows`; kernels: :mod:`triton_swiglu_rows_kernels`, which touch
+only the first ``num_rows`` rows, so a receive buffer sized for the worst case costs what arrived.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax_triton
+import triton
+
+from moe_lowering.kernels.swiglu_rows import check_swiglu_rows_operands
+from moe_lowering.kernels.triton_swiglu_rows_kernels import swiglu_rows_grads_kernel, swiglu_rows_kernel
+
+# Persistent programs: four per multiprocessor of an H100/H200 keep ~128 KiB of loads in flight
+# per multiprocessor, past what its share of HBM bandwidth needs.
+NUM_PROGRAMS = 4 * 132
+BLOCK_ROWS = 8
+MAX_BLOCK_COLS = 1024
+
+
+def _launch_options(gate):
+    m, n = gate.shape
+    return dict(grid=(NUM_PROGRAMS,), num_warps=4, M=m, N=n, BLOCK_ROWS=BLOCK_ROWS,
+                BLOCK_COLS=min(MAX_BLOCK_COLS, triton.next_power_of_2(n)), NUM_PROGRAMS=NUM_PROGRAMS)
+
+
+def _num_rows_operand(num_rows):
+    return jnp.reshape(num_rows, (1,)).astype(jnp.int32)
+
+
+def swiglu_rows(gate, up, num_rows):
+    """See :mod:`swiglu_rows`."""
+    check_swiglu_rows_operands(gate, up, "swiglu_rows")
+    if gate.size == 0:
+        return jnp.zeros_like(gate)
+    return jax_triton.triton_call(
+        gate, up, _num_rows_operand(num_rows), kernel=swiglu_rows_kernel,
+        out_shape=jax.ShapeDtypeStruct(gate.shape, gate.dtype), **_launch_options(gate),
+    )
+
+
+def swiglu_rows_grads(d_out, gate, up, num_rows):
+    """``(d_gate, d_up)``; see :mod:`swiglu_rows`."""
+    check_swiglu_rows_operands(gate, up, "swiglu_rows_grads")
+    if gate.size == 0:
+        return jnp.zeros_like(gate), jnp.zeros_like(up)
+    return jax_triton.triton_call(
+        d_out, gate, up, _num_rows_operand(num_rows), kernel=swiglu_rows_grads_kernel,
+        out_shape=(jax.ShapeDtypeStruct(gate.shape, gate.dtype), jax.ShapeDtypeStruct(up.shape, up.dtype)),
+        **_launch_options(gate),
+    )
