@@ -29,7 +29,9 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -45,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from ep_bench import CONFIGS, Bench, LayerBench, bench_gemm_only, make_mesh, with_grad  # noqa: E402
 from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe  # noqa: E402
 from moe_lowering.parallel import sharded_moe as sharded_moe_module  # noqa: E402
+from moe_lowering.kernels import peer_store as peer_store_module  # noqa: E402
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_reference  # noqa: E402
 
 log = logging.getLogger("ep_overlap")
@@ -110,7 +113,8 @@ def peer_variant(name: str):
     output GEMM storing its rows home), without the GEMM-fused return (``unfused``), or as before
     both (``looped``: slack-sized rounds with the overflow loop, unfused), or with the SwiGLU
     activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
-    ``swiglu_rows``)."""
+    ``swiglu_rows``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
+    ``W`` warps storing ``S`` rows at a time."""
     saved = exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows
     if name in ("unfused", "looped"):
         exchange._output_matmul = lambda cfg, params: None
@@ -119,9 +123,31 @@ def peer_variant(name: str):
     if name == "all-rows":
         exchange.swiglu_rows = lambda gate, up, num_rows, backend: swiglu_rows_reference(gate, up, num_rows)
     try:
-        yield
+        with push_launch(name) if name.startswith("push-") else contextlib.nullcontext():
+            yield
     finally:
         exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows = saved
+
+
+@contextlib.contextmanager
+def push_launch(name: str):
+    """The dispatch push launched as ``push-PxWxS`` says (GPU only: it patches the Triton wrapper)."""
+    from moe_lowering.kernels import triton_peer_store
+
+    programs, warps, slots = (int(n) for n in name.removeprefix("push-").split("x"))
+    saved = peer_store_module.PUSH_PROGRAMS, triton_peer_store.push
+    peer_store_module.PUSH_PROGRAMS = programs
+    triton_peer_store.push = functools.partial(saved[1], num_warps=warps, block_slots=slots)
+    try:
+        yield
+    finally:
+        peer_store_module.PUSH_PROGRAMS, triton_peer_store.push = saved
+
+
+def _peer_variant_name(name: str) -> str:
+    if name in ("fused", "unfused", "looped", "all-rows") or re.fullmatch(r"push-\d+x\d+x\d+", name):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown peer variant {name!r}: fused, unfused, looped, all-rows or push-PxWxS")
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -405,10 +431,11 @@ def main(argv=None):
                         help="XLA's default GPU scheduler and/or its latency-hiding scheduler forced on")
     parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "peer"],
                         help="exchange transports of the sparse layer (each with every other variant)")
-    parser.add_argument("--peer-variants", nargs="+", default=["fused"], choices=["fused", "unfused", "looped", "all-rows"],
+    parser.add_argument("--peer-variants", nargs="+", default=["fused"], type=_peer_variant_name,
                         help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
                              "home), without that fusion, slack-sized rounds with the overflow loop, or the SwiGLU "
-                             "activation over the whole receive buffer")
+                             "activation over the whole receive buffer; push-PxWxS: the dispatch push as P programs "
+                             "of W warps storing S rows at a time")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
     parser.add_argument("--exchange-only", action="store_true",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -70,6 +70,12 @@ for step in "$@"; do
     issue4-fwdbwd) mkdir -p "$OUT/fwdbwd"; timeout 520 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
         --chunks 1 --scheduler default --configs "${FWDBWD_CONFIG:-mixtral}" --transports all_to_all peer \
         --peer-variants fused all-rows --reps 10 --deadline 480 2>&1 | tee "$OUT/ep_issue4_fwdbwd.log" | tail -30 ;;
+    push-sweep) timeout 280 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs mixtral deepseek --transports peer --peer-variants fused push-264x4x8 push-528x4x8 push-132x8x16 \
+        push-264x8x16 push-132x4x32 --reps 10 --forward-only --deadline 250 2>&1 | tee "$OUT/ep_push_sweep.log" | tail -30
+      mkdir -p "$OUT/fwdbwd"; timeout 250 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after --chunks 1 \
+        --scheduler default --configs mixtral --transports all_to_all peer --peer-variants fused --reps 10 \
+        --deadline 220 2>&1 | tee "$OUT/ep_fwdbwd.log" | tail -20 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;
