@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
 from jax.sharding import Mesh, PartitionSpec
 
 
@@ -42,9 +43,17 @@ class Layout:
 
     @property
     def devices(self) -> tuple:
-        """The mesh's devices; none for an abstract mesh (Explicit axes traced inside ``jit``),
-        whose devices the trace does not know."""
-        return tuple(self.mesh.devices.flat) if isinstance(self.mesh, Mesh) else ()
+        """The devices the mesh runs on. An abstract mesh (Explicit axes traced inside ``jit``)
+        names none; in a one-process job its devices are among this process's devices of its
+        platform, which then stand in (what the ``"peer"`` transport asks: are all of them GPUs
+        of this process); otherwise none are known."""
+        if isinstance(self.mesh, Mesh):
+            return tuple(self.mesh.devices.flat)
+        if jax.process_count() != 1:
+            return ()
+        platform = getattr(getattr(self.mesh, "abstract_device", None), "platform", None)
+        local = tuple(jax.local_devices(backend=platform))
+        return local if len(local) >= self.mesh.size else ()
 
     @property
     def expert_parallel_size(self) -> int:

@@ -150,7 +150,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         raise ValueError(f"exchange_transport must be one of {TRANSPORT_CHOICES}, got {exchange_transport!r}")
     exchange_transport = resolve_transport(exchange_transport, layout.devices, backend)
     if exchange_transport == "peer" and layout.expert_parallel_size > 1:
-        prepare_peer_transport(layout.mesh.devices.flat, backend)
+        prepare_peer_transport(layout.devices, backend)
     if weight_gather_quant is not None and layout.fsdp_axis is None:
         warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored: the expert weights are not FSDP-sharded",
                       stacklevel=2)

@@ -28,12 +28,16 @@ def test_expert_fsdp_and_token_axes(axis_type):
     assert "'expert'" in text and "'fsdp'" in text and "all-to-all" in text and "all-gather" in text
 
 
-def test_devices_are_known_for_a_concrete_mesh_only():
-    """An abstract mesh (Explicit axes traced inside ``jit``) names no devices, so the exchange
-    transport "auto" cannot pick GPU-to-GPU stores on it."""
+def test_devices_of_concrete_and_abstract_meshes(monkeypatch):
+    """An abstract mesh (Explicit axes traced inside ``jit``) names no devices: in a one-process
+    job this process's devices of its platform stand in (so "auto" can still pick GPU-to-GPU
+    stores), in a multi-process job none are known."""
     concrete = mesh((8,), ("expert",))
     assert plan_layout(concrete, P("expert"), [P("expert")], 16).devices == tuple(jax.devices("cpu")[:8])
-    assert plan_layout(concrete.abstract_mesh, P("expert"), [P("expert")], 16).devices == ()
+    abstract = plan_layout(concrete.abstract_mesh, P("expert"), [P("expert")], 16)
+    assert abstract.devices == tuple(jax.local_devices(backend="cpu"))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert abstract.devices == ()
 
 
 def test_pure_expert_parallel_and_replicated_bias():
