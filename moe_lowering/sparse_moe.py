@@ -23,12 +23,6 @@ from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 
-# The routing's gathers index in range by construction (sorted rows, tokens). jnp.take's default
-# "fill" mode adds a select over every gathered element, which XLA:GPU runs as its own pass over
-# the [T, k, D] copies of the combine; clamping is free in a gather and changes nothing here.
-IN_RANGE = "clip"
-
-
 class SortedRouting(NamedTuple):
     """Token copies sorted by expert. ``N = tokens * top_k`` rows; dropped copies sort last."""
 
@@ -55,7 +49,7 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
 @jax.custom_vjp
 def permute(tokens, routing: SortedRouting):
     """``rows[r] = tokens[token_of_row[r]]``: one copy of each token per chosen expert."""
-    return jnp.take(tokens, routing.token_of_row, axis=0, mode=IN_RANGE)
+    return jnp.take(tokens, routing.token_of_row, axis=0)
 
 
 def _permute_fwd(tokens, routing):
@@ -63,7 +57,7 @@ def _permute_fwd(tokens, routing):
 
 
 def _permute_bwd(routing, d_rows):
-    d_copies = jnp.take(d_rows, routing.inverse, axis=0, mode=IN_RANGE)  # [T, k, D]
+    d_copies = jnp.take(d_rows, routing.inverse, axis=0)  # [T, k, D]
     return d_copies.sum(axis=1, dtype=jnp.float32).astype(d_rows.dtype), None
 
 
@@ -71,7 +65,7 @@ permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 def _combine_impl(rows, weights, inverse):
-    copies = jnp.take(rows, inverse, axis=0, mode=IN_RANGE)  # [T, k, D]
+    copies = jnp.take(rows, inverse, axis=0)  # [T, k, D]
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), copies.astype(jnp.float32))
 
 
@@ -88,10 +82,10 @@ def _combine_fwd(rows, weights, routing):
 def _combine_bwd(residuals, d_out):
     rows, weights, routing = residuals
     d_out32 = d_out.astype(jnp.float32)
-    copies = jnp.take(rows, routing.inverse, axis=0, mode=IN_RANGE)
+    copies = jnp.take(rows, routing.inverse, axis=0)
     d_weights = jnp.einsum("td,tkd->tk", d_out32, copies.astype(jnp.float32)).astype(weights.dtype)
     row_weights = weights.reshape(-1)[routing.order].astype(jnp.float32)
-    d_rows = jnp.take(d_out32, routing.token_of_row, axis=0, mode=IN_RANGE) * row_weights[:, None]
+    d_rows = jnp.take(d_out32, routing.token_of_row, axis=0) * row_weights[:, None]
     return d_rows.astype(rows.dtype), d_weights, None
 
 

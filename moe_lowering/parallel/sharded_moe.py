@@ -37,7 +37,7 @@ from moe_lowering.parallel.exchange import (
 )
 from moe_lowering.parallel.layout import Layout
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, check_quantizable, gather_weight, gather_weight_fp8
-from moe_lowering.sparse_moe import IN_RANGE, combine, permute, run_expert_program, sort_by_expert
+from moe_lowering.sparse_moe import combine, permute, run_expert_program, sort_by_expert
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
             out_rows = jnp.where(valid, out_rows, jnp.zeros((), out_rows.dtype))
             rounds = jnp.zeros((), jnp.int32)
         else:
-            payloads = tuple(jnp.take(p, routing.token_of_row, axis=0, mode=IN_RANGE)
+            payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)
                              for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
             out_rows = exchange_expert_rows(cfg, rows, payloads, params, routing.group_sizes)
             rounds = num_rounds(jax.lax.all_gather(routing.group_sizes, layout.expert_axis), cfg)
