@@ -13,41 +13,22 @@ Activations are float16: Triton 3.9's interpreter keeps bfloat16 as raw ``uint16
 its ``tl.dot`` multiplies as integers (and it truncates float32 -> bfloat16 casts), so bf16 runs
 on the GPU only (``tests/gpu/test_triton_fp8_gmm.py``). Float16 takes the same kernel path; with a
 float32 output the result must match the reference up to accumulation order, which also pins
-down the rounding of each dequantised weight to float16. Like ``test_triton_gmm_interpreter``
-(whose numpy-backed tensors and cases it reuses), the kernel runs in one child process started
-with ``TRITON_INTERPRET=1``.
+down the rounding of each dequantised weight to float16. The kernel runs in a child
+process (``interpreter_harness``), on its grouped cases.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
+
+import interpreter_harness as harness
+from interpreter_harness import CASES, HostTensor
 
 if __name__ != "__main__":
     import pytest
 
-    triton = pytest.importorskip("triton")
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"needs Triton's interpreter from 3.9 on, found {triton.__version__}", allow_module_level=True)
+    harness.skip_without_interpreter(pytest)
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_gmm_interpreter = _load("_gmm_interpreter_helpers", _HERE / "test_triton_gmm_interpreter.py")
-CASES = _gmm_interpreter.CASES
 # (K, N, BLOCK_K). K=96, N=40: fp8_e4m3 scale blocks of 32 x 8, so two K steps per scale row, two
 # scale columns per 16-wide tile and an N remainder. K=N=64: one 64 x 64 fp8_e4m3 block shared by
 # several tiles; for mxfp8 a K step exactly one scale block.
@@ -76,7 +57,7 @@ def _run(kernels, case, shape, quant, order):
 
     from moe_lowering.kernels.fp8_grouped_matmul import check_fp8_operands, fp8_gmm
 
-    host = _gmm_interpreter.HostTensor
+    host = HostTensor
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     k, n, block_k = SHAPES[shape]
     weight_as_lhs, block = ORDERS[order]
@@ -94,28 +75,21 @@ def _run(kernels, case, shape, quant, order):
     )
     expected = fp8_gmm(jnp.asarray(lhs), jnp.asarray(values), jnp.asarray(scales), jnp.asarray(group_sizes),
                        quant=quant, group_offset=group_offset, preferred_element_type=jnp.float32)
-    return _gmm_interpreter._summary(out, np.asarray(expected, np.float64))
+    return harness.summary(out, np.asarray(expected, np.float64))
 
 
 def _interpret_all():
     """Runs every variant under the interpreter; called in the child process."""
-    sys.path.insert(0, str(_HERE.parents[1]))
     from moe_lowering.kernels import triton_fp8_gmm_kernel
 
     return {name: _run(triton_fp8_gmm_kernel, *variant) for name, variant in VARIANTS.items()}
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_interpret_all()))
+    harness.run_as_child(_interpret_all)
 else:
-
-    @pytest.fixture(scope="module")
-    def interpreter_report():
-        env = dict(os.environ, TRITON_INTERPRET="1", JAX_PLATFORMS="cpu")
-        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    # JAX computes the reference in the child: on its CPU, whatever the machine has
+    interpreter_report = harness.report_fixture(__file__, JAX_PLATFORMS="cpu")
 
     @pytest.mark.parametrize("name", sorted(VARIANTS))
     def test_fp8_gmm_kernel_matches_reference(interpreter_report, name):

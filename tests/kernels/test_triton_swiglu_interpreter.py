@@ -1,41 +1,22 @@
 """The Triton grouped SwiGLU kernels run by Triton's interpreter on the CPU, at tiny tile sizes.
 
 Checks the fused kernel's scheduling, both accumulators, the epilogue and the zero rows outside
-the local groups against a float64 reference, with and without the stored pre-activations. Like
-``test_triton_gmm_interpreter`` (whose numpy-backed tensors it reuses), the kernels run in one
-child process started with ``TRITON_INTERPRET=1``.
+the local groups against a float64 reference, with and without the stored pre-activations. The kernels
+run in a child process (``interpreter_harness``).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
+
+import interpreter_harness as harness
+from interpreter_harness import CASES, HostTensor, gmm_reference, summary
 
 if __name__ != "__main__":
     import pytest
 
-    triton = pytest.importorskip("triton")
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"needs Triton's interpreter from 3.9 on, found {triton.__version__}", allow_module_level=True)
+    harness.skip_without_interpreter(pytest)
 
-_HERE = Path(__file__).resolve().parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_gmm_interpreter = _load("_gmm_interpreter_helpers", _HERE / "test_triton_gmm_interpreter.py")
-CASES = _gmm_interpreter.CASES
 VARIANTS = {f"{case}-k{k}-n{n}-{kind}": (case, k, n, kind == "with-preactivations")
             for case in CASES for k, n in ((24, 40), (32, 32)) for kind in ("fused", "with-preactivations")}
 BLOCK = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
@@ -47,7 +28,6 @@ def _silu(x):
 
 
 def _run(kernels, case, k, n, with_preactivations):
-    host = _gmm_interpreter.HostTensor
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k + n)
     group_sizes = np.asarray(group_sizes, np.int32)
@@ -56,36 +36,27 @@ def _run(kernels, case, k, n, with_preactivations):
     outs = [np.full((num_rows, n), np.nan, np.float32) for _ in range(3 if with_preactivations else 1)]
     kernel = kernels.swiglu_gmm_preactivations_kernel if with_preactivations else kernels.swiglu_gmm_kernel
     kernel[(NUM_PROGRAMS,)](
-        host(lhs), host(gate), host(up), host(group_sizes), host(np.array([group_offset], np.int32)),
-        *(host(out) for out in outs), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local,
-        NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, **BLOCK,
+        *map(HostTensor, (lhs, gate, up, group_sizes, np.array([group_offset], np.int32), *outs)),
+        M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, **BLOCK,
     )
-    gate_ref = _gmm_interpreter._gmm_reference(lhs, gate, group_sizes, group_offset, False)
-    up_ref = _gmm_interpreter._gmm_reference(lhs, up, group_sizes, group_offset, False)
+    gate_ref = gmm_reference(lhs, gate, group_sizes, group_offset, False)
+    up_ref = gmm_reference(lhs, up, group_sizes, group_offset, False)
     expected = [_silu(gate_ref) * up_ref, gate_ref, up_ref]
-    summary = _gmm_interpreter._summary
     return {name: summary(out, want) for name, out, want in zip(("out", "gate", "up"), outs, expected)}
 
 
 def _interpret_all():
     """Runs every variant under the interpreter; called in the child process."""
-    sys.path.insert(0, str(_HERE.parents[1]))
     from moe_lowering.kernels import triton_swiglu_kernels
 
     return {name: _run(triton_swiglu_kernels, *variant) for name, variant in VARIANTS.items()}
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_interpret_all()))
+    harness.run_as_child(_interpret_all)
 else:
-
-    @pytest.fixture(scope="module")
-    def interpreter_report():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    interpreter_report = harness.report_fixture(__file__)
 
     @pytest.mark.parametrize("name", sorted(VARIANTS))
     def test_swiglu_kernel_matches_reference(interpreter_report, name):
