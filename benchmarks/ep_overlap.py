@@ -88,7 +88,8 @@ def overflow_loop(mode: str):
     if mode == "none":
         exchange._further_rounds = lambda counts, cfg, body, init, num_rows: init
     else:
-        def forward_loop_first(cfg, rows, payloads, params, group_sizes, keep_vjp):
+        def forward_loop_first(cfg, rows, payloads, params, group_sizes, token_of_row, keep_vjp):
+            del token_of_row  # the loop-first diagnostic dispatches rows, as before deduplication
             out_dtype = exchange._output_rows(cfg, rows, payloads, params).dtype
             counts = jax.lax.all_gather(group_sizes, cfg.axis_name)
 
@@ -113,20 +114,25 @@ def peer_variant(name: str):
     output GEMM storing its rows home), without the GEMM-fused return (``unfused``), or as before
     both (``looped``: slack-sized rounds with the overflow loop, unfused), or with the SwiGLU
     activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
-    ``swiglu_rows``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
+    ``swiglu_rows``), or sending rows once per expert instead of tokens once per rank (``rows``,
+    before the deduplicated dispatch). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
     ``W`` warps storing ``S`` rows at a time."""
-    saved = exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows
+    saved = (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
+             exchange.deduplicates)
     if name in ("unfused", "looped"):
         exchange._output_matmul = lambda cfg, params: None
     if name == "looped":
         sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS = 0
+    if name == "rows":
+        exchange.deduplicates = lambda cfg, num_rows: False
     if name == "all-rows":
         exchange.swiglu_rows = lambda gate, up, num_rows, backend: swiglu_rows_reference(gate, up, num_rows)
     try:
         with push_launch(name) if name.startswith("push-") else contextlib.nullcontext():
             yield
     finally:
-        exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows = saved
+        (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
+         exchange.deduplicates) = saved
 
 
 @contextlib.contextmanager
@@ -145,9 +151,10 @@ def push_launch(name: str):
 
 
 def _peer_variant_name(name: str) -> str:
-    if name in ("fused", "unfused", "looped", "all-rows") or re.fullmatch(r"push-\d+x\d+x\d+", name):
+    if name in ("fused", "unfused", "looped", "all-rows", "rows") or re.fullmatch(r"push-\d+x\d+x\d+", name):
         return name
-    raise argparse.ArgumentTypeError(f"unknown peer variant {name!r}: fused, unfused, looped, all-rows or push-PxWxS")
+    raise argparse.ArgumentTypeError(
+        f"unknown peer variant {name!r}: fused, unfused, looped, all-rows, rows or push-PxWxS")
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -434,7 +441,7 @@ def main(argv=None):
     parser.add_argument("--peer-variants", nargs="+", default=["fused"], type=_peer_variant_name,
                         help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
                              "home), without that fusion, slack-sized rounds with the overflow loop, or the SwiGLU "
-                             "activation over the whole receive buffer; push-PxWxS: the dispatch push as P programs "
+                             "activation over the whole receive buffer; rows: no deduplicated dispatch; push-PxWxS: the dispatch push as P programs "
                              "of W warps storing S rows at a time")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")

@@ -108,6 +108,21 @@ def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_ar
     return out.reshape((recv_rows,) + values.shape[1:]).astype(values.dtype)
 
 
+def expand_rows(table, index, num_rows, *, backend: str = "auto", zero_tail: bool = True):
+    """``out[i] = table[index[i]]`` for ``i < num_rows`` (``[len(index), ...]``): a receiver's
+    tokens expanded into its sorted rows. Rows from ``num_rows`` on are zero, or unspecified
+    without ``zero_tail`` (the GPU kernel then touches only the rows that arrived)."""
+    if uses_kernels(backend):
+        from moe_lowering.kernels import triton_peer_store as peer
+
+        flat = table.reshape(table.shape[0], -1)
+        out = peer.expand_rows(flat, index, num_rows, zero_tail=zero_tail)
+        return out.reshape(index.shape[:1] + table.shape[1:])
+    out = jnp.take(table, jnp.clip(index, 0, table.shape[0] - 1), axis=0)
+    arrived = jnp.arange(index.shape[0]) < num_rows
+    return jnp.where(arrived.reshape((-1,) + (1,) * (table.ndim - 1)), out, jnp.zeros((), table.dtype))
+
+
 def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows: int, num_arrived, *,
                          axis_name: str, axis_size: int, zeroed: bool = True, backend: str = "auto",
                          buffer: PeerBuffer | None = None, group_offset=0, preferred_element_type=None):

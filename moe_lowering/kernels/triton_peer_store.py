@@ -36,6 +36,7 @@ import jax_triton
 import triton
 import triton.language as tl
 
+from moe_lowering.kernels.triton_expand_rows_kernel import expand_rows_kernel
 from moe_lowering.kernels.triton_peer_address import (
     ADDRESS_WORDS,
     peer_row_pointers,
@@ -175,13 +176,19 @@ def allocate(num_rows: int, trailing: int, dtype, num_peers: int, allocation_id,
 
 
 def push(rows, source_row, dest_device, dest_row, peer_addresses, rank, *, num_programs: int,
-         block_slots: int = 8, block_d: int = 1024, num_warps: int = 4):
+         block_slots: int | None = None, block_d: int = 1024, num_warps: int = 4):
     """Slot ``j`` stores ``rows[source_row[j]]`` into peer ``dest_device[j]`` (< 0: none) at ``dest_row[j]``.
 
     ``peer_addresses [ep, 4]``: every peer's ``allocate`` address words, all-gathered. Returns a
     one-element token the matching ``wait`` must consume (it orders the push before the wait).
+    ``block_slots`` (rows a program stores at a time) defaults to 8 rows of 128 elements or more
+    and to ~1024 elements of narrower rows (one int32 per row: 1024 rows), so that a store of
+    narrow rows is not a long loop of tiny tiles.
     """
     _, d = rows.shape
+    block_d = min(block_d, triton.next_power_of_2(d))
+    if block_slots is None:
+        block_slots = max(8, 1024 // block_d)
     return jax_triton.triton_call(
         rows,
         source_row.astype(jnp.int32),
@@ -197,7 +204,7 @@ def push(rows, source_row, dest_device, dest_row, peer_addresses, rank, *, num_p
         D=d,
         NUM_PEERS=peer_addresses.shape[0],
         BLOCK_SLOTS=block_slots,
-        BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+        BLOCK_D=block_d,
         NUM_PROGRAMS=num_programs,
     )
 
@@ -221,6 +228,29 @@ def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs:
         D=d,
         NUM_PEERS=arrivals.shape[0],
         SIGNALS_PER_PEER=signals_per_peer,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+        NUM_PROGRAMS=num_programs,
+        ZERO_TAIL=bool(zero_tail),
+    )
+
+
+def expand_rows(table, index, num_rows, *, zero_tail: bool = True, num_programs: int = 132, block_rows: int = 8,
+                block_d: int = 1024, num_warps: int = 4):
+    """``table[index[i]]`` for ``i < num_rows``, zeros after (left untouched without ``zero_tail``)."""
+    table_rows, d = table.shape
+    (num_out,) = index.shape
+    return jax_triton.triton_call(
+        table,
+        index.astype(jnp.int32),
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        kernel=expand_rows_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_out, d), table.dtype),
+        grid=(num_programs,),
+        num_warps=num_warps,
+        NUM_ROWS=num_out,
+        TABLE_ROWS=table_rows,
+        D=d,
         BLOCK_ROWS=block_rows,
         BLOCK_D=min(block_d, triton.next_power_of_2(d)),
         NUM_PROGRAMS=num_programs,

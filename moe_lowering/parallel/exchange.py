@@ -44,6 +44,7 @@ float32 and rounded to the weights' dtype once per addition.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ from moe_lowering.kernels import get_backend
 from moe_lowering.kernels.peer_store import (
     PeerBuffer,
     allocate_buffer,
+    expand_rows,
     gather_addresses,
     grouped_matmul_store,
     peer_store,
@@ -126,6 +128,79 @@ class _PeerRoutes:
     dispatch_row: jax.Array  # [ep * C] -> its position in the receiver's expert-sorted rows
     return_device: jax.Array  # [ep * C] my expert-sorted position -> the rank the row came from
     return_row: jax.Array  # [ep * C] -> the row's index among that rank's sorted rows
+
+
+@dataclass(frozen=True)
+class _TokenRoutes:
+    """The deduplicated dispatch (DeepEP's): a token bound for several experts of one rank goes
+    there once. The first of my sorted rows of each (token, rank) pair represents it and is
+    stored into that rank's token buffer; every row's token slot is stored at its sorted
+    position, and the receiver expands tokens into its sorted rows (``expand_rows``)."""
+
+    token_device: jax.Array  # [N] my sorted row -> the rank it carries its token to (-1: not a representative)
+    token_slot: jax.Array  # [N] -> the token's slot in that rank's token buffer
+    slot_of_row: jax.Array  # [N] every row's token slot on the rank of its expert
+    tokens_arriving: jax.Array  # [] tokens stored into my buffer
+
+
+# The deduplicated dispatch saves stored rows but adds the receiver's expansion and a second
+# count per pair; on 4 x H200 it paid at 2.2 expected rows per (token, rank) pair (DeepSeek-like,
+# k=8 of 256, EP=4: -0.10 ms a forward) and lost at 1.08 and 1.27 (Mixtral-like, k=2 of 8, EP=4
+# and EP=2: +0.06 and +0.04 ms); see benchmarks/EP_NOTES.md, round 7.
+DEDUP_MIN_ROWS_PER_TOKEN_RANK = 1.5
+
+
+def rows_per_token_rank(top_k: int, num_experts: int, ep_size: int) -> float:
+    """Expected rows a token has on a rank that holds any of its experts, for ``top_k`` distinct
+    experts drawn uniformly: ``top_k`` over the expected number of ranks hit."""
+    local = num_experts // ep_size
+    missed = math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k)
+    return top_k / (ep_size * (1.0 - missed))
+
+
+def deduplication_pays(top_k: int, num_experts: int, ep_size: int) -> bool:
+    """Whether to offer the dispatch ``token_of_row`` (see :func:`deduplicates`): where uniform
+    routing would put enough rows of one token on one rank for the fewer stores to pay."""
+    return rows_per_token_rank(top_k, num_experts, ep_size) >= DEDUP_MIN_ROWS_PER_TOKEN_RANK
+
+
+def deduplicates(cfg: ExchangeConfig, num_rows: int) -> bool:
+    """Whether the forward dispatch sends tokens once per rank instead of rows once per expert:
+    on ``"peer"``, in one round of one chunk, where a rank holds several experts (with one, no
+    token has two rows on a rank)."""
+    return (cfg.transport == "peer" and cfg.chunks == 1 and single_round(cfg, num_rows)
+            and cfg.local_experts > 1)
+
+
+def _representatives(token_of_row, group_sizes, cfg: ExchangeConfig):
+    """``(destination [N], representative row [N], is representative [N], representatives per rank [ep])``
+    of my sorted rows; dropped rows (past the counted ones) have destination ``ep`` and represent nothing."""
+    ep, num_rows = cfg.ep_size, token_of_row.shape[0]
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    my_totals = group_sizes.reshape(ep, cfg.local_experts).sum(axis=1)
+    dest = jnp.searchsorted(jnp.cumsum(my_totals), rows, side="right").astype(jnp.int32)
+    key = jnp.where(dest < ep, token_of_row.astype(jnp.int32) * ep + dest, num_rows * ep)
+    first = jnp.full((num_rows * ep + 1,), num_rows, jnp.int32).at[key].min(rows)
+    representative = first[key]
+    is_representative = (representative == rows) & (dest < ep)
+    per_rank = jnp.zeros((ep + 1,), jnp.int32).at[dest].add(is_representative.astype(jnp.int32))[:ep]
+    return dest, representative, is_representative, per_rank
+
+
+def _token_routes(representatives, unique_counts, cfg: ExchangeConfig) -> _TokenRoutes:
+    """Slots from the all-gathered ``unique_counts [source, destination]``: a rank's token buffer
+    holds source 0's tokens first, then source 1's, each in the source's row order."""
+    ep = cfg.ep_size
+    me = jax.lax.axis_index(cfg.axis_name)
+    dest, representative, is_representative, per_rank = representatives
+    dest_clipped = jnp.minimum(dest, ep - 1)
+    flags = is_representative.astype(jnp.int32)
+    rank_in_run = (jnp.cumsum(flags) - flags) - (jnp.cumsum(per_rank) - per_rank)[dest_clipped]
+    earlier_sources = (jnp.cumsum(unique_counts, axis=0) - unique_counts)[me]  # [destination]
+    token_slot = earlier_sources[dest_clipped] + rank_in_run
+    routes = _materialized(jnp.where(is_representative, dest, -1).astype(jnp.int32), token_slot.astype(jnp.int32),
+                           token_slot[representative].astype(jnp.int32), unique_counts[:, me].sum())
+    return _TokenRoutes(*routes)
 
 
 def _blocks_by_shift(cfg: ExchangeConfig) -> bool:
@@ -405,6 +480,22 @@ def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig, buffer: PeerBuffe
     return _dispatch(x, plan, cfg)[plan.slot_of_position]
 
 
+def _dispatch_tokens(rows, routes: _TokenRoutes, plan: _ChunkPlan, cfg: ExchangeConfig, buffers=None):
+    """:func:`_dispatch_sorted` of the rows, moving each (token, rank) pair's row once: the tokens
+    into the receiver's token buffer, each row's token slot to its sorted position, then the
+    receiver expands tokens into rows. The same rows result, so nothing after this changes."""
+    num_rows, ep = rows.shape[0], cfg.ep_size
+    token_buffer, slot_buffer = buffers if buffers is not None else (None, None)
+    store = functools.partial(peer_store, axis_name=cfg.axis_name, axis_size=ep, zeroed=False, backend=cfg.backend,
+                              zero_tail=False)
+    tokens = store(rows, jnp.arange(num_rows, dtype=jnp.int32), routes.token_device, routes.token_slot,
+                   ep * num_rows, routes.tokens_arriving, buffer=token_buffer)
+    received_rows = plan.local_group_sizes.sum()
+    slots = store(routes.slot_of_row[:, None], plan.send_index.reshape(-1), plan.peer_routes.dispatch_device,
+                  plan.peer_routes.dispatch_row, ep * cfg.capacity, received_rows, buffer=slot_buffer)
+    return expand_rows(tokens, slots[:, 0], received_rows, backend=cfg.backend, zero_tail=_tails_read(cfg))
+
+
 def _home_rows(plan: _ChunkPlan, cfg: ExchangeConfig, num_rows: int):
     """``(zeroed, rows that arrive)`` of a chunk's home buffer (rows past those arrive as zeros)."""
     if _home_written_once(cfg, num_rows):
@@ -444,6 +535,7 @@ class _ChunkBuffers:
     dispatched: PeerBuffer | None
     dispatched_payloads: tuple[PeerBuffer | None, ...]
     home: tuple[PeerBuffer | None, ...]  # one per array that comes home
+    tokens: tuple[PeerBuffer, PeerBuffer] | None = None  # the deduplicated dispatch's tokens and slots
 
     @classmethod
     def none(cls, num_payloads: int, num_home: int) -> "_ChunkBuffers":
@@ -451,12 +543,13 @@ class _ChunkBuffers:
         return cls(None, (None,) * num_payloads, (None,) * num_home)
 
 
-def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int):
+def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int, deduplicated: bool = False):
     """Round 0's ``"peer"`` buffers, one :class:`_ChunkBuffers` per chunk, addresses not yet gathered.
 
     ``dispatched``: the arrays sent out (rows first, then payloads); ``homecoming``: the
-    ``ShapeDtypeStruct`` of each ``[num_rows, ...]`` array that comes back. ``None`` if the
-    transport is not ``"peer"`` on the GPU kernels.
+    ``ShapeDtypeStruct`` of each ``[num_rows, ...]`` array that comes back; ``deduplicated``: the
+    rows go as tokens (:func:`_dispatch_tokens`). ``None`` if the transport is not ``"peer"`` on
+    the GPU kernels.
     """
     if cfg.transport != "peer" or not uses_kernels(cfg.backend):
         return None
@@ -466,9 +559,13 @@ def _preallocate(cfg: ExchangeConfig, dispatched, homecoming, num_rows: int):
         return allocate_buffer(rows, like.shape[1:], like.dtype, axis_size=cfg.ep_size, zeroed=zeroed)
 
     home_zeroed = not _home_written_once(cfg, num_rows)
+    rows = dispatched[0]
+    tokens = (make(cfg.ep_size * num_rows, rows, False),
+              make(sent_rows, jax.ShapeDtypeStruct((1, 1), jnp.int32), False)) if deduplicated else None
     return tuple(
-        _ChunkBuffers(make(sent_rows, dispatched[0], False), tuple(make(sent_rows, p, False) for p in dispatched[1:]),
-                      tuple(make(num_rows, h, home_zeroed) for h in homecoming))
+        _ChunkBuffers(None if deduplicated else make(sent_rows, rows, False),
+                      tuple(make(sent_rows, p, False) for p in dispatched[1:]),
+                      tuple(make(num_rows, h, home_zeroed) for h in homecoming), tokens)
         for _ in range(cfg.chunks)
     )
 
@@ -480,13 +577,18 @@ def _gather_with_addresses(cfg: ExchangeConfig, buffers, payload=None):
     return jax.tree.unflatten(tree, gathered), payload
 
 
-def _gather_counts(cfg: ExchangeConfig, group_sizes, buffers=None):
-    """``(counts [ep, E], buffers with gathered addresses)``: the all-gathered group sizes, and the
-    ``"peer"`` buffers' addresses in the same collective."""
+def _gather_counts(cfg: ExchangeConfig, group_sizes, buffers=None, unique_per_rank=None):
+    """``(counts [ep, E], buffers with gathered addresses, unique counts [ep, ep] or None)``: the
+    all-gathered group sizes (and tokens per rank of a deduplicated dispatch), with the ``"peer"``
+    buffers' addresses in the same collective."""
+    payload = group_sizes if unique_per_rank is None else jnp.concatenate([group_sizes, unique_per_rank])
     if buffers is None:
-        return jax.lax.all_gather(group_sizes, cfg.axis_name), None
-    buffers, counts = _gather_with_addresses(cfg, buffers, group_sizes)
-    return counts, buffers
+        gathered = jax.lax.all_gather(payload, cfg.axis_name)
+    else:
+        buffers, gathered = _gather_with_addresses(cfg, buffers, payload)
+    num_experts = group_sizes.shape[0]
+    unique = None if unique_per_rank is None else gathered[:, num_experts:]
+    return gathered[:, :num_experts], buffers, unique
 
 
 def _combine_home(sent_home, counts, round_index, num_rows: int, cfg: ExchangeConfig):
@@ -501,17 +603,21 @@ def _chunk_indices(round_index, cfg: ExchangeConfig):
 
 
 def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool,
-                   buffers=None):
+                   buffers=None, token_routes: _TokenRoutes | None = None):
     """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and each chunk's vjp if asked.
 
     ``buffers``: the round's ``"peer"`` buffers made up front (round 0), else each store makes its own.
+    ``token_routes``: the rows go as tokens (one round of one chunk, see :func:`deduplicates`).
     """
     num_rows = rows.shape[0]
     returned, vjps = [], []
     for j, chunk_index in enumerate(_chunk_indices(round_index, cfg)):
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
         chunk = _ChunkBuffers.none(len(payloads), 1) if buffers is None else buffers[j]
-        sorted_rows = _dispatch_sorted(rows, plan, cfg, chunk.dispatched)
+        if token_routes is None:
+            sorted_rows = _dispatch_sorted(rows, plan, cfg, chunk.dispatched)
+        else:
+            sorted_rows = _dispatch_tokens(rows, token_routes, plan, cfg, chunk.tokens)
         sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg, b) for p, b in zip(payloads, chunk.dispatched_payloads))
         fused = _output_matmul(cfg, params)
         program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row,
@@ -552,12 +658,17 @@ def _further_rounds(counts, cfg: ExchangeConfig, body, init, num_rows: int):
     return state
 
 
-def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, keep_vjp: bool):
+def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_row, keep_vjp: bool):
     """``(results at home, round 0's vjps, counts)``."""
     out_rows = _output_rows(cfg, rows, payloads, params)
-    buffers = _preallocate(cfg, (rows, *payloads), (out_rows,), rows.shape[0])
-    counts, buffers = _gather_counts(cfg, group_sizes, buffers)
-    out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_rows.dtype, keep_vjp, buffers)
+    deduplicated = token_of_row is not None and deduplicates(cfg, rows.shape[0])
+    buffers = _preallocate(cfg, (rows, *payloads), (out_rows,), rows.shape[0], deduplicated)
+    representatives = _representatives(token_of_row, group_sizes, cfg) if deduplicated else None
+    counts, buffers, unique_counts = _gather_counts(cfg, group_sizes, buffers,
+                                                    None if representatives is None else representatives[3])
+    token_routes = None if representatives is None else _token_routes(representatives, unique_counts, cfg)
+    out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_rows.dtype, keep_vjp, buffers,
+                               token_routes)
 
     def body(round_index, out):
         more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_rows.dtype, False)
@@ -574,21 +685,23 @@ def _output_rows(cfg: ExchangeConfig, rows, payloads, params) -> jax.ShapeDtypeS
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, group_sizes):
+def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_row=None):
     """Expert-program outputs for my sorted ``rows``, computed on the ranks that own their experts.
 
     ``rows [N, D]`` sorted by global expert (dropped copies last, never sent); ``payloads`` are
     per-row values of the program's ``PER_TOKEN`` inputs, in the same order; ``params`` the
     program inputs with expert-indexed ones sliced to this rank's experts; ``group_sizes [E]``
     my rows per expert (all-gathered here into the counts matrix, together with the ``"peer"``
-    transport's buffer addresses). Rows that were not sent come back as zeros.
+    transport's buffer addresses). ``token_of_row [N]`` (rows of one token are copies of it)
+    lets the dispatch send each token once per rank (:func:`deduplicates`). Rows that were not
+    sent come back as zeros.
     """
-    out, _, _ = _forward(cfg, rows, payloads, params, group_sizes, False)
+    out, _, _ = _forward(cfg, rows, payloads, params, group_sizes, token_of_row, False)
     return out
 
 
-def _exchange_fwd(cfg, rows, payloads, params, group_sizes):
-    out, vjps, counts = _forward(cfg, rows, payloads, params, group_sizes, True)
+def _exchange_fwd(cfg, rows, payloads, params, group_sizes, token_of_row=None):
+    out, vjps, counts = _forward(cfg, rows, payloads, params, group_sizes, token_of_row, True)
     return out, (rows, payloads, params, counts, vjps)
 
 
@@ -657,7 +770,7 @@ def _exchange_bwd(cfg, residuals, d_out):
                 tuple(_add_rounded(a, g) for a, g in zip(d_params, more_params)))
 
     d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, state, rows.shape[0])
-    return d_rows, d_payloads, d_params, None
+    return d_rows, d_payloads, d_params, None, None
 
 
 exchange_expert_rows.defvjp(_exchange_fwd, _exchange_bwd)

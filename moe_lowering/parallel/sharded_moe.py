@@ -29,6 +29,8 @@ from moe_lowering.parallel.capacity import (
 )
 from moe_lowering.parallel.exchange import (
     TRANSPORT_CHOICES,
+    deduplicates,
+    deduplication_pays,
     exchange_config,
     exchange_expert_rows,
     num_rounds,
@@ -173,10 +175,6 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     else:
         rows_per_pair = max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
     rows_per_chunk = -(-rows_per_pair // chunks)
-    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round%s, "
-             "expert capacity %s", layout.describe(exchange_transport), local_tokens, exchange_transport, chunks, rows_per_chunk,
-             " (one round under any skew: no overflow loop)" if rows_per_pair >= local_tokens * top_k else "",
-             capacity)
 
     if pad:
         log.info("sharded_sparse_moe: padding %d tokens to a multiple of %d devices", pad, num_slices)
@@ -196,6 +194,12 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         cfg = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
                               local_experts=layout.local_experts, capacity=rows_per_chunk, chunks=chunks,
                               backend=backend, transport=exchange_transport)
+    deduplicate = (cfg is not None and deduplication_pays(top_k, num_experts, ep)
+                   and deduplicates(cfg, local_tokens * top_k))
+    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round%s%s, "
+             "expert capacity %s", layout.describe(exchange_transport), local_tokens, exchange_transport, chunks, rows_per_chunk,
+             " (one round under any skew: no overflow loop)" if rows_per_pair >= local_tokens * top_k else "",
+             "; the dispatch sends each token once per rank it needs" if deduplicate else "", capacity)
 
     def local_moe(tokens, expert_indices, expert_weights, *params):
         expert_indices = expert_indices.astype(jnp.int32)
@@ -214,7 +218,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         else:
             payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)
                              for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
-            out_rows = exchange_expert_rows(cfg, rows, payloads, params, routing.group_sizes)
+            out_rows = exchange_expert_rows(cfg, rows, payloads, params, routing.group_sizes,
+                                            routing.token_of_row if deduplicate else None)
             rounds = num_rounds(jax.lax.all_gather(routing.group_sizes, layout.expert_axis), cfg)
         out = combine(out_rows, expert_weights, routing)
         stats = ShardedMoEStats(dropped_copies=jax.lax.psum(dropped, axes), exchange_rounds=jax.lax.pmax(rounds, axes))

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 from moe_lowering.kernels import get_backend
-from moe_lowering.kernels.peer_store import grouped_matmul_store, peer_store, peer_store_reference
-from moe_lowering.parallel import plan_layout, sharded_sparse_moe
+from moe_lowering.kernels.peer_store import expand_rows, grouped_matmul_store, peer_store, peer_store_reference
+from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe
 from moe_lowering.parallel._jax_shim import shard_map
 from moe_lowering.parallel.exchange import prepare_peer_transport
 from parallel_cases import random_case, random_peer_routes, swiglu_program
@@ -82,17 +82,34 @@ def test_gemm_stores_its_rows_on_peers(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("exchange_capacity, chunks, skew_to, expert_bias", [
-    (None, 1, None, False),  # one round, one chunk: buffers need no zeros past the rows that arrive
-    (None, 1, None, True),  # a per-expert bias: its gradient sums every row, so the tails are zeroed
-    (5, 1, None, False),  # several rounds (the overflow loop)
-    (None, 2, 0, False),  # two chunks, every copy to one rank
+@pytest.mark.parametrize("zero_tail", [True, False])
+def test_expand_rows_matches_reference(dtype, zero_tail):
+    """A receiver's tokens expanded into rows by the Triton kernel, as the reference does it."""
+    rng = np.random.default_rng(5)
+    table = jnp.asarray(rng.standard_normal((300, 7000)), dtype)
+    index = jnp.asarray(rng.integers(0, 300, 1000), jnp.int32)
+    got = jax.jit(lambda t, i: expand_rows(t, i, 613, backend="triton", zero_tail=zero_tail))(table, index)
+    want = expand_rows(table, index, 613, backend="xla")
+    rows = slice(None) if zero_tail else slice(0, 613)
+    np.testing.assert_array_equal(np.asarray(got[rows], np.float32), np.asarray(want[rows], np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("exchange_capacity, chunks, skew_to, expert_bias, top_k", [
+    (None, 1, None, False, 2),  # one round, one chunk: buffers need no zeros past the rows that arrive
+    (None, 1, None, False, 4),  # the same, the dispatch deduplicated (tokens once per rank)
+    (None, 1, None, True, 2),  # a per-expert bias: its gradient sums every row, so the tails are zeroed
+    (5, 1, None, False, 2),  # several rounds (the overflow loop)
+    (None, 2, 0, False, 2),  # two chunks, every copy to one rank
 ])
-def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to, expert_bias):
+def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to, expert_bias, top_k,
+                                          monkeypatch):
     """Bit for bit: both transports put the same rows in the same sorted order before the GEMMs."""
+    if top_k > 2:
+        monkeypatch.setattr(exchange, "DEDUP_MIN_ROWS_PER_TOKEN_RANK", 1.0)
     tokens, indices, weights, params = random_case(7, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
-                                                   top_k=2, dtype=dtype, expert_bias=expert_bias, token_scale=True,
-                                                   skew_to=skew_to)
+                                                   top_k=top_k, dtype=dtype, expert_bias=expert_bias,
+                                                   token_scale=True, skew_to=skew_to)
     cotangent = jnp.asarray(np.random.default_rng(8).standard_normal(tokens.shape), dtype)
     program = swiglu_program(expert_bias=expert_bias, token_scale=True)
     mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
@@ -100,7 +117,7 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
 
     # The same rounds and chunks on both transports (by default "peer" makes one round of a rank's
     # every row): chunks and rounds partition the weight-gradient sums, and so their rounding.
-    capacity = exchange_capacity or tokens.shape[0] // RANKS * 2
+    capacity = exchange_capacity or tokens.shape[0] // RANKS * top_k
 
     def out_and_grads(transport):
         def moe(t, w, p):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from moe_lowering.kernels.peer_store import peer_store
+from moe_lowering.kernels.peer_store import expand_rows, peer_store
 from moe_lowering.parallel._jax_shim import shard_map
 from parallel_cases import random_peer_routes
 
@@ -36,3 +36,12 @@ def test_peer_store_reference(seed, num_arrived):
                 want[dest_device[rank, slot], dest_row[rank, slot]] = values[rank, source_row[rank, slot]]
     want[:, num_arrived:] = 0
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_expand_rows_reference():
+    """The counted rows gather their tokens; rows after them are zero."""
+    table = jnp.asarray(np.random.default_rng(4).standard_normal((6, 3)), jnp.float32)
+    index = jnp.asarray([5, 0, 3, 3, 1], jnp.int32)
+    got = expand_rows(table, index, 3, backend="xla")
+    np.testing.assert_array_equal(got[:3], table[jnp.asarray([5, 0, 3])])
+    np.testing.assert_array_equal(got[3:], 0)

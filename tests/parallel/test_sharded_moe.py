@@ -25,7 +25,7 @@ from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, 
 from moe_lowering.parallel import exchange
 from moe_lowering.parallel import sharded_moe as sharded_moe_module
 from moe_lowering.parallel.sharded_moe import PEER_SINGLE_ROUND_MAX_RANKS
-from moe_lowering.sparse_moe import sparse_moe
+from moe_lowering.sparse_moe import sort_by_expert, sparse_moe
 from parallel_cases import dense_reference, random_case, swiglu_program
 
 E = 8
@@ -65,11 +65,11 @@ def sharded(layout, indices, program, **kwargs):
     return lambda t, w, p: sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout, **kwargs)
 
 
-def case(seed, num_tokens=64, **kwargs):
+def case(seed, num_tokens=64, top_k=2, **kwargs):
     kwargs.setdefault("expert_bias", True)
     kwargs.setdefault("token_scale", True)
     tokens, indices, weights, params = random_case(seed, num_tokens=num_tokens, d_model=64, d_ff=32,
-                                                   num_experts=E, top_k=2, **kwargs)
+                                                   num_experts=E, top_k=top_k, **kwargs)
     cotangent = jnp.asarray(np.random.default_rng(seed + 100).standard_normal(tokens.shape), tokens.dtype)
     return tokens, indices, weights, params, cotangent
 
@@ -406,3 +406,66 @@ def test_bad_exchange_chunks(chunks):
     tokens, indices, weights, params, _ = case(12, expert_bias=False, token_scale=False)
     with pytest.raises(ValueError, match="exchange_chunks must be a positive integer"):
         sharded(layout, indices, swiglu_program(), exchange_chunks=chunks)(tokens, weights, params)
+
+
+@pytest.mark.parametrize("mesh_name", ["fsdp2_expert4", "data2_expert2_fsdp2"])
+def test_deduplicated_dispatch_sends_each_token_once_per_rank(mesh_name, monkeypatch):
+    """With several experts per rank, ``"peer"`` sends a token once to each rank holding any of
+    its experts and the receiver expands it into rows: the same rows, so the same results (bit
+    for bit) as sending every row, and fewer stored rows."""
+    layout = make_layout(mesh_name, expert_bias=False)
+    tokens, indices, weights, params, cotangent = case(17, num_tokens=128, expert_bias=False, top_k=4)
+    program = swiglu_program(token_scale=True)
+    monkeypatch.setattr(exchange, "DEDUP_MIN_ROWS_PER_TOKEN_RANK", 1.0)  # on whatever the routing
+    traced = []
+    representatives = exchange._representatives
+    monkeypatch.setattr(exchange, "_representatives", lambda *a: traced.append(1) or representatives(*a))
+    moe = sharded(layout, indices, program, exchange_transport="peer")
+    deduplicated = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    assert traced, "the deduplicated dispatch was not taken"
+    monkeypatch.setattr(exchange, "deduplicates", lambda cfg, num_rows: False)
+    traced.clear()
+    per_row = jax.jit(lambda *a: out_and_grads(lambda t, w, p: moe(t, w, p), *a))(tokens, weights, params, cotangent)
+    assert not traced
+    for a, b in zip(jax.tree.leaves(deduplicated), jax.tree.leaves(per_row), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, params, cotangent)
+    assert_close(deduplicated, want, 1e-5)
+
+
+def test_rows_per_token_rank_matches_uniform_routing():
+    rng = np.random.default_rng(5)
+    for top_k, num_experts, ep in [(2, 8, 4), (2, 8, 2), (8, 256, 4), (4, 8, 4), (1, 8, 4)]:
+        picks = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(4000)])
+        ranks_hit = np.mean([len(set(p // (num_experts // ep))) for p in picks])
+        np.testing.assert_allclose(exchange.rows_per_token_rank(top_k, num_experts, ep), top_k / ranks_hit, rtol=0.02)
+
+
+def test_deduplication_is_offered_where_it_paid_on_gpus():
+    """The measured cases (benchmarks/EP_NOTES.md, round 7): DeepSeek-like routing dedups, Mixtral-like does not."""
+    assert exchange.deduplication_pays(8, 256, 4) and exchange.deduplication_pays(8, 256, 2)
+    assert not exchange.deduplication_pays(2, 8, 4) and not exchange.deduplication_pays(2, 8, 2)
+    assert not exchange.deduplication_pays(1, 64, 8)
+
+
+def test_representatives_are_the_unique_token_rank_pairs():
+    ep, local, num_tokens, top_k = 4, 2, 40, 4
+    rng = np.random.default_rng(3)
+    indices = np.stack([rng.permutation(ep * local)[:top_k] for _ in range(num_tokens)]).astype(np.int32)
+    indices[5, 1] = -1  # a dropped copy: sorts last, represents nothing
+    routing = sort_by_expert(jnp.asarray(indices), ep * local)
+    cfg = exchange.exchange_config(program=swiglu_program(), axis_name="expert", ep_size=ep, local_experts=local,
+                                   capacity=num_tokens * top_k, transport="peer")
+    dest, representative, is_representative, per_rank = exchange._representatives(routing.token_of_row,
+                                                                                     routing.group_sizes, cfg)
+    expert_of_row = np.asarray(routing.expert_of_row)
+    token_of_row = np.asarray(routing.token_of_row)
+    pairs = {(t, e // local) for t, e in zip(token_of_row, expert_of_row) if e < ep * local}
+    assert int(np.sum(is_representative)) == len(pairs)
+    np.testing.assert_array_equal(per_rank, [sum(1 for _, r in pairs if r == d) for d in range(ep)])
+    valid = expert_of_row < ep * local
+    np.testing.assert_array_equal(np.asarray(dest)[valid], expert_of_row[valid] // local)
+    representative = np.asarray(representative)
+    assert np.all(token_of_row[representative[valid]] == token_of_row[valid])  # a copy of the same token
+    assert np.all(np.asarray(dest)[representative[valid]] == np.asarray(dest)[valid])  # bound for the same rank
