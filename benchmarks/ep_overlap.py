@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ep_bench  # noqa: E402  (sets up sys.path and, with --smoke, the host devices)
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -255,6 +256,8 @@ class Overlap:
             row["rel_err_vs_1gpu_sparse"] = ep_bench.rel_err(compiled(*args), layer.reference)
         if profile:
             row["profile"] = profile_summary(compiled, args, self.out_dir / f"trace_{cfg.name}_ep{ep}_c{chunks}_{grid}")
+            row["profile_b2b"] = _guarded(back_to_back_profile, compiled, args,
+                                          self.out_dir / f"trace_b2b_{cfg.name}_ep{ep}_c{chunks}_{grid}_{variant}")
         return self.row(**row)
 
     def gemm_only(self, ep: int):
@@ -378,6 +381,56 @@ def profile_summary(fn, args, trace_dir: Path, steps: int = 3) -> dict:
         "streams": streams,
         "top_kernels_ms": {name: round(ms, 4) for name, ms in top},
     }
+
+
+def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
+    """A trace of ``steps`` calls issued back to back (one sync at the end, as in a training loop),
+    summarised for every GPU: kernel time and idle time per step, each wait kernel's time by its
+    place in the step (dispatch wait first, then the return's), and how far apart the GPUs start
+    their dispatch push in each step (the skew that every wait absorbs)."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*args))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir)):
+        out = None
+        for _ in range(steps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    paths = sorted(trace_dir.rglob("*.xplane.pb"))
+    if not paths:
+        return {"error": f"no xplane.pb under {trace_dir}"}
+    data = ProfileData.from_file(str(paths[-1]))
+    gpus, push_starts = {}, {}
+    for plane in data.planes:
+        if "/device:GPU:" not in plane.name:
+            continue
+        events = sorted((e.start_ns, e.duration_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
+                        for e in line.events)
+        if not events:
+            continue
+        busy = _length(_union([(start, start + length) for start, length, _ in events]))
+        window = events[-1][0] + events[-1][1] - events[0][0]
+        kernels = {}
+        for _, length, name in events:
+            kernels[name[:60]] = kernels.get(name[:60], 0.0) + length / 1e6 / steps
+        waits = [length / 1e6 for _, length, name in events if name.startswith("wait_kernel")]
+        per_step = max(1, len(waits) // steps)
+        gpu = plane.name.rsplit(":", 1)[-1]
+        gpus[gpu] = {
+            "busy_ms": busy / 1e6 / steps,
+            "idle_ms": (window - busy) / 1e6 / steps,
+            "wait_ms_by_place": [round(float(np.mean(waits[i::per_step])), 4) for i in range(per_step)],
+            "top_kernels_ms": {n: round(ms, 4) for n, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]},
+        }
+        push_starts[gpu] = [start for start, _, name in events if name.startswith("push_kernel")]
+    counts = {len(v) for v in push_starts.values()}
+    skew = []
+    if len(counts) == 1 and counts != {0}:
+        for i in range(counts.pop()):
+            starts = [v[i] for v in push_starts.values()]
+            skew.append(round((max(starts) - min(starts)) / 1e3, 1))
+    return {"steps": steps, "gpus": gpus, "push_start_skew_us": skew}
 
 
 def _guarded(summary, *args) -> dict:
@@ -515,6 +568,14 @@ def main(argv=None):
             for gap in prof.get("widest_inside_gaps", [])[:8]:
                 print("    ", gap)
             for name, ms in list(prof.get("top_kernels_ms", {}).items())[:12]:
+                print("      %.4f %s" % (ms, name))
+        b2b = row.get("profile_b2b")
+        if b2b and b2b.get("gpus"):
+            print(row["name"], "back to back: push start skew (us) per step", b2b["push_start_skew_us"])
+            for gpu, summary in sorted(b2b["gpus"].items()):
+                print("    GPU %s: kernels %.3f ms, idle %.3f ms per step, wait kernels by place %s" % (
+                    gpu, summary["busy_ms"], summary["idle_ms"], summary["wait_ms_by_place"]))
+            for name, ms in list(b2b["gpus"][min(b2b["gpus"])]["top_kernels_ms"].items()):
                 print("      %.4f %s" % (ms, name))
 
 

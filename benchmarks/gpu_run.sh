@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -81,6 +81,9 @@ for step in "$@"; do
       timeout 380 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
         --configs deepseek mixtral --transports peer --peer-variants fused rows --reps 10 --forward-only --profile \
         --deadline 350 2>&1 | tee "$OUT/ep_dedup.log" | tail -40 ;;
+    b2b-profile) timeout 400 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs mixtral deepseek --transports peer --peer-variants fused rows --reps 10 --forward-only --profile \
+        --deadline 370 2>&1 | tee "$OUT/ep_b2b_profile.log" | tail -60 ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

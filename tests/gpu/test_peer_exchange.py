@@ -104,7 +104,8 @@ def test_expand_rows_matches_reference(dtype, zero_tail):
 ])
 def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew_to, expert_bias, top_k,
                                           monkeypatch):
-    """Bit for bit: both transports put the same rows in the same sorted order before the GEMMs."""
+    """Outputs bit for bit, and gradients too with two copies per token: both transports put the
+    same rows in the same sorted order before the GEMMs."""
     if top_k > 2:
         monkeypatch.setattr(exchange, "DEDUP_MIN_ROWS_PER_TOKEN_RANK", 1.0)
     tokens, indices, weights, params = random_case(7, num_tokens=256, d_model=128, d_ff=64, num_experts=E,
@@ -139,9 +140,14 @@ def test_layer_on_peer_matches_all_to_all(dtype, exchange_capacity, chunks, skew
                       / jnp.linalg.norm(bias_grad_want.astype(jnp.float32)))
         assert error < (1e-5 if dtype == jnp.float32 else 3e-2), error
         d_params, d_params_want = d_params[:3] + d_params[4:], d_params_want[:3] + d_params_want[4:]
-    for a, b in zip(jax.tree.leaves((out, d_tokens, d_weights, d_params)),
-                    jax.tree.leaves((out_want, d_tokens_want, d_weights_want, d_params_want)), strict=True):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_want, np.float32))
+    for a, b in zip(jax.tree.leaves((d_tokens, d_weights, d_params)),
+                    jax.tree.leaves((d_tokens_want, d_weights_want, d_params_want)), strict=True):
+        if top_k <= 2:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        else:  # four copies per token: the two programs' sums over a token's copies differ in order (last bits)
+            error = float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+            assert error < (1e-6 if dtype == jnp.float32 else 1e-2), error
 
 
 @pytest.mark.skipif(len(GPUS) < 4, reason="needs four GPUs of one host")
