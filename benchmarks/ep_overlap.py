@@ -386,8 +386,10 @@ def profile_summary(fn, args, trace_dir: Path, steps: int = 3) -> dict:
 def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
     """A trace of ``steps`` calls issued back to back (one sync at the end, as in a training loop),
     summarised for every GPU: kernel time and idle time per step, each wait kernel's time by its
-    place in the step (dispatch wait first, then the return's), and how far apart the GPUs start
-    their dispatch push in each step (the skew that every wait absorbs)."""
+    place in the step (dispatch wait first, then the return's), the kernel time less the waits
+    (the work a GPU does: the slowest one sets the step), the widest idle gaps with the kernels
+    around them, and how far apart the GPUs start their dispatch push in each step (the skew that
+    every wait absorbs)."""
     from jax.profiler import ProfileData
 
     jax.block_until_ready(fn(*args))
@@ -416,11 +418,19 @@ def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
             kernels[name[:60]] = kernels.get(name[:60], 0.0) + length / 1e6 / steps
         waits = [length / 1e6 for _, length, name in events if name.startswith("wait_kernel")]
         per_step = max(1, len(waits) // steps)
+        gaps, reach, before = [], None, None
+        for start, length, name in events:
+            if reach is not None and start > reach:
+                gaps.append((start - reach, before[:40], name[:40]))
+            if reach is None or start + length > reach:
+                reach, before = start + length, name
         gpu = plane.name.rsplit(":", 1)[-1]
         gpus[gpu] = {
             "busy_ms": busy / 1e6 / steps,
             "idle_ms": (window - busy) / 1e6 / steps,
+            "work_ms": (busy / 1e6 - sum(waits)) / steps,
             "wait_ms_by_place": [round(float(np.mean(waits[i::per_step])), 4) for i in range(per_step)],
+            "widest_gaps_us": [(round(us / 1e3, 1), after, then) for us, after, then in sorted(gaps, reverse=True)[:8]],
             "top_kernels_ms": {n: round(ms, 4) for n, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]},
         }
         push_starts[gpu] = [start for start, _, name in events if name.startswith("push_kernel")]
@@ -573,8 +583,10 @@ def main(argv=None):
         if b2b and b2b.get("gpus"):
             print(row["name"], "back to back: push start skew (us) per step", b2b["push_start_skew_us"])
             for gpu, summary in sorted(b2b["gpus"].items()):
-                print("    GPU %s: kernels %.3f ms, idle %.3f ms per step, wait kernels by place %s" % (
-                    gpu, summary["busy_ms"], summary["idle_ms"], summary["wait_ms_by_place"]))
+                print("    GPU %s: kernels %.3f ms (%.3f less waits), idle %.3f ms per step, wait kernels by place %s" % (
+                    gpu, summary["busy_ms"], summary["work_ms"], summary["idle_ms"], summary["wait_ms_by_place"]))
+            for gap in b2b["gpus"][min(b2b["gpus"])]["widest_gaps_us"]:
+                print("     ", gap)
             for name, ms in list(b2b["gpus"][min(b2b["gpus"])]["top_kernels_ms"].items()):
                 print("      %.4f %s" % (ms, name))
 
