@@ -154,7 +154,8 @@ def rows_per_token_rank(top_k: int, num_experts: int, ep_size: int) -> float:
     """Expected rows a token has on a rank that holds any of its experts, for ``top_k`` distinct
     experts drawn uniformly: ``top_k`` over the expected number of ranks hit."""
     local = num_experts // ep_size
-    missed = math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k)
+    draws = math.comb(num_experts, top_k)  # 0 for top_k > num_experts (repeated experts): every rank is hit
+    missed = math.comb(num_experts - local, top_k) / draws if draws else 0.0
     return top_k / (ep_size * (1.0 - missed))
 
 

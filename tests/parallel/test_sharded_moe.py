@@ -440,6 +440,7 @@ def test_rows_per_token_rank_matches_uniform_routing():
         picks = np.stack([rng.permutation(num_experts)[:top_k] for _ in range(4000)])
         ranks_hit = np.mean([len(set(p // (num_experts // ep))) for p in picks])
         np.testing.assert_allclose(exchange.rows_per_token_rank(top_k, num_experts, ep), top_k / ranks_hit, rtol=0.02)
+    assert exchange.rows_per_token_rank(10, 8, 4) == 10 / 4  # more copies than experts: every rank is hit
 
 
 def test_deduplication_is_offered_where_it_paid_on_gpus():
