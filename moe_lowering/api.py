@@ -53,6 +53,7 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
     """The regions and near misses of ``scope``; each sharded region names the transport it would
     run (``"auto"`` resolved on its mesh, as the rewrite resolves it)."""
     from moe_lowering.parallel.exchange import resolve_transport
+    from moe_lowering.parallel.sharded_moe import plan_exchange
 
     regions = []
     for path, region in scope.all_regions():
@@ -60,7 +61,12 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
         layout = region_layout(owner, region, input_shardings)
         described = None
         if layout is not None:
-            described = layout.describe(resolve_transport(exchange_transport, layout.devices, backend))
+            transport = resolve_transport(exchange_transport, layout.devices, backend)
+            plan = plan_exchange(layout, region.program, num_tokens=region.num_tokens, top_k=region.top_k,
+                                 num_experts=region.num_experts,
+                                 row_bytes=region.d_model * np.dtype(region.tokens.dtype).itemsize,
+                                 exchange_transport=transport, backend=backend)
+            described = f"{layout.describe(transport)}; {plan.describe(region.top_k)}"
         regions.append(region_report(region, path, described, capacity_factor))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())

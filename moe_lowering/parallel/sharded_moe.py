@@ -29,6 +29,7 @@ from moe_lowering.parallel.capacity import (
 )
 from moe_lowering.parallel.exchange import (
     TRANSPORT_CHOICES,
+    ExchangeConfig,
     deduplicates,
     deduplication_pays,
     exchange_config,
@@ -124,6 +125,60 @@ def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSp
     return specs
 
 
+@dataclass(frozen=True)
+class ExchangePlan:
+    """How the layer's expert-parallel exchange runs for a layout and a routing shape: one place
+    decides it for the layer, its log line and ``explain``."""
+
+    transport: str  # resolved, never "auto"
+    local_tokens: int  # tokens per device, padding included
+    rows_per_pair: int  # rows per (source, destination) pair per round
+    chunks: int
+    config: ExchangeConfig | None  # None without an expert-parallel axis
+    deduplicated: bool  # the dispatch sends each token once per rank (exchange.deduplicates)
+
+    @property
+    def rows_per_chunk(self) -> int:
+        return -(-self.rows_per_pair // self.chunks)
+
+    def describe(self, top_k: int) -> str:
+        if self.config is None:
+            return f"{self.local_tokens} tokens/device, no exchange"
+        one_round = self.rows_per_pair >= self.local_tokens * top_k
+        return (f"{self.local_tokens} tokens/device, exchange by {self.transport} in {self.chunks} chunk(s) of "
+                f"{self.rows_per_chunk} rows/pair/round"
+                + (" (one round under any skew: no overflow loop)" if one_round else "")
+                + ("; the dispatch sends each token once per rank it needs" if self.deduplicated else ""))
+
+
+def plan_exchange(layout: Layout, program: ExpertProgram, *, num_tokens: int, top_k: int, num_experts: int,
+                  row_bytes: int, exchange_transport: str, backend: str = "auto",
+                  exchange_capacity: int | None = None, exchange_chunks: int | None = None) -> ExchangePlan:
+    """The :class:`ExchangePlan` for ``num_tokens`` tokens of ``row_bytes`` bytes routed to
+    ``top_k`` of ``num_experts`` experts (``exchange_transport`` already resolved)."""
+    chunks = EXCHANGE_CHUNKS if exchange_chunks is None else exchange_chunks
+    if not isinstance(chunks, int) or chunks <= 0:
+        raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
+    num_slices = math.prod(layout.mesh.shape[a] for a in layout.compute_axes)
+    local_tokens = -(-num_tokens // num_slices)
+    ep = layout.expert_parallel_size
+    local_rows = local_tokens * top_k
+    if exchange_capacity:
+        rows_per_pair = exchange_capacity
+    elif exchange_transport == "peer" and _single_round_fits(ep, local_rows, row_bytes):
+        rows_per_pair = local_rows  # a rank's every row: one round under any skew
+    else:
+        rows_per_pair = max(1, math.ceil(local_rows / ep * EXCHANGE_SLACK))
+    config = None
+    if ep > 1:
+        config = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
+                                 local_experts=layout.local_experts, capacity=-(-rows_per_pair // chunks),
+                                 chunks=chunks, backend=backend, transport=exchange_transport)
+    deduplicated = (config is not None and deduplication_pays(top_k, num_experts, ep)
+                    and deduplicates(config, local_rows))
+    return ExchangePlan(exchange_transport, local_tokens, rows_per_pair, chunks, config, deduplicated)
+
+
 def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
                        num_experts: int, layout: Layout, backend: str = "auto", capacity_factor: float | None = None,
                        weight_gather_quant: str | None = None, exchange_transport: str = "auto",
@@ -162,19 +217,13 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     num_slices = math.prod(mesh.shape[a] for a in axes)
     num_tokens, top_k = expert_indices.shape
     pad = -num_tokens % num_slices
-    local_tokens = (num_tokens + pad) // num_slices
-    ep = layout.expert_parallel_size
     capacity = None if capacity_factor is None else expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
-    chunks = EXCHANGE_CHUNKS if exchange_chunks is None else exchange_chunks
-    if not isinstance(chunks, int) or chunks <= 0:
-        raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
-    if exchange_capacity:
-        rows_per_pair = exchange_capacity
-    elif exchange_transport == "peer" and _single_round_fits(ep, local_tokens * top_k, tokens):
-        rows_per_pair = local_tokens * top_k  # a rank's every row: one round under any skew
-    else:
-        rows_per_pair = max(1, math.ceil(local_tokens * top_k / ep * EXCHANGE_SLACK))
-    rows_per_chunk = -(-rows_per_pair // chunks)
+    plan = plan_exchange(layout, program, num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
+                         row_bytes=tokens.shape[1] * tokens.dtype.itemsize, exchange_transport=exchange_transport,
+                         backend=backend, exchange_capacity=exchange_capacity, exchange_chunks=exchange_chunks)
+    cfg, deduplicate = plan.config, plan.deduplicated
+    log.info("sharded_sparse_moe: %s; %s, expert capacity %s", layout.describe(exchange_transport),
+             plan.describe(top_k), capacity)
 
     if pad:
         log.info("sharded_sparse_moe: padding %d tokens to a multiple of %d devices", pad, num_slices)
@@ -189,17 +238,6 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     in_specs = (token_spec, token_spec, token_spec, *param_specs)
     args = [tokens, expert_indices, expert_weights, *params]
     args = [_jax_shim.reshard(a, mesh, s) for a, s in zip(args, in_specs)]
-    cfg = None
-    if ep > 1:
-        cfg = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
-                              local_experts=layout.local_experts, capacity=rows_per_chunk, chunks=chunks,
-                              backend=backend, transport=exchange_transport)
-    deduplicate = (cfg is not None and deduplication_pays(top_k, num_experts, ep)
-                   and deduplicates(cfg, local_tokens * top_k))
-    log.info("sharded_sparse_moe: %s; %d tokens/device, exchange by %s in %d chunk(s) of %d rows/pair/round%s%s, "
-             "expert capacity %s", layout.describe(exchange_transport), local_tokens, exchange_transport, chunks, rows_per_chunk,
-             " (one round under any skew: no overflow loop)" if rows_per_pair >= local_tokens * top_k else "",
-             "; the dispatch sends each token once per rank it needs" if deduplicate else "", capacity)
 
     def local_moe(tokens, expert_indices, expert_weights, *params):
         expert_indices = expert_indices.astype(jnp.int32)
@@ -255,9 +293,9 @@ def _unpadded(out, num_tokens: int, layout: Layout):
     return out
 
 
-def _single_round_fits(ep: int, rows_per_device: int, tokens) -> bool:
+def _single_round_fits(ep: int, rows_per_device: int, row_bytes: int) -> bool:
     """Whether the ``"peer"`` exchange sizes one round for the worst case (see the constants)."""
-    received_bytes = ep * rows_per_device * tokens.shape[1] * tokens.dtype.itemsize
+    received_bytes = ep * rows_per_device * row_bytes
     return ep <= PEER_SINGLE_ROUND_MAX_RANKS and received_bytes <= PEER_SINGLE_ROUND_MAX_BYTES
 
 

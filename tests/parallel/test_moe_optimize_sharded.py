@@ -110,6 +110,20 @@ def test_peer_transport_through_the_decorator():
     assert "token rows stored GPU to GPU" in layout and "all-to-all" not in layout
 
 
+def test_explain_says_how_the_exchange_runs(monkeypatch):
+    """``explain`` gives the exchange the layer will run: rows per pair and round, one round or
+    not, and whether the dispatch sends each token once per rank (as the layer's log does)."""
+    model, _, _, shardings, placed = _setup()
+    peer = moe_optimize(jax.jit(model.fn, in_shardings=shardings), exchange_transport="peer")
+    layout = explain(peer, *placed).regions[0].parallel_layout
+    assert "exchange by peer in 1 chunk(s) of" in layout and "one round under any skew" in layout, layout
+    assert "once per rank" not in layout  # top-2 of 8 experts on 4 ranks: ~1.1 rows per (token, rank)
+    monkeypatch.setattr(exchange, "DEDUP_MIN_ROWS_PER_TOKEN_RANK", 1.0)
+    assert "the dispatch sends each token once per rank it needs" in explain(peer, *placed).regions[0].parallel_layout
+    nccl = explain(jax.jit(model.fn, in_shardings=shardings), *placed).regions[0].parallel_layout
+    assert "exchange by all_to_all" in nccl and "one round under any skew" not in nccl, nccl
+
+
 def test_unknown_transport_is_named():
     with pytest.raises(ValueError, match="exchange_transport 'nvshmem'"):
         moe_optimize(lambda x: x, exchange_transport="nvshmem")
