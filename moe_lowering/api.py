@@ -66,7 +66,7 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
                                  num_experts=region.num_experts,
                                  row_bytes=region.d_model * np.dtype(region.tokens.dtype).itemsize,
                                  exchange_transport=transport, backend=backend)
-            described = f"{layout.describe(transport)}; {plan.describe(region.top_k)}"
+            described = f"{layout.describe(transport, backend)}; {plan.describe(region.top_k)}"
         regions.append(region_report(region, path, described, capacity_factor))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())

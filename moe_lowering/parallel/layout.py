@@ -89,17 +89,18 @@ class Layout:
                 return dim
         return None
 
-    def describe(self, exchange_transport: str = "all_to_all") -> str:
+    def describe(self, exchange_transport: str = "all_to_all", backend: str = "auto") -> str:
         """One paragraph for ``explain``: the axes, their sizes and the collectives they imply.
 
         ``exchange_transport`` is the transport that runs (``exchange.resolve_transport``'s answer,
-        never ``"auto"``, which depends on the devices and kernels).
+        never ``"auto"``, which depends on the devices and kernels); ``backend`` says whether
+        ``"peer"`` runs its GPU kernels or its all-gather reference.
         """
         parts = []
         if self.expert_axis:
             parts.append(
                 f"expert parallel over {self.expert_axis!r} ({self.expert_parallel_size} ranks x "
-                f"{self.local_experts} experts): {_EXCHANGE_WORDS.get(exchange_transport, exchange_transport)}, "
+                f"{self.local_experts} experts): {_exchange_words(exchange_transport, backend)}, "
                 "all-gather of the counts matrix"
             )
         else:
@@ -124,6 +125,14 @@ _EXCHANGE_WORDS = {
     "ragged": "ragged all-to-all of token rows",
     "peer": "token rows stored GPU to GPU by Triton kernels (results stored home by the last GEMM)",
 }
+
+
+def _exchange_words(transport: str, backend: str) -> str:
+    from moe_lowering.kernels.peer_store import uses_kernels
+
+    if transport == "peer" and not uses_kernels(backend):
+        return "token rows by the peer transport's all-gather reference (exact; no GPU kernels on this backend)"
+    return _EXCHANGE_WORDS.get(transport, transport)
 
 
 def _axes_of(entry) -> tuple[str, ...]:

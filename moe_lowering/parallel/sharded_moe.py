@@ -222,7 +222,7 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
                          row_bytes=tokens.shape[1] * tokens.dtype.itemsize, exchange_transport=exchange_transport,
                          backend=backend, exchange_capacity=exchange_capacity, exchange_chunks=exchange_chunks)
     cfg, deduplicate = plan.config, plan.deduplicated
-    log.info("sharded_sparse_moe: %s; %s, expert capacity %s", layout.describe(exchange_transport),
+    log.info("sharded_sparse_moe: %s; %s, expert capacity %s", layout.describe(exchange_transport, backend),
              plan.describe(top_k), capacity)
 
     if pad:

@@ -182,7 +182,7 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
         from moe_lowering.parallel.exchange import resolve_transport
 
         transport = resolve_transport(options.exchange_transport, layout.devices, options.backend)
-        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(transport))
+        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(transport, options.backend))
         out, stats = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
                                         num_experts=region.num_experts, layout=layout, backend=options.backend,
                                         weight_gather_quant=options.weight_gather_quant,

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moe_lowering import explain, moe_optimize
+from moe_lowering.kernels import peer_store
 from moe_lowering.parallel import exchange
 from moe_lowering.testing.zoo import ZOO
 
@@ -97,7 +98,7 @@ def test_capacity_factor_drops_the_same_copies_sharded_and_on_one_device():
 
 def test_peer_transport_through_the_decorator():
     """``exchange_transport="peer"``: same results (its all-gather reference off GPUs), no token
-    all-to-all, and ``explain`` on the decorated function names the transport."""
+    all-to-all, and ``explain`` on the decorated function names the transport as it runs here."""
     model, params, x, shardings, placed = _setup()
     peer = moe_optimize(jax.jit(model.fn, in_shardings=shardings), strict=True, exchange_transport="peer")
     assert _rel(model.fn(params, x), peer(*placed)) < 1e-5
@@ -107,7 +108,7 @@ def test_peer_transport_through_the_decorator():
         assert _rel(grads_ref[name], grads[name]) < 1e-5, name
     assert "all-to-all" not in peer.lower(*placed).compile().as_text()
     layout = explain(peer, *placed).regions[0].parallel_layout
-    assert "token rows stored GPU to GPU" in layout and "all-to-all" not in layout
+    assert "the peer transport's all-gather reference" in layout and "all-to-all" not in layout, layout
 
 
 def test_explain_says_how_the_exchange_runs(monkeypatch):
@@ -148,9 +149,11 @@ def test_explain_names_the_transport_resolved_for_the_mesh_and_backend(monkeypat
         return "peer"
 
     monkeypatch.setattr(exchange, "resolve_transport", as_on_gpus)
-    layout = explain(moe_optimize(jax.jit(model.fn, in_shardings=shardings), backend="xla"), *placed)
-    assert "token rows stored GPU to GPU" in layout.regions[0].parallel_layout
+    fn = moe_optimize(jax.jit(model.fn, in_shardings=shardings), backend="xla")
+    assert "the peer transport's all-gather reference" in explain(fn, *placed).regions[0].parallel_layout
     assert asked == [("auto", tuple(shardings[1].mesh.devices.flat), "xla")]
+    monkeypatch.setattr(peer_store, "uses_kernels", lambda backend: True)  # as the Triton backend on GPUs
+    assert "token rows stored GPU to GPU by Triton kernels" in explain(fn, *placed).regions[0].parallel_layout
 
 
 def test_rewrite_logs_the_resolved_transport(caplog):
