@@ -116,7 +116,8 @@ def peer_variant(name: str):
     both (``looped``: slack-sized rounds with the overflow loop, unfused), or with the SwiGLU
     activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
     ``swiglu_rows``), or sending rows once per expert instead of tokens once per rank (``rows``,
-    before the deduplicated dispatch). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
+    before the deduplicated dispatch), or with the GEMMs' tail tiles whole (``whole-tail``, before
+    ``triton_grouped_matmul.TAIL_APART``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
     ``W`` warps storing ``S`` rows at a time."""
     saved = (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
              exchange.deduplicates)
@@ -129,11 +130,24 @@ def peer_variant(name: str):
     if name == "all-rows":
         exchange.swiglu_rows = lambda gate, up, num_rows, backend: swiglu_rows_reference(gate, up, num_rows)
     try:
-        with push_launch(name) if name.startswith("push-") else contextlib.nullcontext():
+        with (push_launch(name) if name.startswith("push-") else
+              whole_tail() if name == "whole-tail" else contextlib.nullcontext()):
             yield
     finally:
         (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
          exchange.deduplicates) = saved
+
+
+@contextlib.contextmanager
+def whole_tail():
+    """The grouped GEMMs with the tiles past their last full wave left whole (GPU kernels only)."""
+    from moe_lowering.kernels import triton_grouped_matmul
+
+    saved, triton_grouped_matmul.TAIL_APART = triton_grouped_matmul.TAIL_APART, False
+    try:
+        yield
+    finally:
+        triton_grouped_matmul.TAIL_APART = saved
 
 
 @contextlib.contextmanager
@@ -152,10 +166,10 @@ def push_launch(name: str):
 
 
 def _peer_variant_name(name: str) -> str:
-    if name in ("fused", "unfused", "looped", "all-rows", "rows") or re.fullmatch(r"push-\d+x\d+x\d+", name):
+    if name in ("fused", "unfused", "looped", "all-rows", "rows", "whole-tail") or re.fullmatch(r"push-\d+x\d+x\d+", name):
         return name
     raise argparse.ArgumentTypeError(
-        f"unknown peer variant {name!r}: fused, unfused, looped, all-rows, rows or push-PxWxS")
+        f"unknown peer variant {name!r}: fused, unfused, looped, all-rows, rows, whole-tail or push-PxWxS")
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -504,7 +518,8 @@ def main(argv=None):
     parser.add_argument("--peer-variants", nargs="+", default=["fused"], type=_peer_variant_name,
                         help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
                              "home), without that fusion, slack-sized rounds with the overflow loop, or the SwiGLU "
-                             "activation over the whole receive buffer; rows: no deduplicated dispatch; push-PxWxS: the dispatch push as P programs "
+                             "activation over the whole receive buffer; rows: no deduplicated dispatch; whole-tail: GEMM tail "
+                             "tiles not split; push-PxWxS: the dispatch push as P programs "
                              "of W warps storing S rows at a time")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
@@ -543,7 +558,13 @@ def main(argv=None):
         configs = []
     for cfg in configs:
         run = Overlap(bench, cfg, args.margin, trace_root)
-        bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse"))
+        if "whole-tail" in args.peer_variants and not args.smoke:  # alternated: the first timing of a run reads high
+            for repeat in (1, 2):
+                with whole_tail():
+                    bench.run(f"{cfg.name} 1gpu sparse whole-tail #{repeat}", lambda: run.single("sparse"))
+                bench.run(f"{cfg.name} 1gpu sparse #{repeat}", lambda: run.single("sparse"))
+        else:
+            bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse"))
         bench.run(f"{cfg.name} 1gpu dense", lambda: run.single("dense"))
         for ep in eps:
             bench.run(f"{cfg.name} ep{ep} gemm-only", lambda: run.gemm_only(ep))

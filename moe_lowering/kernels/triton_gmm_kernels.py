@@ -170,17 +170,22 @@ def gmm_kernel(
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     ZERO_OUTSIDE: tl.constexpr = True,
+    TAIL_APART: tl.constexpr = False,
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere
     (left unwritten elsewhere without ``ZERO_OUTSIDE``).
 
-    ``rhs`` is ``[G, K, N]``, or ``[G, N, K]`` read transposed with ``TRANSPOSE_RHS``.
+    ``rhs`` is ``[G, K, N]``, or ``[G, N, K]`` read transposed with ``TRANSPOSE_RHS``. With
+    ``TAIL_APART`` the tiles past the last full wave are left to ``gmm_tail_kernel`` wherever
+    ``_tail_split`` cuts them.
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
+    if TAIL_APART:
+        num_tiles = _tail_split(num_tiles, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)[0]
 
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
@@ -227,6 +232,7 @@ def gmm_push_kernel(
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
+    TAIL_APART: tl.constexpr = False,
 ):
     """``gmm_kernel``'s product, each output row stored straight into a peer's receive buffer.
 
@@ -241,6 +247,8 @@ def gmm_push_kernel(
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
+    if TAIL_APART:
+        num_tiles = _tail_split(num_tiles, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)[0]
     rank = tl.load(rank_ptr)
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
@@ -256,6 +264,154 @@ def gmm_push_kernel(
         tl.store(dest[:, None] + cols[None, :], acc.to(done_ptr.dtype.element_ty),
                  mask=stored[:, None] & (cols < N)[None, :])
     signal_peers(peer_address_ptr, rank, NUM_PEERS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tail past the last full wave. Programs take tiles round robin, so a product with a few tiles
+# past its last full wave runs a whole extra wave for them: at EP=4 the GPU whose experts need one
+# more row tile than the others' runs 15 waves instead of 14 and 5 instead of 4, and every GPU waits
+# for it (benchmarks/EP_NOTES.md, round 8). The tail kernel splits each of those tiles along K
+# into pieces, one per program, so the extra wave takes a fraction of a tile's time; the last piece
+# of a tile to finish adds the others' float32 partials in piece order and stores the tile. It is
+# a kernel of its own, after the main one, so that the main loop's code stays exactly as it is
+# (cutting the tail inside the main kernel slowed every full wave by ~5%).
+
+
+@triton.jit
+def _tail_split(num_tiles, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
+    """``(tiles of the full waves, pieces per tail tile)``: the tail tiles are cut into 8, 4 or 2
+    pieces along K (never more than the K steps) when every piece gets a program of its own;
+    1: the tail stays whole, in the main kernel."""
+    full = (num_tiles // NUM_PROGRAMS) * NUM_PROGRAMS
+    tail = num_tiles - full
+    pieces = tl.where((8 * tail <= NUM_PROGRAMS) & (K_STEPS >= 8), 8,
+                      tl.where((4 * tail <= NUM_PROGRAMS) & (K_STEPS >= 4), 4,
+                               tl.where((2 * tail <= NUM_PROGRAMS) & (K_STEPS >= 2), 2, 1)))
+    return tl.where(pieces > 1, full, num_tiles), pieces
+
+
+@triton.jit
+def _tile_product_k(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
+                    N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """``_tile_product`` over ``[k_begin, k_end)`` of the contraction (``k_begin`` a multiple of
+    ``BLOCK_K``). Its own copy, not a call from ``_tile_product``: the main loop keeps constant bounds."""
+    in_m = tl.arange(0, BLOCK_M)
+    in_k = tl.arange(0, BLOCK_K)
+    tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
+    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + k_begin + in_k[None, :]
+    weight_ptr = rhs_ptr + tl.cast(local_group, tl.int64) * (K * N)
+    if TRANSPOSE_RHS:
+        b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + k_begin + in_k[:, None]
+        b_step = BLOCK_K
+    else:
+        b_ptrs = weight_ptr + tl.cast(k_begin, tl.int64) * N + in_k[:, None] * N + cols[None, :]
+        b_step = BLOCK_K * N
+    b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k_ok = (k0 + in_k) < k_end
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
+        if COMPUTE_F32:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
+def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M: tl.constexpr,
+                K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                COMPUTE_F32: tl.constexpr):
+    """This program's piece of a tail tile: ``(the tile's float32 sum, first row, columns, end of
+    the rows to store)``. Only the tile's last piece to finish gets the sum and a row end past its
+    first row; every other program gets zeros and a row end of 0 (nothing to store)."""
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    k_steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
+    full_tiles, pieces = _tail_split(num_tiles, NUM_PROGRAMS, k_steps)
+    active = (pieces > 1) & (pid < (num_tiles - full_tiles) * pieces)
+    tail_index = pid // pieces
+    piece = pid % pieces
+    group, group_start, group_end, pm, pn = _tile_position(
+        tl.minimum(full_tiles + tail_index, tl.maximum(num_tiles - 1, 0)), group_ids, starts, ends, m_tiles,
+        tile_ends, n_tiles, M, GROUP_M
+    )
+    row0 = group_start + pm * BLOCK_M
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    steps_per_piece = (k_steps + pieces - 1) // pieces
+    k_begin = tl.minimum(piece * steps_per_piece * BLOCK_K, K)
+    k_end = tl.where(active, tl.minimum(k_begin + steps_per_piece * BLOCK_K, K), k_begin)
+    acc = _tile_product_k(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
+                          BLOCK_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
+
+    tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
+    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(partials_ptr + tl.cast(pid, tl.int64) * tile_elems + in_tile, acc,
+             mask=in_tile < tl.where(active, tile_elems, 0))  # each program has a slot of its own
+    tl.debug_barrier()  # every thread's partial is stored before the release below
+    arrived = tl.atomic_add(counters_ptr + tail_index, 1, sem="acq_rel", scope="gpu")  # an inactive one's: unread
+    tl.debug_barrier()  # the acquire above orders every thread's loads of the other pieces' partials
+    is_last = active & (arrived == pieces - 1)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = tl.cast(tail_index * pieces, tl.int64) * tile_elems
+    read_limit = tl.where(is_last, tile_elems, 0)
+    for i in range(0, pieces):  # every piece's partial in piece order: the sum does not depend on who came last
+        total += tl.load(partials_ptr + first + i * tile_elems + in_tile, mask=in_tile < read_limit, other=0.0,
+                         cache_modifier=".cg")
+    return total, row0, cols, tl.where(is_last, group_end, 0)
+
+
+@triton.jit
+def gmm_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, prior_ptr, out_ptr, partials_ptr,
+                    counters_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                    NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                    TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                    COMPUTE_F32: tl.constexpr):
+    """The tail tiles ``gmm_kernel(TAIL_APART=True)`` left, written into its output (``out``
+    aliases ``prior``). ``partials`` is float32 scratch of ``NUM_PROGRAMS`` tiles, ``counters``
+    ``NUM_PROGRAMS`` zeroed int32."""
+    total, row0, cols, row_end = _tail_piece(
+        lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M, K, N, NUM_LOCAL_GROUPS,
+        NUM_GROUPS, GROUPS_PAD, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32
+    )
+    in_m = tl.arange(0, BLOCK_M)
+    out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+    store_mask = ((row0 + in_m) < row_end)[:, None] & (cols < N)[None, :]
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def gmm_push_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, dest_device_ptr, dest_row_ptr,
+                         peer_address_ptr, rank_ptr, main_done_ptr, done_ptr, partials_ptr, counters_ptr,
+                         M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
+                         NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, NUM_PEERS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """The tail tiles ``gmm_push_kernel(TAIL_APART=True)`` left, stored on the peers as it stores
+    its rows; then every program signals every peer, as the main kernel's do."""
+    total, row0, cols, row_end = _tail_piece(
+        lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M, K, N, NUM_LOCAL_GROUPS,
+        NUM_GROUPS, GROUPS_PAD, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32
+    )
+    rows = row0 + tl.arange(0, BLOCK_M)
+    device = tl.load(dest_device_ptr + rows, mask=rows < row_end, other=-1)
+    stored = device >= 0
+    device = tl.maximum(device, 0)
+    dest_row = tl.load(dest_row_ptr + rows, mask=stored, other=0)
+    dest = peer_row_pointers(done_ptr, peer_address_ptr, device, dest_row, N)
+    tl.store(dest[:, None] + cols[None, :], total.to(done_ptr.dtype.element_ty),
+             mask=stored[:, None] & (cols < N)[None, :])
+    signal_peers(peer_address_ptr, tl.load(rank_ptr), NUM_PEERS)
 
 
 @triton.jit

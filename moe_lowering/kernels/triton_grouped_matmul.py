@@ -16,12 +16,24 @@ import jax.numpy as jnp
 import jax_triton
 
 from moe_lowering.kernels import grouped_matmul as reference
-from moe_lowering.kernels.triton_gmm_kernels import gmm_kernel, gmm_push_kernel, tgmm_kernel
+from moe_lowering.kernels.triton_gmm_kernels import (
+    gmm_kernel,
+    gmm_push_kernel,
+    gmm_push_tail_kernel,
+    gmm_tail_kernel,
+    tgmm_kernel,
+)
 
 log = logging.getLogger(__name__)
 
 _TENSOR_CORE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _KERNEL_DTYPES = _TENSOR_CORE_DTYPES + (jnp.dtype(jnp.float32),)
+
+
+# The row-tiled products leave the tiles past their last full wave to a second kernel that splits
+# them along K (``triton_gmm_kernels.gmm_tail_kernel``): a GPU one row tile over a wave boundary
+# otherwise runs a whole extra wave (benchmarks/EP_NOTES.md, round 8). False only to measure that.
+TAIL_APART = True
 
 
 @dataclass(frozen=True)
@@ -144,17 +156,36 @@ def gmm(
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
-    return jax_triton.triton_call(
-        lhs,
-        rhs,
-        group_sizes.astype(jnp.int32),
-        _offset_array(group_offset),
+    operands = (lhs, rhs, group_sizes.astype(jnp.int32), _offset_array(group_offset))
+    out = jax_triton.triton_call(
+        *operands,
         kernel=gmm_kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
         TRANSPOSE_RHS=bool(transpose_rhs),
         ZERO_OUTSIDE=bool(zero_outside),
+        TAIL_APART=TAIL_APART,
         **launch,
     )
+    if not TAIL_APART:
+        return out
+    out, _, _ = jax_triton.triton_call(
+        *operands,
+        out,
+        kernel=gmm_tail_kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_rows, n), out_dtype), *_tail_scratch(launch)),
+        input_output_aliases={len(operands): 0},
+        zeroed_outputs=(2,),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        **launch,
+    )
+    return out
+
+
+def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The tail kernel's float32 partial tiles (one per program) and its zeroed per-tile counters."""
+    programs = launch["NUM_PROGRAMS"]
+    return (jax.ShapeDtypeStruct((programs * launch["BLOCK_M"] * launch["BLOCK_N"],), jnp.float32),
+            jax.ShapeDtypeStruct((programs,), jnp.int32))
 
 
 def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
@@ -200,21 +231,29 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
     if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
         raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0])
+    operands = (lhs, rhs, group_sizes.astype(jnp.int32), _offset_array(group_offset), dest_device.astype(jnp.int32),
+                dest_row.astype(jnp.int32), peer_addresses.reshape(-1), jnp.reshape(rank, (1,)).astype(jnp.int32))
+    done_shape = jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype)
     done = jax_triton.triton_call(
-        lhs,
-        rhs,
-        group_sizes.astype(jnp.int32),
-        _offset_array(group_offset),
-        dest_device.astype(jnp.int32),
-        dest_row.astype(jnp.int32),
-        peer_addresses.reshape(-1),
-        jnp.reshape(rank, (1,)).astype(jnp.int32),
+        *operands,
         kernel=gmm_push_kernel,
-        out_shape=jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype),
+        out_shape=done_shape,
+        NUM_PEERS=peer_addresses.shape[0],
+        TAIL_APART=TAIL_APART,
+        **launch,
+    )
+    if not TAIL_APART:
+        return done, launch["NUM_PROGRAMS"]
+    done, _, _ = jax_triton.triton_call(
+        *operands,
+        done,
+        kernel=gmm_push_tail_kernel,
+        out_shape=(done_shape, *_tail_scratch(launch)),
+        zeroed_outputs=(2,),
         NUM_PEERS=peer_addresses.shape[0],
         **launch,
     )
-    return done, launch["NUM_PROGRAMS"]
+    return done, 2 * launch["NUM_PROGRAMS"]  # both kernels' programs signal every peer
 
 
 def tgmm(

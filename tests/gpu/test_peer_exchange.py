@@ -162,11 +162,13 @@ def test_peer_on_fsdp_by_expert_mesh(quant):
     mesh = jax.make_mesh((2, 2), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2, devices=GPUS[:4])
     specs = [P("expert", "fsdp", None), P("expert", "fsdp", None), P("expert", None, "fsdp")]
     layout = plan_layout(mesh, P(("fsdp", "expert")), specs, E)
+    capacity = tokens.shape[0] // 4 * 2  # one round of every row on both transports: the same GEMM buffers
 
     def out_and_grads(transport):
         def moe(t, w, p):
             return sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout,
-                                      exchange_transport=transport, weight_gather_quant=quant)
+                                      exchange_transport=transport, exchange_capacity=capacity,
+                                      weight_gather_quant=quant)
 
         def run(t, w, p, g):
             out, vjp = jax.vjp(moe, t, w, p)

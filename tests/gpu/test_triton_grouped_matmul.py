@@ -182,3 +182,24 @@ def test_gmm_without_zeros_outside_writes_the_group_rows_alike(case):
     partial = np.asarray(tgm.gmm(lhs, rhs, sizes, group_offset=group_offset, zero_outside=False), np.float32)
     np.testing.assert_array_equal(partial[inside], full[inside])
     assert (full[~inside] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gmm_splits_the_tiles_past_its_last_wave_along_k(dtype, monkeypatch):
+    """Sizes that leave a few tiles past the last full wave of 132 programs, which the tail kernel
+    cuts along K (8 pieces in bf16's 128 x 256 tiles, 4 in float32's 64 x 64): the product equals
+    the float64 reference and the product with its tail left whole."""
+    group_sizes, num_rows, k, n = [1040, 1060], 2100, 512, 2048
+    monkeypatch.setattr(tgm, "_multiprocessor_count", lambda: 132)
+    config = tgm.gmm_config(num_rows, k, n, 2, dtype == jnp.float32)
+    tiles = sum(-(-size // config.block_m) for size in group_sizes) * -(-n // config.block_n)
+    assert 2 * (tiles % 132) <= 132 and tiles > 132, "the case must have a tail to split"
+    k_lhs, k_rhs = jax.random.split(jax.random.key(6))
+    lhs = _random(k_lhs, (num_rows, k), dtype)
+    rhs = _random(k_rhs, (2, k, n), dtype)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    split = tgm.gmm(lhs, rhs, sizes)
+    assert _relative_error(split, _gmm_reference(lhs, rhs, group_sizes, 0, False)) < TOLERANCE[dtype]
+    monkeypatch.setattr(tgm, "TAIL_APART", False)
+    whole = tgm.gmm(lhs, rhs, sizes)
+    assert _relative_error(split, np.asarray(whole, np.float64)) < TOLERANCE[dtype] / 10
