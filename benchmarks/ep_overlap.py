@@ -511,6 +511,8 @@ def main(argv=None):
     parser.add_argument("--grids", nargs="+", default=["all"], choices=["all", "margin", "tiles"])
     parser.add_argument("--loops", nargs="+", default=["after", "first", "none"], choices=["after", "first", "none"])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"])
+    parser.add_argument("--eps", type=int, nargs="+", default=[4, 2], choices=[4, 2],
+                        help="expert-parallel sizes to run (those the devices allow); forward+backward at the first")
     parser.add_argument("--scheduler", nargs="+", default=["default", "lhs"], choices=["default", "lhs"],
                         help="XLA's default GPU scheduler and/or its latency-hiding scheduler forced on")
     parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "peer"],
@@ -537,7 +539,7 @@ def main(argv=None):
                   args.reps)
     configs = [CONFIGS["smoke"]] if args.smoke else [CONFIGS[c] for c in args.configs]
     transport_variants = [(t, v) for t in args.transports for v in (args.peer_variants if t == "peer" else [""])]
-    eps = [e for e in (4, 2) if e <= jax.device_count()]
+    eps = [e for e in args.eps if e <= jax.device_count()]
     lhs_variants = (False,) if jax.devices()[0].platform != "gpu" else tuple(v == "lhs" for v in args.scheduler)
     trace_root = Path(tempfile.mkdtemp()) if args.smoke else out_dir
 
