@@ -94,27 +94,29 @@ def _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M: tl.con
 
 
 @triton.jit
-def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-                  TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  COMPUTE_F32: tl.constexpr):
-    """float32 ``lhs[row0 : row0 + BLOCK_M] @ rhs[local_group][:, cols]`` (rows past ``M`` read clamped)."""
+def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
+                  N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """float32 ``lhs[row0 : row0 + BLOCK_M, k_begin:k_end] @ rhs[local_group][k_begin:k_end, cols]``
+    (rows past ``M`` read clamped). ``k_begin`` and ``k_end`` are multiples of ``BLOCK_K`` or ``K``:
+    the main kernels pass the constants ``0, K``, so their loop keeps constant bounds."""
     in_m = tl.arange(0, BLOCK_M)
     in_k = tl.arange(0, BLOCK_K)
     # Rows past the group (or past M) are read clamped and never stored. Column indices stay
     # unclamped along the contiguous axis (a clamp would hide their contiguity from the
     # compiler and cost the 16-byte pipelined loads); a remainder there is masked instead.
     tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
-    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
+    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + k_begin + in_k[None, :]
     weight_ptr = rhs_ptr + tl.cast(local_group, tl.int64) * (K * N)
     if TRANSPOSE_RHS:
-        b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + in_k[:, None]
+        b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + k_begin + in_k[:, None]
         b_step = BLOCK_K
     else:
-        b_ptrs = weight_ptr + in_k[:, None] * N + cols[None, :]
+        b_ptrs = weight_ptr + tl.cast(k_begin, tl.int64) * N + in_k[:, None] * N + cols[None, :]
         b_step = BLOCK_K * N
     b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         if K % BLOCK_K == 0:
             a = tl.load(a_ptrs)
             if TRANSPOSE_RHS or N % BLOCK_N == 0:
@@ -122,7 +124,7 @@ def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, M: tl.constexpr, K:
             else:
                 b = tl.load(b_ptrs, mask=b_cols_ok, other=0.0)
         else:
-            k_ok = (k0 + in_k) < K
+            k_ok = (k0 + in_k) < k_end
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
         if COMPUTE_F32:
@@ -144,8 +146,8 @@ def _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles, 
     )
     row0 = group_start + pm * BLOCK_M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
-                        BLOCK_K, COMPUTE_F32)
+    acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
+                        BLOCK_N, BLOCK_K, COMPUTE_F32)
     return acc, row0, cols, group_end
 
 
@@ -291,38 +293,6 @@ def _tail_split(num_tiles, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
 
 
 @triton.jit
-def _tile_product_k(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
-                    N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr):
-    """``_tile_product`` over ``[k_begin, k_end)`` of the contraction (``k_begin`` a multiple of
-    ``BLOCK_K``). Its own copy, not a call from ``_tile_product``: the main loop keeps constant bounds."""
-    in_m = tl.arange(0, BLOCK_M)
-    in_k = tl.arange(0, BLOCK_K)
-    tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
-    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + k_begin + in_k[None, :]
-    weight_ptr = rhs_ptr + tl.cast(local_group, tl.int64) * (K * N)
-    if TRANSPOSE_RHS:
-        b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + k_begin + in_k[:, None]
-        b_step = BLOCK_K
-    else:
-        b_ptrs = weight_ptr + tl.cast(k_begin, tl.int64) * N + in_k[:, None] * N + cols[None, :]
-        b_step = BLOCK_K * N
-    b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k_ok = (k0 + in_k) < k_end
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & b_cols_ok, other=0.0)
-        if COMPUTE_F32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += b_step
-    return acc
-
-
-@triton.jit
 def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M: tl.constexpr,
                 K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
                 GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -350,8 +320,8 @@ def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_pt
     steps_per_piece = (k_steps + pieces - 1) // pieces
     k_begin = tl.minimum(piece * steps_per_piece * BLOCK_K, K)
     k_end = tl.where(active, tl.minimum(k_begin + steps_per_piece * BLOCK_K, K), k_begin)
-    acc = _tile_product_k(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
+    acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
+                        BLOCK_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
 
     tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
     in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
