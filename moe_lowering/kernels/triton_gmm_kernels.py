@@ -211,6 +211,20 @@ def gmm_kernel(
 
 
 @triton.jit
+def _store_on_peers(tile, rows, cols, row_end, dest_device_ptr, dest_row_ptr, peer_address_ptr, done_ptr,
+                    N: tl.constexpr):
+    """Store a product tile's rows below ``row_end`` at their places in the peers' receive buffers
+    (``dest_device`` -1: a row that goes nowhere)."""
+    device = tl.load(dest_device_ptr + rows, mask=rows < row_end, other=-1)
+    stored = device >= 0
+    device = tl.maximum(device, 0)
+    dest_row = tl.load(dest_row_ptr + rows, mask=stored, other=0)
+    dest = peer_row_pointers(done_ptr, peer_address_ptr, device, dest_row, N)
+    tl.store(dest[:, None] + cols[None, :], tile.to(done_ptr.dtype.element_ty),
+             mask=stored[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def gmm_push_kernel(
     lhs_ptr,
     rhs_ptr,
@@ -257,14 +271,7 @@ def gmm_push_kernel(
         acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
                                                tile_ends, n_tiles, M, K, N, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                COMPUTE_F32)
-        rows = row0 + in_m
-        device = tl.load(dest_device_ptr + rows, mask=rows < group_end, other=-1)
-        stored = device >= 0
-        device = tl.maximum(device, 0)
-        dest_row = tl.load(dest_row_ptr + rows, mask=stored, other=0)
-        dest = peer_row_pointers(done_ptr, peer_address_ptr, device, dest_row, N)
-        tl.store(dest[:, None] + cols[None, :], acc.to(done_ptr.dtype.element_ty),
-                 mask=stored[:, None] & (cols < N)[None, :])
+        _store_on_peers(acc, row0 + in_m, cols, group_end, dest_device_ptr, dest_row_ptr, peer_address_ptr, done_ptr, N)
     signal_peers(peer_address_ptr, rank, NUM_PEERS)
 
 
@@ -373,14 +380,8 @@ def gmm_push_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, de
         lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M, K, N, NUM_LOCAL_GROUPS,
         NUM_GROUPS, GROUPS_PAD, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32
     )
-    rows = row0 + tl.arange(0, BLOCK_M)
-    device = tl.load(dest_device_ptr + rows, mask=rows < row_end, other=-1)
-    stored = device >= 0
-    device = tl.maximum(device, 0)
-    dest_row = tl.load(dest_row_ptr + rows, mask=stored, other=0)
-    dest = peer_row_pointers(done_ptr, peer_address_ptr, device, dest_row, N)
-    tl.store(dest[:, None] + cols[None, :], total.to(done_ptr.dtype.element_ty),
-             mask=stored[:, None] & (cols < N)[None, :])
+    _store_on_peers(total, row0 + tl.arange(0, BLOCK_M), cols, row_end, dest_device_ptr, dest_row_ptr,
+                    peer_address_ptr, done_ptr, N)
     signal_peers(peer_address_ptr, tl.load(rank_ptr), NUM_PEERS)
 
 
