@@ -209,7 +209,7 @@ class Overlap:
             row["useful_TFLOPs"] = self.cfg.useful_flops() / (row["ms"] * 1e-3) / 1e12
         return {"kind": "overlap", "config": self.cfg.name, **row}
 
-    def single(self, impl: str, fwd_bwd: bool = False):
+    def single(self, impl: str, fwd_bwd: bool = False, profile: bool = False):
         layer, cfg = self.layer, self.cfg
         if fwd_bwd:
             if impl == "dense":
@@ -225,9 +225,13 @@ class Overlap:
         ms, ms_b2b, fn = timed(self.bench, fn, args, False)
         if impl == "sparse" and not fwd_bwd:
             layer.reference = fn(*args)
-        return self.row(impl=impl, mesh="1gpu", **{"pass": "fwdbwd" if fwd_bwd else "fwd"}, ms=ms, ms_b2b=ms_b2b)
+        row = dict(impl=impl, mesh="1gpu", ms=ms, ms_b2b=ms_b2b, **{"pass": "fwdbwd" if fwd_bwd else "fwd"})
+        if profile:
+            row["profile_b2b"] = _guarded(back_to_back_profile, fn, args,
+                                          self.out_dir / f"trace_b2b_{self.cfg.name}_1gpu_{impl}")
+        return self.row(**row)
 
-    def dense(self, ep: int, fwd_bwd: bool = False):
+    def dense(self, ep: int, fwd_bwd: bool = False, profile: bool = False):
         cfg, layer = self.cfg, self.layer
         mesh, _, (tokens, indices, weights, params) = self.mesh_args(ep)
         if fwd_bwd:
@@ -238,9 +242,12 @@ class Overlap:
             fn = jax.jit(lambda t, i, w, p: ep_bench.dense_layer(t, i, w, p, cfg.E),
                          out_shardings=NamedSharding(mesh, P("expert")))
             args = (tokens, indices, weights, params)
-        ms, ms_b2b, _ = timed(self.bench, fn, args, False)
-        return self.row(impl="dense", mesh=f"ep{ep}", **{"pass": "fwdbwd" if fwd_bwd else "fwd"}, ms=ms,
-                        ms_b2b=ms_b2b)
+        ms, ms_b2b, compiled = timed(self.bench, fn, args, False)
+        row = dict(impl="dense", mesh=f"ep{ep}", ms=ms, ms_b2b=ms_b2b, **{"pass": "fwdbwd" if fwd_bwd else "fwd"})
+        if profile:
+            row["profile_b2b"] = _guarded(back_to_back_profile, compiled, args,
+                                          self.out_dir / f"trace_b2b_{cfg.name}_ep{ep}_dense")
+        return self.row(**row)
 
     def sparse(self, ep: int, chunks: int, grid: str, lhs: bool, fwd_bwd: bool = False,
                transport: str = "all_to_all", profile: bool = False, loop: str = "after", variant: str = "fused"):
@@ -417,12 +424,16 @@ def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
     if not paths:
         return {"error": f"no xplane.pb under {trace_dir}"}
     data = ProfileData.from_file(str(paths[-1]))
+    launches = _host_launch_starts(data)
     gpus, push_starts = {}, {}
     for plane in data.planes:
         if "/device:GPU:" not in plane.name:
             continue
         events = sorted((e.start_ns, e.duration_ns, e.name) for line in plane.lines if line.name.startswith("Stream")
                         for e in line.events)
+        lags = {(e.start_ns, e.name): e.start_ns - launches[c] for line in plane.lines
+                if line.name.startswith("Stream") for e in line.events
+                if (c := _stat(e, "correlation_id")) is not None and c in launches}
         if not events:
             continue
         busy = _length(_union([(start, start + length) for start, length, _ in events]))
@@ -446,6 +457,7 @@ def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
             "wait_ms_by_place": [round(float(np.mean(waits[i::per_step])), 4) for i in range(per_step)],
             "widest_gaps_us": [(round(us / 1e3, 1), after, then) for us, after, then in sorted(gaps, reverse=True)[:8]],
             "top_kernels_ms": {n: round(ms, 4) for n, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]},
+            "middle_step": _step_timeline(events, steps, lags),
         }
         push_starts[gpu] = [start for start, _, name in events if name.startswith("push_kernel")]
     counts = {len(v) for v in push_starts.values()}
@@ -455,6 +467,41 @@ def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
             starts = [v[i] for v in push_starts.values()]
             skew.append(round((max(starts) - min(starts)) / 1e3, 1))
     return {"steps": steps, "gpus": gpus, "push_start_skew_us": skew}
+
+
+def _stat(event, name: str):
+    try:
+        return dict(event.stats).get(name)
+    except Exception:  # stats this jaxlib cannot convert: no correlation
+        return None
+
+
+def _host_launch_starts(data) -> dict:
+    """``correlation id -> start ns`` of the host's launch calls (CUPTI's API events), where traced."""
+    starts = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/host:"):
+            continue
+        for line in plane.lines:
+            for event in line.events:
+                if (c := _stat(event, "correlation_id")) is not None:
+                    starts.setdefault(c, event.start_ns)
+    return starts
+
+
+def _step_timeline(events, steps: int, lags: dict) -> list:
+    """The middle step's kernels in order: ``(name, start us from the step's first kernel, us,
+    us from the host's launch call to the kernel's start or None)``. Every step launches the same
+    kernels, so the events split into ``steps`` equal runs; a kernel that starts right after its
+    launch call after an idle gap says the host, not the GPU, set the pace there."""
+    per_step = len(events) // steps
+    if per_step == 0 or len(events) % steps:
+        return []
+    middle = events[(steps // 2) * per_step:(steps // 2 + 1) * per_step]
+    origin = middle[0][0]
+    return [(name[:48], round((start - origin) / 1e3, 1), round(length / 1e3, 1),
+             None if (lag := lags.get((start, name))) is None else round(lag / 1e3, 1))
+            for start, length, name in middle]
 
 
 def _guarded(summary, *args) -> dict:
@@ -525,6 +572,8 @@ def main(argv=None):
                              "of W warps storing S rows at a time")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")
+    parser.add_argument("--profile-baselines", action="store_true",
+                        help="also trace the one-GPU sparse and the dense layer at the first EP size back to back")
     parser.add_argument("--exchange-only", action="store_true",
                         help="only the token exchange's bandwidth (and the layer HLO with --dump-hlo)")
     parser.add_argument("--dump-hlo", action="store_true", help="write the compiled HLO of the EP=4 layer")
@@ -566,11 +615,12 @@ def main(argv=None):
                     bench.run(f"{cfg.name} 1gpu sparse whole-tail #{repeat}", lambda: run.single("sparse"))
                 bench.run(f"{cfg.name} 1gpu sparse #{repeat}", lambda: run.single("sparse"))
         else:
-            bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse"))
+            bench.run(f"{cfg.name} 1gpu sparse", lambda: run.single("sparse", profile=args.profile_baselines))
         bench.run(f"{cfg.name} 1gpu dense", lambda: run.single("dense"))
         for ep in eps:
             bench.run(f"{cfg.name} ep{ep} gemm-only", lambda: run.gemm_only(ep))
-            bench.run(f"{cfg.name} ep{ep} dense", lambda: run.dense(ep))
+            bench.run(f"{cfg.name} ep{ep} dense",
+                      lambda: run.dense(ep, profile=args.profile_baselines and ep == eps[0]))
             for transport, variant in transport_variants:
                 for loop in args.loops:
                     for chunks in args.chunks:
@@ -606,10 +656,19 @@ def main(argv=None):
         if b2b and b2b.get("gpus"):
             print(row["name"], "back to back: push start skew (us) per step", b2b["push_start_skew_us"])
             for gpu, summary in sorted(b2b["gpus"].items()):
+                timeline = summary.get("middle_step") or [("", 0.0, 0.0, None)]
+                span = timeline[-1][1] + timeline[-1][2]
+                print("    GPU %s: a step every %.3f ms, the middle one spans %.3f ms of its kernels (%.3f ms idle inside)"
+                      % (gpu, summary["busy_ms"] + summary["idle_ms"], span / 1e3,
+                         (span - sum(e[2] for e in timeline)) / 1e3))
                 print("    GPU %s: kernels %.3f ms (%.3f less waits), idle %.3f ms per step, wait kernels by place %s" % (
                     gpu, summary["busy_ms"], summary["work_ms"], summary["idle_ms"], summary["wait_ms_by_place"]))
             for gap in b2b["gpus"][min(b2b["gpus"])]["widest_gaps_us"]:
                 print("     ", gap)
+            for gpu, summary in sorted(b2b["gpus"].items()):
+                print("    GPU %s middle step (name, start us, us, us since its launch call):" % gpu)
+                for entry in summary.get("middle_step", []):
+                    print("       ", entry)
             for name, ms in list(b2b["gpus"][min(b2b["gpus"])]["top_kernels_ms"].items()):
                 print("      %.4f %s" % (ms, name))
 

@@ -33,14 +33,34 @@ class SortedRouting(NamedTuple):
     group_sizes: jax.Array  # [num_experts] int32, dropped copies not counted
 
 
+# Up to this many (copy, expert) pairs the copies are sorted by counting (a cumulative sum over
+# their one-hot experts, one scatter) instead of a comparison sort: on an H200, XLA's sort of the
+# 4096 copies of an EP=4 Mixtral step alone took 31 us, a third of the step's routing.
+COUNTING_SORT_MAX_PAIRS = 1 << 20
+
+
+def _sorted_positions(flat, num_buckets: int):
+    """Each copy's place in the stable sort of ``flat`` (values in ``[0, num_buckets)``), by counting."""
+    one_hot = (flat[:, None] == jnp.arange(num_buckets, dtype=flat.dtype)[None, :]).astype(jnp.int32)
+    seen = jnp.cumsum(one_hot, axis=0)  # [N, buckets]: copies of each bucket up to and including this one
+    rank_in_bucket = jnp.take_along_axis(seen, flat[:, None], axis=1)[:, 0] - 1
+    sizes = seen[-1]
+    return (jnp.cumsum(sizes) - sizes)[flat] + rank_in_bucket
+
+
 def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     """Stable sort of the ``[T, k]`` expert choices; indices outside ``[0, E)`` mean dropped."""
     top_k = expert_indices.shape[-1]
     flat = expert_indices.reshape(-1).astype(jnp.int32)
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     num_rows = flat.shape[0]
-    inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(jnp.arange(num_rows, dtype=jnp.int32))
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    if num_rows * (num_experts + 1) <= COUNTING_SORT_MAX_PAIRS:
+        inverse = _sorted_positions(flat, num_experts + 1).astype(jnp.int32)
+        order = jnp.zeros((num_rows,), jnp.int32).at[inverse].set(rows, unique_indices=True)
+    else:
+        order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+        inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(rows, unique_indices=True)
     inverse = inverse.reshape(expert_indices.shape)
     group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
     return SortedRouting(order, inverse, order // top_k, flat[order], group_sizes)
