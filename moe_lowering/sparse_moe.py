@@ -39,7 +39,8 @@ class SortedRouting(NamedTuple):
 COUNTING_SORT_MAX_PAIRS = 1 << 20
 
 
-def _sorted_positions(flat, num_buckets: int):
+@functools.partial(jax.jit, static_argnums=1)  # a named call, so dumps and golden checks can find the sort
+def _counting_sort_positions(flat, num_buckets: int):
     """Each copy's place in the stable sort of ``flat`` (values in ``[0, num_buckets)``), by counting."""
     one_hot = (flat[:, None] == jnp.arange(num_buckets, dtype=flat.dtype)[None, :]).astype(jnp.int32)
     seen = jnp.cumsum(one_hot, axis=0)  # [N, buckets]: copies of each bucket up to and including this one
@@ -56,7 +57,7 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     num_rows = flat.shape[0]
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     if num_rows * (num_experts + 1) <= COUNTING_SORT_MAX_PAIRS:
-        inverse = _sorted_positions(flat, num_experts + 1).astype(jnp.int32)
+        inverse = _counting_sort_positions(flat, num_experts + 1).astype(jnp.int32)
         order = jnp.zeros((num_rows,), jnp.int32).at[inverse].set(rows, unique_indices=True)
     else:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
