@@ -30,6 +30,7 @@ from moe_lowering.parallel.capacity import (
 from moe_lowering.parallel.exchange import (
     TRANSPORT_CHOICES,
     ExchangeConfig,
+    RowSource,
     deduplicates,
     deduplication_pays,
     exchange_config,
@@ -257,7 +258,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
             payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)
                              for p, kind in zip(params, program.param_kinds) if kind is ParamKind.PER_TOKEN)
             out_rows = exchange_expert_rows(cfg, rows, payloads, params, routing.group_sizes,
-                                            routing.token_of_row if deduplicate else None)
+                                            routing.token_of_row if deduplicate else None,
+                                            RowSource(tokens, routing.token_of_row))
             rounds = num_rounds(jax.lax.all_gather(routing.group_sizes, layout.expert_axis), cfg)
         out = combine(out_rows, expert_weights, routing)
         stats = ShardedMoEStats(dropped_copies=jax.lax.psum(dropped, axes), exchange_rounds=jax.lax.pmax(rounds, axes))
