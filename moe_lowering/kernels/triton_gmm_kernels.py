@@ -279,11 +279,15 @@ def gmm_push_kernel(
 # The tail past the last full wave. Programs take tiles round robin, so a product with a few tiles
 # past its last full wave runs a whole extra wave for them: at EP=4 the GPU whose experts need one
 # more row tile than the others' runs 15 waves instead of 14 and 5 instead of 4, and every GPU waits
-# for it (benchmarks/EP_NOTES.md, round 8). The tail kernel splits each of those tiles along K
+# for it (benchmarks/EP_NOTES.md, round 8). The tail kernel does those tiles in units of UNIT_M
+# rows, the two 64-row halves of a tile when BLOCK_M >= 128 (whole tiles with 64-row tiles), and
+# skips the units that start past the tile's group: the tail is often one group's last row tile,
+# mostly rows that are never stored (31 of 128 on that GPU). It splits each remaining unit along K
 # into pieces, one per program, so the extra wave takes a fraction of a tile's time; the last piece
-# of a tile to finish adds the others' float32 partials in piece order and stores the tile. It is
+# of a unit to finish adds the others' float32 partials in piece order and stores the unit. It is
 # a kernel of its own, after the main one, so that the main loop's code stays exactly as it is
-# (cutting the tail inside the main kernel slowed every full wave by ~5%).
+# (cutting the tail inside the main kernel slowed every full wave by ~5%): the main kernels pick
+# the tail tiles by ``_tail_split`` alone, and only the tail kernel looks at their rows.
 
 
 @triton.jit
@@ -300,51 +304,108 @@ def _tail_split(num_tiles, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
 
 
 @triton.jit
+def _unit_pieces(units, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
+    """Pieces along K per tail unit: 8, 4 or 2 (never more than the K steps) when every piece gets
+    a program of its own, else 1 (a program per whole unit: the main kernel leaves at most
+    ``NUM_PROGRAMS / 2`` tail tiles, so at most ``NUM_PROGRAMS`` units)."""
+    return tl.where((8 * units <= NUM_PROGRAMS) & (K_STEPS >= 8), 8,
+                    tl.where((4 * units <= NUM_PROGRAMS) & (K_STEPS >= 4), 4,
+                             tl.where((2 * units <= NUM_PROGRAMS) & (K_STEPS >= 2), 2, 1)))
+
+
+@triton.jit
+def _tail_units(full_tiles, num_tiles, starts, ends, m_tiles, tile_ends, n_tiles, M: tl.constexpr,
+                GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, UNIT_M: tl.constexpr, GROUP_M: tl.constexpr,
+                TAIL_PAD: tl.constexpr):
+    """Active units of tail tiles ``full_tiles + t``, ``t < TAIL_PAD`` (0 past the tail): the tile's
+    UNIT_M-row slices that start before its group's end (as stored: at most ``M``). Every program
+    needs every tail tile's count to number the units, so this is ``_tile_position``'s rows for
+    all of them at once."""
+    tile = full_tiles + tl.arange(0, TAIL_PAD)
+    in_tail = tile < num_tiles
+    # Clamped: the positions past the tail (or of no tile at all) are not used.
+    tile = tl.minimum(tile, tl.maximum(num_tiles - 1, 0))
+    group = tl.minimum(tl.sum((tile_ends[None, :] <= tile[:, None]).to(tl.int32), axis=1), GROUPS_PAD - 1)
+    group_m_tiles = tl.gather(m_tiles, group, 0)
+    first_tile = tl.gather(tile_ends, group, 0) - group_m_tiles * n_tiles
+    pm, _ = _band_swizzle(tile - first_tile, group_m_tiles, n_tiles, GROUP_M)
+    rows_left = tl.minimum(tl.gather(ends, group, 0), M) - (tl.gather(starts, group, 0) + pm * BLOCK_M)
+    units = tl.minimum(tl.maximum(rows_left + UNIT_M - 1, 0) // UNIT_M, BLOCK_M // UNIT_M)
+    return tl.where(in_tail, units, 0)
+
+
+@triton.jit
+def _sum_pieces(partial, unit, pieces, row_end, partials_ptr, counters_ptr, UNIT_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """``(the unit's sum over its pieces, row end)`` for the unit's last piece to finish, ``(zeros,
+    0)`` for the others: each program's partial goes to a slot of its own (program ``p``'s is
+    ``p``, so unit ``u``'s are ``u * pieces ...``), and the last one adds them in piece order, so
+    the sum does not depend on who came last."""
+    unit_elems: tl.constexpr = UNIT_M * BLOCK_N
+    in_unit = tl.arange(0, UNIT_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tl.store(partials_ptr + tl.cast(tl.program_id(0), tl.int64) * unit_elems + in_unit, partial)
+    tl.debug_barrier()  # every thread's partial is stored before the release below
+    arrived = tl.atomic_add(counters_ptr + unit, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()  # the acquire above orders every thread's loads of the other pieces' partials
+    is_last = arrived == pieces - 1
+    total = tl.zeros((UNIT_M, BLOCK_N), dtype=tl.float32)
+    first = tl.cast(unit * pieces, tl.int64) * unit_elems
+    read_limit = tl.where(is_last, unit_elems, 0)
+    for i in range(0, pieces):
+        total += tl.load(partials_ptr + first + i * unit_elems + in_unit, mask=in_unit < read_limit, other=0.0,
+                         cache_modifier=".cg")
+    return total, tl.where(is_last, row_end, 0)
+
+
+@triton.jit
 def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M: tl.constexpr,
                 K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
                 GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                COMPUTE_F32: tl.constexpr):
-    """This program's piece of a tail tile: ``(the tile's float32 sum, first row, columns, end of
-    the rows to store)``. Only the tile's last piece to finish gets the sum and a row end past its
-    first row; every other program gets zeros and a row end of 0 (nothing to store)."""
+                COMPUTE_F32: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """This program's piece of a tail unit: ``(the unit's float32 sum, its rows, columns, end of the
+    rows to store)``. Program ``p`` takes piece ``p % pieces`` of active unit ``p // pieces``, the
+    units numbered in tail order; only the program that stores the unit (the whole unit's, or its
+    last piece to finish) gets the sum and a row end past its first row, every other program zeros
+    and a row end of 0 (nothing to store)."""
+    tl.static_assert(TAIL_PAD >= NUM_PROGRAMS // 2, "TAIL_PAD must hold NUM_PROGRAMS // 2 tail tiles")
+    UNIT_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 128 else BLOCK_M
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     k_steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
-    full_tiles, pieces = _tail_split(num_tiles, NUM_PROGRAMS, k_steps)
-    active = (pieces > 1) & (pid < (num_tiles - full_tiles) * pieces)
-    tail_index = pid // pieces
-    piece = pid % pieces
+    full_tiles = _tail_split(num_tiles, NUM_PROGRAMS, k_steps)[0]
+    units = _tail_units(full_tiles, num_tiles, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUPS_PAD, BLOCK_M,
+                        UNIT_M, GROUP_M, TAIL_PAD)
+    num_units = tl.sum(units, axis=0)
+    pieces = _unit_pieces(num_units, NUM_PROGRAMS, k_steps)
+    has_piece = pid < pieces * num_units
+    unit = pid // pieces
+    units_before = tl.cumsum(units, axis=0) - units
+    tail_index = tl.sum((units_before + units <= unit).to(tl.int32), axis=0)  # the tail tile holding the unit
     group, group_start, group_end, pm, pn = _tile_position(
         tl.minimum(full_tiles + tail_index, tl.maximum(num_tiles - 1, 0)), group_ids, starts, ends, m_tiles,
         tile_ends, n_tiles, M, GROUP_M
     )
-    row0 = group_start + pm * BLOCK_M
+    # A tile's active units are its first ones (rows below the group end), so the unit's place
+    # among them is its slice of the tile.
+    slice_index = unit - _pick(units_before, tl.arange(0, TAIL_PAD) == tail_index)
+    row0 = group_start + pm * BLOCK_M + slice_index * UNIT_M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    steps_per_piece = (k_steps + pieces - 1) // pieces
-    k_begin = tl.minimum(piece * steps_per_piece * BLOCK_K, K)
-    k_end = tl.where(active, tl.minimum(k_begin + steps_per_piece * BLOCK_K, K), k_begin)
-    acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
-                        BLOCK_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
 
-    tile_elems: tl.constexpr = BLOCK_M * BLOCK_N
-    in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(partials_ptr + tl.cast(pid, tl.int64) * tile_elems + in_tile, acc,
-             mask=in_tile < tl.where(active, tile_elems, 0))  # each program has a slot of its own
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    arrived = tl.atomic_add(counters_ptr + tail_index, 1, sem="acq_rel", scope="gpu")  # an inactive one's: unread
-    tl.debug_barrier()  # the acquire above orders every thread's loads of the other pieces' partials
-    is_last = active & (arrived == pieces - 1)
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first = tl.cast(tail_index * pieces, tl.int64) * tile_elems
-    read_limit = tl.where(is_last, tile_elems, 0)
-    for i in range(0, pieces):  # every piece's partial in piece order: the sum does not depend on who came last
-        total += tl.load(partials_ptr + first + i * tile_elems + in_tile, mask=in_tile < read_limit, other=0.0,
-                         cache_modifier=".cg")
-    return total, row0, cols, tl.where(is_last, group_end, 0)
+    total = tl.zeros((UNIT_M, BLOCK_N), dtype=tl.float32)
+    row_end = tl.where(has_piece, group_end, 0)
+    if has_piece:
+        steps_per_piece = (k_steps + pieces - 1) // pieces
+        k_begin = tl.minimum((pid % pieces) * steps_per_piece * BLOCK_K, K)
+        k_end = tl.minimum(k_begin + steps_per_piece * BLOCK_K, K)
+        total = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
+                              UNIT_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
+        if pieces > 1:
+            total, row_end = _sum_pieces(total, unit, pieces, row_end, partials_ptr, counters_ptr, UNIT_M, BLOCK_N)
+    return total, row0 + tl.arange(0, UNIT_M), cols, row_end
 
 
 @triton.jit
@@ -353,17 +414,17 @@ def gmm_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, prior_p
                     NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                     TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                    COMPUTE_F32: tl.constexpr):
+                    COMPUTE_F32: tl.constexpr, TAIL_PAD: tl.constexpr):
     """The tail tiles ``gmm_kernel(TAIL_APART=True)`` left, written into its output (``out``
-    aliases ``prior``). ``partials`` is float32 scratch of ``NUM_PROGRAMS`` tiles, ``counters``
-    ``NUM_PROGRAMS`` zeroed int32."""
-    total, row0, cols, row_end = _tail_piece(
+    aliases ``prior``). ``partials`` is float32 scratch of ``NUM_PROGRAMS`` units (``UNIT_M x
+    BLOCK_N`` each), ``counters`` ``NUM_PROGRAMS`` zeroed int32; ``TAIL_PAD`` a power of two of at
+    least ``NUM_PROGRAMS / 2``, room for every tail tile."""
+    total, rows, cols, row_end = _tail_piece(
         lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M, K, N, NUM_LOCAL_GROUPS,
-        NUM_GROUPS, GROUPS_PAD, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32
+        NUM_GROUPS, GROUPS_PAD, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32, TAIL_PAD
     )
-    in_m = tl.arange(0, BLOCK_M)
-    out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
-    store_mask = ((row0 + in_m) < row_end)[:, None] & (cols < N)[None, :]
+    out_ptrs = out_ptr + tl.cast(rows, tl.int64)[:, None] * N + cols[None, :]
+    store_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
@@ -373,15 +434,15 @@ def gmm_push_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, de
                          M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
                          NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, NUM_PEERS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
+                         GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
+                         TAIL_PAD: tl.constexpr):
     """The tail tiles ``gmm_push_kernel(TAIL_APART=True)`` left, stored on the peers as it stores
     its rows; then every program signals every peer, as the main kernel's do."""
-    total, row0, cols, row_end = _tail_piece(
+    total, rows, cols, row_end = _tail_piece(
         lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M, K, N, NUM_LOCAL_GROUPS,
-        NUM_GROUPS, GROUPS_PAD, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32
+        NUM_GROUPS, GROUPS_PAD, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, COMPUTE_F32, TAIL_PAD
     )
-    _store_on_peers(total, row0 + tl.arange(0, BLOCK_M), cols, row_end, dest_device_ptr, dest_row_ptr,
-                    peer_address_ptr, done_ptr, N)
+    _store_on_peers(total, rows, cols, row_end, dest_device_ptr, dest_row_ptr, peer_address_ptr, done_ptr, N)
     signal_peers(peer_address_ptr, tl.load(rank_ptr), NUM_PEERS)
 
 

@@ -176,16 +176,26 @@ def gmm(
         input_output_aliases={len(operands): 0},
         zeroed_outputs=(2,),
         TRANSPOSE_RHS=bool(transpose_rhs),
+        TAIL_PAD=_tail_pad(launch),
         **launch,
     )
     return out
 
 
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The tail kernel's float32 partial tiles (one per program) and its zeroed per-tile counters."""
-    programs = launch["NUM_PROGRAMS"]
-    return (jax.ShapeDtypeStruct((programs * launch["BLOCK_M"] * launch["BLOCK_N"],), jnp.float32),
+    """The tail kernel's float32 partial units (one per program) and its zeroed per-unit counters
+    (at most one unit per program). A unit is the kernel's ``UNIT_M`` rows: half a tile of 128
+    rows or more, else the whole tile."""
+    programs, block_m = launch["NUM_PROGRAMS"], launch["BLOCK_M"]
+    unit_m = block_m // 2 if block_m >= 128 else block_m
+    return (jax.ShapeDtypeStruct((programs * unit_m * launch["BLOCK_N"],), jnp.float32),
             jax.ShapeDtypeStruct((programs,), jnp.int32))
+
+
+def _tail_pad(launch: dict) -> int:
+    """The tail kernels' ``TAIL_PAD``: room for every tile past the last full wave, at most half
+    the programs (``_tail_split`` leaves it whole otherwise)."""
+    return _next_power_of_two(launch["NUM_PROGRAMS"] // 2)
 
 
 def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
@@ -251,6 +261,7 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
         out_shape=(done_shape, *_tail_scratch(launch)),
         zeroed_outputs=(2,),
         NUM_PEERS=peer_addresses.shape[0],
+        TAIL_PAD=_tail_pad(launch),
         **launch,
     )
     return done, 2 * launch["NUM_PROGRAMS"]  # both kernels' programs signal every peer

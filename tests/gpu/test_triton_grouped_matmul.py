@@ -187,7 +187,9 @@ def test_gmm_without_zeros_outside_writes_the_group_rows_alike(case):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gmm_splits_the_tiles_past_its_last_wave_along_k(dtype, monkeypatch):
     """Sizes that leave a few tiles past the last full wave of 132 programs, which the tail kernel
-    cuts along K (8 pieces in bf16's 128 x 256 tiles, 4 in float32's 64 x 64): the product equals
+    does in units cut along K. bf16's 128 x 256 tiles: 12 tail tiles, 4 of full rows (two 64-row
+    halves each) and 8 of the second group's last 36 rows (one half, the other skipped), so 16
+    units of 8 pieces; float32's 64 x 64 tiles are units whole: 32 of 4 pieces. The product equals
     the float64 reference and the product with its tail left whole."""
     group_sizes, num_rows, k, n = [1040, 1060], 2100, 512, 2048
     monkeypatch.setattr(tgm, "_multiprocessor_count", lambda: 132)

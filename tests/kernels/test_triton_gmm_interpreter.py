@@ -1,8 +1,9 @@
 """The Triton grouped-GEMM kernels run by Triton's interpreter on the CPU, at tiny tile sizes.
 
 This checks the kernels' on-device scheduling (per-group row tiles, persistent loop, zero rows
-outside the local groups, clamped loads, K remainders) without a GPU or jax_triton, in a child
-process (``interpreter_harness``).
+outside the local groups, clamped loads, K remainders, the tail kernels' units and K pieces, the
+push kernels' stores on peers) without a GPU or jax_triton, in a child process
+(``interpreter_harness``).
 """
 
 from __future__ import annotations
@@ -67,37 +68,157 @@ def _run_tgmm(kernels, case):
     return out, _tgmm_reference(lhs, grad, group_sizes, group_offset, num_local)
 
 
-TAIL_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs)
+TAIL_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs, BLOCK)
                  for case in CASES for k in (24, 136) for t in (False, True) for programs in (3, 4, 6, 8)}
 
+# 128-row tiles, whose tail the tail kernel does in 64-row halves: (group sizes, rows, group_offset,
+# local groups), programs. A group's last row tile of 31 rows (one half active) after full ones (two);
+# tails over two groups, of 64 and 65 rows (one half and two) or, in a window of the groups, of 200
+# and 31; groups past M (the last tile's second half starts past M though not past its group).
+HALF_BLOCK = dict(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+HALF_CASES = {
+    "last-tile-31-rows": (([300, 159], 459, 0, 2), (6, 12, 13, 14)),
+    "tail-over-two-groups": (([129, 64, 65], 258, 0, 3), (8, 11)),
+    "window-tail-over-two-groups": (([10, 97, 200, 31], 338, 1, 3), (8, 10, 24)),
+    "groups-past-rows": (([200, 100], 250, 0, 2), (4, 6, 8)),
+}
+HALF_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs, HALF_BLOCK)
+                 for case, (_, all_programs) in HALF_CASES.items() for k in (24, 128, 136) for t in (False, True)
+                 for programs in all_programs}
+PUSH_CASES = [*((case, (4, 6), BLOCK) for case in ("empty-group", "group-offset-window")),
+              *((case, all_programs, HALF_BLOCK) for case, (_, all_programs) in HALF_CASES.items())]
+PUSH_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, False, programs, block)
+                 for case, all_programs, block in PUSH_CASES for k in (24, 128) for programs in all_programs}
+PUSH_RANKS = 2
+N = 40
 
-def tail_pieces(case, k, programs):
-    """How ``_tail_split`` cuts this case's tail tiles along K (1: left whole), from the sizes."""
-    group_sizes, _, group_offset, num_local = CASES[case]
-    local = group_sizes[group_offset:group_offset + num_local]
-    tiles = sum(-(-size // BLOCK["BLOCK_M"]) for size in local) * -(-40 // BLOCK["BLOCK_N"])
-    tail, k_steps = tiles % programs, -(-k // BLOCK["BLOCK_K"])
-    return next((p for p in (8, 4, 2) if tail and p * tail <= programs and k_steps >= p), 1)
+
+def _case(case):
+    return CASES[case] if case in CASES else HALF_CASES[case][0]
 
 
-def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs):
+def _unit_rows(block):
+    """The tail kernels' ``UNIT_M``."""
+    return block["BLOCK_M"] // 2 if block["BLOCK_M"] >= 128 else block["BLOCK_M"]
+
+
+def tail_units(case, k, programs, block):
+    """The tail kernel's work, from the sizes as the kernels schedule it: ``(active units, pieces
+    per unit)``, a unit ``(tail tile, group, first row, group end)``; ``([], None)`` when the main
+    kernel keeps its tail (none past the last full wave, more than half a wave, or one K step)."""
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    block_m, group_m, unit_m = block["BLOCK_M"], block["GROUP_M"], _unit_rows(block)
+    n_tiles, k_steps = -(-N // block["BLOCK_N"]), -(-k // block["BLOCK_K"])
+    ends = np.cumsum(group_sizes)
+    tiles = []  # (group, first row, group end), in the kernels' order
+    for group in range(group_offset, group_offset + num_local):
+        m_tiles = -(-group_sizes[group] // block_m)
+        for index in range(m_tiles * n_tiles):
+            band_first = index // (group_m * n_tiles) * group_m
+            pm = band_first + index % (group_m * n_tiles) % min(m_tiles - band_first, group_m)
+            tiles.append((group, int(ends[group]) - group_sizes[group] + pm * block_m, min(int(ends[group]), num_rows)))
+    full = len(tiles) // programs * programs
+    if full == len(tiles) or 2 * (len(tiles) - full) > programs or k_steps < 2:
+        return [], None
+    units = [(tile, group, row0 + unit_m * half, end) for tile, (group, row0, end) in enumerate(tiles[full:], full)
+             for half in range(block_m // unit_m) if row0 + unit_m * half < end]
+    return units, next(p for p in (8, 4, 2, 1) if p * len(units) <= programs and k_steps >= p)
+
+
+def expected_counters(case, k, programs, block):
+    """The tail kernel's per-unit counters after it ran: a split unit's counts its pieces, a unit
+    done whole by one program leaves its own 0."""
+    units, pieces = tail_units(case, k, programs, block)
+    counted = len(units) if pieces and pieces > 1 else 0
+    return [pieces] * counted + [0] * (programs - counted)
+
+
+def tail_kinds(variants):
+    """What the tails of ``variants`` exercise, from the sizes."""
+    kinds = set()
+    for case, k, transpose_rhs, programs, block in variants.values():
+        units, pieces = tail_units(case, k, programs, block)
+        if not units:
+            continue
+        kinds.add(f"pieces-{pieces}")
+        if _unit_rows(block) < block["BLOCK_M"]:
+            halves = [sum(unit[0] == tile for unit in units) for tile in {unit[0] for unit in units}]
+            kinds.update({"one-half" if count == 1 else "two-halves" for count in halves})
+        kinds.update({"over-groups"} if len({unit[1] for unit in units}) > 1 else set())
+        kinds.update({"k-remainder"} if k % block["BLOCK_K"] else {"k-whole"})
+        kinds.update({"rhsT"} if transpose_rhs else set())
+    return kinds
+
+
+def _tail_launch(programs, block, **shapes):
+    """Scratch and constants of the tail kernels, as ``triton_grouped_matmul`` gives them."""
+    partials = np.full(programs * _unit_rows(block) * block["BLOCK_N"], np.nan, np.float32)
+    counters = np.zeros(programs, np.int32)
+    return partials, counters, dict(TAIL_PAD=1 << max(0, (programs // 2 - 1).bit_length()), **shapes)
+
+
+def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block):
     """``gmm_kernel`` leaving its tail apart, then ``gmm_tail_kernel`` into the same output."""
-    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    group_sizes, num_rows, group_offset, num_local = _case(case)
     rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k)
-    n = 40
     group_sizes = np.asarray(group_sizes, np.int32)
     lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
-    rhs = rng.standard_normal((num_local, n, k) if transpose_rhs else (num_local, k, n)).astype(np.float32)
-    out = np.full((num_rows, n), np.nan, np.float32)
+    rhs = rng.standard_normal((num_local, N, k) if transpose_rhs else (num_local, k, N)).astype(np.float32)
+    out = np.full((num_rows, N), np.nan, np.float32)
     operands = [HostTensor(lhs), HostTensor(rhs), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32))]
-    common = dict(M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-                  TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=programs, COMPUTE_F32=True, **BLOCK)
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
     kernels.gmm_kernel[(programs,)](*operands, HostTensor(out), TAIL_APART=True, **common)
-    partials = np.full(programs * BLOCK["BLOCK_M"] * BLOCK["BLOCK_N"], np.nan, np.float32)
-    counters = np.zeros(programs, np.int32)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
     kernels.gmm_tail_kernel[(programs,)](*operands, HostTensor(out), HostTensor(out), HostTensor(partials),
-                                         HostTensor(counters), **common)
-    return out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+                                         HostTensor(counters), **tail_common)
+    result = harness.summary(out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs))
+    return dict(result, counters=counters.tolist())
+
+
+def _address_words(array):
+    """An array's address as the two int32 words (low, high) ``triton_peer_address`` reads."""
+    return np.array([array.ctypes.data], np.int64).view(np.int32)
+
+
+def _run_push_with_tail(kernels, case, k, transpose_rhs, programs, block):
+    """``gmm_push_kernel`` leaving its tail apart, then ``gmm_push_tail_kernel``, storing into the
+    receive buffers of ``PUSH_RANKS`` peers (host arrays here) as rank 1."""
+    assert not transpose_rhs, "gmm_push has no transposed weights"
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k + 1)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs = rng.standard_normal((num_local, k, N)).astype(np.float32)
+    dest_device = rng.integers(-1, PUSH_RANKS, num_rows).astype(np.int32)  # -1: the row goes nowhere
+    dest_row = rng.permutation(num_rows).astype(np.int32)
+    receive = np.full((PUSH_RANKS, num_rows, N), np.nan, np.float32)
+    arrivals = np.zeros((PUSH_RANKS, PUSH_RANKS), np.int32)
+    peer_addresses = np.concatenate([np.concatenate([_address_words(receive[peer]), _address_words(arrivals[peer])])
+                                     for peer in range(PUSH_RANKS)])
+    rank = 1
+    operands = [HostTensor(a) for a in (lhs, rhs, group_sizes, np.array([group_offset], np.int32), dest_device,
+                                        dest_row, peer_addresses, np.array([rank], np.int32))]
+    main_done, tail_done = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  NUM_PEERS=PUSH_RANKS, NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
+    kernels.gmm_push_kernel[(programs,)](*operands, HostTensor(main_done), TAIL_APART=True, **common)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
+    kernels.gmm_push_tail_kernel[(programs,)](*operands, HostTensor(main_done), HostTensor(tail_done),
+                                              HostTensor(partials), HostTensor(counters), **tail_common)
+
+    product = gmm_reference(lhs, rhs, group_sizes, group_offset, False)
+    expected = np.full(receive.shape, np.nan)
+    group_of_row = harness.row_groups(group_sizes, num_rows)
+    for row in np.flatnonzero((group_of_row >= group_offset) & (group_of_row < group_offset + num_local)
+                              & (dest_device >= 0)):
+        expected[dest_device[row], dest_row[row]] = product[row]
+    stored = ~np.isnan(expected)
+    result = harness.summary(np.where(stored, receive, 0.0), np.where(stored, expected, 0.0))
+    signalled = np.zeros_like(arrivals)
+    signalled[:, rank] = 2 * programs  # every program of both kernels, on every peer
+    return dict(result, stray=int((~np.isnan(receive) & ~stored).sum()), counters=counters.tolist(),
+                signals_ok=bool((arrivals == signalled).all()))
 
 
 def _interpret_all():
@@ -106,8 +227,9 @@ def _interpret_all():
 
     report = {f"gmm-{name}": harness.summary(*_run_gmm(kernels, *variant)) for name, variant in GMM_VARIANTS.items()}
     report.update({f"tgmm-{case}": harness.summary(*_run_tgmm(kernels, case)) for case in CASES})
-    report.update({f"tail-{name}": harness.summary(*_run_gmm_with_tail(kernels, *variant))
-                   for name, variant in TAIL_VARIANTS.items()})
+    report.update({f"tail-{name}": _run_gmm_with_tail(kernels, *variant)
+                   for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
+    report.update({f"push-{name}": _run_push_with_tail(kernels, *variant) for name, variant in PUSH_VARIANTS.items()})
     return report
 
 
@@ -128,13 +250,34 @@ else:
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
-    @pytest.mark.parametrize("name", sorted(TAIL_VARIANTS))
+    @pytest.mark.parametrize("name", sorted({**TAIL_VARIANTS, **HALF_VARIANTS}))
     def test_gmm_with_its_tail_apart_matches_reference(interpreter_report, name):
-        """The main kernel's full waves plus the tail kernel's K pieces write every output once."""
+        """The main kernel's full waves plus the tail kernel's K pieces of the active units write every
+        output once, and the tail kernel numbered and cut the units as ``tail_units`` says."""
+        case, k, _, programs, block = {**TAIL_VARIANTS, **HALF_VARIANTS}[name]
         result = interpreter_report[f"tail-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
+        assert result["counters"] == expected_counters(case, k, programs, block)
 
-    def test_tail_cases_reach_every_cut():
-        pieces = {tail_pieces(case, k, programs) for case, k, _, programs in TAIL_VARIANTS.values()}
-        assert pieces == {1, 2, 4, 8}, pieces
+    @pytest.mark.parametrize("name", sorted(PUSH_VARIANTS))
+    def test_gmm_push_with_its_tail_apart_stores_every_row_on_its_peer(interpreter_report, name):
+        """Every row of a local group lands at its place on its peer, nothing else is written, and
+        every program of both kernels signals every peer once."""
+        case, k, _, programs, block = PUSH_VARIANTS[name]
+        result = interpreter_report[f"push-{name}"]
+        assert result["unwritten"] == 0 and result["stray"] == 0, result
+        assert result["max_error"] < 1e-5, result
+        assert result["signals_ok"], result
+        assert result["counters"] == expected_counters(case, k, programs, block)
+
+    @pytest.mark.parametrize("variants, kinds", [
+        ({**TAIL_VARIANTS, **HALF_VARIANTS}, {"rhsT"}),
+        (PUSH_VARIANTS, set()),
+    ], ids=["gmm", "push"])
+    def test_tail_cases_reach_every_cut_and_unit(variants, kinds):
+        """Whole units and 2, 4 and 8 pieces; tail tiles with one and with two active halves; tails
+        over two groups; K with and without a remainder."""
+        expected = {"pieces-1", "pieces-2", "pieces-4", "pieces-8", "one-half", "two-halves", "over-groups",
+                    "k-remainder", "k-whole"} | kinds
+        assert tail_kinds(variants) >= expected, expected - tail_kinds(variants)
