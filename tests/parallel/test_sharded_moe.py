@@ -470,3 +470,16 @@ def test_representatives_are_the_unique_token_rank_pairs():
     representative = np.asarray(representative)
     assert np.all(token_of_row[representative[valid]] == token_of_row[valid])  # a copy of the same token
     assert np.all(np.asarray(dest)[representative[valid]] == np.asarray(dest)[valid])  # bound for the same rank
+
+
+def test_bucket_is_the_binary_search():
+    """The exchange's searches compare against every end; with empty groups (repeated ends) and
+    values past the last end they give what ``searchsorted(side="right")`` gives."""
+    key = jax.random.key(7)
+    for num_ends in (1, 2, 4, 64):
+        sizes = jax.random.randint(key, (num_ends,), 0, 5)  # zeros: repeated ends
+        ends = jnp.cumsum(sizes)
+        values = jnp.arange(int(ends[-1]) + 3)
+        np.testing.assert_array_equal(exchange._bucket(ends, values),
+                                      np.searchsorted(np.asarray(ends), np.asarray(values), side="right"))
+        key = jax.random.split(key)[0]
