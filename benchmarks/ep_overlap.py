@@ -458,6 +458,7 @@ def back_to_back_profile(fn, args, trace_dir: Path, steps: int = 8) -> dict:
             "widest_gaps_us": [(round(us / 1e3, 1), after, then) for us, after, then in sorted(gaps, reverse=True)[:8]],
             "top_kernels_ms": {n: round(ms, 4) for n, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:10]},
             "middle_step": _step_timeline(events, steps, lags),
+            "widest_gap_ops": _ops_in_widest_gap(plane, events, steps),
         }
         push_starts[gpu] = [start for start, _, name in events if name.startswith("push_kernel")]
     counts = {len(v) for v in push_starts.values()}
@@ -502,6 +503,30 @@ def _step_timeline(events, steps: int, lags: dict) -> list:
     return [(name[:48], round((start - origin) / 1e3, 1), round(length / 1e3, 1),
              None if (lag := lags.get((start, name))) is None else round(lag / 1e3, 1))
             for start, length, name in middle]
+
+
+def _ops_in_widest_gap(plane, events, steps: int) -> dict:
+    """The widest stretch without a kernel from the middle step to the next one's start, and what
+    the trace's other lines (XLA's ops and modules on this GPU) show over it: which operation the
+    GPU sat in while no kernel ran."""
+    per_step = len(events) // steps
+    if per_step == 0 or len(events) % steps or steps < 2:
+        return {}
+    window = events[(steps // 2) * per_step:(steps // 2 + 1) * per_step + 1]
+    gaps, reach = [], None
+    for start, length, _ in window:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, reach, start))
+        reach = start + length if reach is None else max(reach, start + length)
+    if not gaps:
+        return {}
+    width, begin, end = max(gaps)
+    ops = sorted((e.start_ns, e.duration_ns, line.name, e.name) for line in plane.lines
+                 if not line.name.startswith("Stream") for e in line.events
+                 if e.start_ns < end and e.start_ns + e.duration_ns > begin)
+    return {"us": round(width / 1e3, 1),
+            "ops": [(line[:24], name[:60], round((start - begin) / 1e3, 1), round(length / 1e3, 1))
+                    for start, length, line, name in ops[:12]]}
 
 
 def _guarded(summary, *args) -> dict:
@@ -669,6 +694,8 @@ def main(argv=None):
                 print("    GPU %s middle step (name, start us, us, us since its launch call):" % gpu)
                 for entry in summary.get("middle_step", []):
                     print("       ", entry)
+                print("    GPU %s widest gap after the middle step's start, and the ops over it:" % gpu,
+                      summary.get("widest_gap_ops"))
             for name, ms in list(b2b["gpus"][min(b2b["gpus"])]["top_kernels_ms"].items()):
                 print("      %.4f %s" % (ms, name))
 
