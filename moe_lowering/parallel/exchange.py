@@ -143,6 +143,22 @@ class _TokenRoutes:
     tokens_arriving: jax.Array  # [] tokens stored into my buffer
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RowSource:
+    """Where ``rows`` came from: ``rows == tokens[token_of_row]``. The ``"peer"`` transport's
+    first round then stores token rows straight from ``tokens``, so the caller's ``[N, D]`` gather
+    into sorted rows is never read and XLA drops it (22 us of an EP=4 Mixtral step on an H200).
+    The cotangent still flows through ``rows``: none is returned for ``tokens`` here."""
+
+    tokens: jax.Array  # [T, D]
+    token_of_row: jax.Array  # [N] int
+
+    def token_index(self, row_index):
+        """The token row behind each sorted row index (indices past the rows: clamped, never stored)."""
+        return jnp.take(self.token_of_row, row_index, mode="clip")
+
+
 # The deduplicated dispatch saves stored rows but adds the receiver's expansion and a second
 # count per pair; on 4 x H200 it paid at 2.2 expected rows per (token, rank) pair (DeepSeek-like,
 # k=8 of 256, EP=4: -0.10 ms a forward) and lost at 1.08 and 1.27 (Mixtral-like, k=2 of 8, EP=4
@@ -480,7 +496,7 @@ def _home_written_once(cfg: ExchangeConfig, num_rows: int) -> bool:
 
 
 def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig, buffer: PeerBuffer | None = None,
-                     row_source: "RowSource | None" = None):
+                     row_source: RowSource | None = None):
     """Rows received in this chunk, sorted by local expert (zeros after the received ones, where
     the program could read them). ``row_source``: where the ``"peer"`` push reads ``x``'s rows."""
     if plan.peer_routes is not None:
@@ -496,7 +512,7 @@ def _dispatch_sorted(x, plan: _ChunkPlan, cfg: ExchangeConfig, buffer: PeerBuffe
 
 
 def _dispatch_tokens(rows, routes: _TokenRoutes, plan: _ChunkPlan, cfg: ExchangeConfig, buffers=None,
-                     row_source: "RowSource | None" = None):
+                     row_source: RowSource | None = None):
     """:func:`_dispatch_sorted` of the rows, moving each (token, rank) pair's row once: the tokens
     into the receiver's token buffer, each row's token slot to its sorted position, then the
     receiver expands tokens into rows. The same rows result, so nothing after this changes."""
@@ -622,7 +638,7 @@ def _chunk_indices(round_index, cfg: ExchangeConfig):
 
 
 def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, params, out_dtype, keep_vjp: bool,
-                   buffers=None, token_routes: _TokenRoutes | None = None, row_source: "RowSource | None" = None):
+                   buffers=None, token_routes: _TokenRoutes | None = None, row_source: RowSource | None = None):
     """One round: ``[N, F]`` results at home (zeros for rows of other rounds), and each chunk's vjp if asked.
 
     ``buffers``: the round's ``"peer"`` buffers made up front (round 0), else each store makes its own.
@@ -679,7 +695,7 @@ def _further_rounds(counts, cfg: ExchangeConfig, body, init, num_rows: int):
 
 
 def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_row, keep_vjp: bool,
-             row_source: "RowSource | None" = None):
+             row_source: RowSource | None = None):
     """``(results at home, round 0's vjps, counts)``."""
     out_rows = _output_rows(cfg, rows, payloads, params)
     deduplicated = token_of_row is not None and deduplicates(cfg, rows.shape[0])
@@ -703,22 +719,6 @@ def _output_rows(cfg: ExchangeConfig, rows, payloads, params) -> jax.ShapeDtypeS
     group_sizes = jax.ShapeDtypeStruct((cfg.local_experts,), jnp.int32)
     expert_of_row = jax.ShapeDtypeStruct((rows.shape[0],), jnp.int32)
     return jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads, params)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class RowSource:
-    """Where ``rows`` came from: ``rows == tokens[token_of_row]``. The ``"peer"`` transport's
-    first round then stores token rows straight from ``tokens``, so the caller's ``[N, D]`` gather
-    into sorted rows is never read and XLA drops it (22 us of an EP=4 Mixtral step on an H200).
-    The cotangent still flows through ``rows``: none is returned for ``tokens`` here."""
-
-    tokens: jax.Array  # [T, D]
-    token_of_row: jax.Array  # [N] int
-
-    def token_index(self, row_index):
-        """The token row behind each sorted row index (indices past the rows: clamped, never stored)."""
-        return jnp.take(self.token_of_row, row_index, mode="clip")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
