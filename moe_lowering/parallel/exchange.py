@@ -705,7 +705,7 @@ def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_
                                                     None if representatives is None else representatives[3])
     token_routes = None if representatives is None else _token_routes(representatives, unique_counts, cfg)
     out, vjps = _round_forward(cfg, counts, 0, rows, payloads, params, out_rows.dtype, keep_vjp, buffers,
-                               token_routes, row_source if cfg.transport == "peer" else None)
+                               token_routes, row_source)
 
     def body(round_index, out):
         more, _ = _round_forward(cfg, counts, round_index, rows, payloads, params, out_rows.dtype, False)
