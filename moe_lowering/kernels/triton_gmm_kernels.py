@@ -296,18 +296,15 @@ def _tail_split(num_tiles, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
     pieces along K (never more than the K steps) when every piece gets a program of its own;
     1: the tail stays whole, in the main kernel."""
     full = (num_tiles // NUM_PROGRAMS) * NUM_PROGRAMS
-    tail = num_tiles - full
-    pieces = tl.where((8 * tail <= NUM_PROGRAMS) & (K_STEPS >= 8), 8,
-                      tl.where((4 * tail <= NUM_PROGRAMS) & (K_STEPS >= 4), 4,
-                               tl.where((2 * tail <= NUM_PROGRAMS) & (K_STEPS >= 2), 2, 1)))
+    pieces = _unit_pieces(num_tiles - full, NUM_PROGRAMS, K_STEPS)
     return tl.where(pieces > 1, full, num_tiles), pieces
 
 
 @triton.jit
 def _unit_pieces(units, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
-    """Pieces along K per tail unit: 8, 4 or 2 (never more than the K steps) when every piece gets
-    a program of its own, else 1 (a program per whole unit: the main kernel leaves at most
-    ``NUM_PROGRAMS / 2`` tail tiles, so at most ``NUM_PROGRAMS`` units)."""
+    """Pieces along K per tail unit (or tile): 8, 4 or 2 (never more than the K steps) when every
+    piece gets a program of its own, else 1 (the tail kernel then gives each unit a program: the
+    main kernel leaves at most ``NUM_PROGRAMS / 2`` tail tiles, so at most ``NUM_PROGRAMS`` units)."""
     return tl.where((8 * units <= NUM_PROGRAMS) & (K_STEPS >= 8), 8,
                     tl.where((4 * units <= NUM_PROGRAMS) & (K_STEPS >= 4), 4,
                              tl.where((2 * units <= NUM_PROGRAMS) & (K_STEPS >= 2), 2, 1)))
