@@ -2,8 +2,11 @@
 
 ``sparse_moe.sort_by_expert`` sorts by counting (a cumulative sum over one-hot experts and one
 scatter) up to ``COUNTING_SORT_MAX_PAIRS`` (copy, expert) pairs, by ``jnp.argsort`` beyond. This
-times both on one device for the copies of the benchmark layers, one GPU and per EP rank, so the
-threshold rests on measurements. Rows go to ``routing_sort_<device>_<date>.json``.
+times both on one device for the copies of the benchmark layers, one GPU and per EP rank. Each
+call is one small jitted program, so on a GPU the host's dispatch (~50 us) dominates and the
+numbers bound the sort from above (``benchmarks/EP_NOTES.md``, round 10: the layer's trace, not
+this, measured the sort); on a CPU they are the sort's own time. Rows go to
+``routing_sort_<device>_<date>.json``.
 """
 
 from __future__ import annotations
