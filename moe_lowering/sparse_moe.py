@@ -165,6 +165,70 @@ def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: in
     return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
 
 
+class PairResiduals(NamedTuple):
+    """What ``grouped_matmul_pair``'s backward keeps: the operands of both products."""
+
+    lhs: jax.Array  # [M, K] rows, shared
+    rhs_a: jax.Array  # [G, K, N]
+    rhs_b: jax.Array  # [G, K, N]
+    group_sizes: jax.Array
+
+
+def _gmm_pair(backend: str):
+    """The backend's pair of products of the same rows, or two of its ``gmm`` calls where it has none."""
+    kernels = get_backend(backend)
+    if kernels.gmm_pair is not None:
+        return kernels.gmm_pair
+
+    def two_products(lhs, rhs_a, rhs_b, group_sizes, **options):
+        return tuple(kernels.gmm(lhs, rhs, group_sizes, **options) for rhs in (rhs_a, rhs_b))
+
+    return two_products
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
+                        preferred_element_type=None, zero_outside: bool = True):
+    """``(grouped_matmul(lhs, rhs_a, ...), grouped_matmul(lhs, rhs_b, ...))`` through the backend's
+    ``gmm_pair`` (one tail launch for both on the Triton kernels); the backward is the two
+    products' own, their ``lhs`` cotangents added in float32."""
+    return _gmm_pair(backend)(lhs, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
+                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
+
+
+def _grouped_matmul_pair_fwd(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
+                             zero_outside):
+    outs = grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
+                               zero_outside)
+    return outs, PairResiduals(lhs, rhs_a, rhs_b, group_sizes)
+
+
+def _grouped_matmul_pair_bwd(backend, group_offset, preferred_element_type, zero_outside, residuals: PairResiduals,
+                             d_outs):
+    lhs, rhs_a, rhs_b, group_sizes = residuals
+    (d_lhs_a, d_rhs_a), (d_lhs_b, d_rhs_b) = (
+        grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset)
+        for rhs, d_out in zip((rhs_a, rhs_b), d_outs)
+    )
+    d_lhs = (d_lhs_a.astype(jnp.float32) + d_lhs_b.astype(jnp.float32)).astype(lhs.dtype)
+    return d_lhs, d_rhs_a, d_rhs_b, None
+
+
+grouped_matmul_pair.defvjp(_grouped_matmul_pair_fwd, _grouped_matmul_pair_bwd)
+
+
+def expert_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
+                       preferred_element_type=None, zero_outside: bool = True):
+    """``(expert_matmul(lhs, rhs_a, ...), expert_matmul(lhs, rhs_b, ...))``, as ``grouped_matmul_pair``
+    where both weights are plain arrays of one shape and dtype (else the two products apart)."""
+    plain = not any(hasattr(rhs, "grouped_matmul") for rhs in (rhs_a, rhs_b))
+    if plain and rhs_a.shape == rhs_b.shape and rhs_a.dtype == rhs_b.dtype:
+        return grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
+                                   zero_outside)
+    return tuple(expert_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
+                 for rhs in (rhs_a, rhs_b))
+
+
 class SwigluResiduals(NamedTuple):
     """What the fused SwiGLU product's backward keeps: its operands and both pre-activations."""
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moe_lowering.expert_program import Elementwise, ExpertMatmul, ExpertProgram, ParamKind, RowInput, topological_nodes
 from moe_lowering.sparse_moe import sort_by_expert, sparse_moe
@@ -85,3 +88,64 @@ def test_dropped_copies_contribute_nothing_and_gradients_match():
     for g_sparse, g_dense in zip(jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, w_up, w_down),
                                  jax.grad(loss(dense), argnums=(0, 1, 2, 3))(x, w, w_up, w_down)):
         np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-5, atol=1e-6)
+
+
+def _pair_operands(seed=3, rows=37, k=16, n=24, groups=(9, 0, 13, 8), group_offset=1, local_groups=2):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    lhs = jax.random.normal(keys[0], (rows, k), jnp.float32)
+    rhs_a, rhs_b = (jax.random.normal(key, (local_groups, k, n), jnp.float32) for key in keys[1:3])
+    cotangents = tuple(jax.random.normal(key, (rows, n), jnp.float32) for key in keys[3:])
+    return lhs, rhs_a, rhs_b, jnp.asarray(groups, jnp.int32), group_offset, cotangents
+
+
+def _pair_and_two(backend, zero_outside):
+    """Outputs and gradients of ``expert_matmul_pair`` and of two ``expert_matmul`` calls."""
+    from moe_lowering.sparse_moe import expert_matmul, expert_matmul_pair
+
+    lhs, rhs_a, rhs_b, sizes, offset, (d_a, d_b) = _pair_operands()
+
+    def loss(products, lhs, rhs_a, rhs_b):
+        out_a, out_b = products(lhs, rhs_a, rhs_b)
+        rows = jnp.sum(sizes[offset:offset + rhs_a.shape[0]])  # rows past the local groups may be unspecified
+        live = (jnp.arange(lhs.shape[0]) < jnp.sum(sizes[:offset]) + rows)[:, None]
+        return jnp.sum(jnp.where(live, out_a * d_a + out_b * d_b, 0.0)), (out_a, out_b)
+
+    def pair(lhs, rhs_a, rhs_b):
+        return expert_matmul_pair(lhs, rhs_a, rhs_b, sizes, backend, offset, None, zero_outside)
+
+    def two(lhs, rhs_a, rhs_b):
+        return tuple(expert_matmul(lhs, rhs, sizes, backend, offset, None, zero_outside) for rhs in (rhs_a, rhs_b))
+
+    return [jax.jit(jax.grad(functools.partial(loss, products), argnums=(0, 1, 2), has_aux=True))(lhs, rhs_a, rhs_b)
+            for products in (pair, two)]
+
+
+def _assert_same(pair, two):
+    (grads_pair, outs_pair), (grads_two, outs_two) = pair, two
+    for got, want in zip((*outs_pair, *grads_pair), (*outs_two, *grads_two)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_outside", [True, False])
+def test_expert_matmul_pair_equals_two_expert_matmuls(zero_outside):
+    """Outputs and the gradients of lhs and both weights, on the XLA backend (no ``gmm_pair``)."""
+    _assert_same(*_pair_and_two("xla", zero_outside))
+
+
+def test_expert_matmul_pair_runs_the_backends_pair(monkeypatch):
+    """A backend's ``gmm_pair`` gives the forward (called once per pair), its ``gmm``/``tgmm`` the backward."""
+    from moe_lowering import sparse_moe
+    from moe_lowering.kernels import KernelBackend, get_backend
+
+    xla = get_backend("xla")
+    calls = []
+
+    def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, **options):
+        calls.append(options)
+        return tuple(xla.gmm(lhs, rhs, group_sizes, **options) for rhs in (rhs_a, rhs_b))
+
+    with_pair = KernelBackend(name="xla-pair", gmm=xla.gmm, tgmm=xla.tgmm, gmm_pair=gmm_pair)
+    monkeypatch.setattr(sparse_moe, "get_backend", lambda name: with_pair if name == "xla-pair" else get_backend(name))
+    pair, two = _pair_and_two("xla-pair", zero_outside=False)
+    assert len(calls) == 1 and calls[0]["zero_outside"] is False, calls
+    _assert_same(pair, two)

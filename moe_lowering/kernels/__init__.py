@@ -33,6 +33,10 @@ class KernelBackend:
     ``swiglu_rows(gate, up, num_rows)`` and ``swiglu_rows_grads(d_out, gate, up, num_rows)``
     (contract in ``swiglu_rows``): SwiGLU's elementwise part on a buffer's leading rows;
     ``None`` uses the jnp reference, which computes every row.
+    ``gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset, preferred_element_type,
+    zero_outside)``: ``gmm`` of the same rows by two weights of one shape, ``(out_a, out_b)``, set
+    where doing both at once saves launches (the Triton kernels: one tail launch for SwiGLU's gate
+    and up products); ``None``: two ``gmm`` calls.
     """
 
     name: str
@@ -41,6 +45,7 @@ class KernelBackend:
     swiglu_gmm: Callable | None = None
     swiglu_rows: Callable | None = None
     swiglu_rows_grads: Callable | None = None
+    gmm_pair: Callable | None = None
 
 
 _BACKEND_MODULES = {

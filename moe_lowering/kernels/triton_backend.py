@@ -29,4 +29,5 @@ def load() -> KernelBackend:
         tgmm=sequential_under_vmap(triton_grouped_matmul.tgmm),
         swiglu_rows=sequential_under_vmap(triton_swiglu_rows.swiglu_rows),
         swiglu_rows_grads=sequential_under_vmap(triton_swiglu_rows.swiglu_rows_grads),
+        gmm_pair=sequential_under_vmap(triton_grouped_matmul.gmm_pair),
     )

@@ -303,8 +303,9 @@ def _tail_split(num_tiles, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
 @triton.jit
 def _unit_pieces(units, NUM_PROGRAMS: tl.constexpr, K_STEPS: tl.constexpr):
     """Pieces along K per tail unit (or tile): 8, 4 or 2 (never more than the K steps) when every
-    piece gets a program of its own, else 1 (the tail kernel then gives each unit a program: the
-    main kernel leaves at most ``NUM_PROGRAMS / 2`` tail tiles, so at most ``NUM_PROGRAMS`` units)."""
+    piece gets a program of its own, else 1 (a program per whole unit: the main kernel leaves at
+    most ``NUM_PROGRAMS / 2`` tail tiles, so at most ``NUM_PROGRAMS`` units of a product; the pair's
+    tail kernel loops over its two products' units)."""
     return tl.where((8 * units <= NUM_PROGRAMS) & (K_STEPS >= 8), 8,
                     tl.where((4 * units <= NUM_PROGRAMS) & (K_STEPS >= 4), 4,
                              tl.where((2 * units <= NUM_PROGRAMS) & (K_STEPS >= 2), 2, 1)))
@@ -355,31 +356,39 @@ def _sum_pieces(partial, unit, pieces, row_end, partials_ptr, counters_ptr, UNIT
 
 
 @triton.jit
-def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M: tl.constexpr,
-                K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                COMPUTE_F32: tl.constexpr, TAIL_PAD: tl.constexpr):
-    """This program's piece of a tail unit: ``(the unit's float32 sum, its rows, columns, end of the
-    rows to store)``. Program ``p`` takes piece ``p % pieces`` of active unit ``p // pieces``, the
-    units numbered in tail order; only the program that stores the unit (the whole unit's, or its
-    last piece to finish) gets the sum and a row end past its first row, every other program zeros
-    and a row end of 0 (nothing to store)."""
+def _tail_layout(group_sizes_ptr, group_offset_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                 NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 NUM_PROGRAMS: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """What every program of a tail kernel needs to number the units: the group layout, the tail's
+    first tile and each tail tile's active units (``_tail_units``)."""
     tl.static_assert(TAIL_PAD >= NUM_PROGRAMS // 2, "TAIL_PAD must hold NUM_PROGRAMS // 2 tail tiles")
     UNIT_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 128 else BLOCK_M
-    pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    k_steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
-    full_tiles = _tail_split(num_tiles, NUM_PROGRAMS, k_steps)[0]
+    full_tiles = _tail_split(num_tiles, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)[0]
     units = _tail_units(full_tiles, num_tiles, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUPS_PAD, BLOCK_M,
                         UNIT_M, GROUP_M, TAIL_PAD)
-    num_units = tl.sum(units, axis=0)
-    pieces = _unit_pieces(num_units, NUM_PROGRAMS, k_steps)
-    has_piece = pid < pieces * num_units
-    unit = pid // pieces
+    return group_ids, offset, starts, ends, m_tiles, tile_ends, num_tiles, full_tiles, units
+
+
+@triton.jit
+def _unit_piece(lhs_ptr, rhs_ptr, unit, numbered_unit, piece, pieces, has_piece, group_ids, offset, starts, ends,
+                m_tiles, tile_ends, num_tiles, full_tiles, units, partials_ptr, counters_ptr, M: tl.constexpr,
+                K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr,
+                TAIL_PAD: tl.constexpr):
+    """Piece ``piece`` of ``pieces`` along K of active unit ``unit`` of a product's tail (in tail
+    order): ``(the unit's float32 sum, its rows, columns, end of the rows to store)``. Only the
+    program that stores the unit (the whole unit's, or its last piece to finish) gets the sum and a
+    row end past its first row; every other program, and one without a piece, zeros and a row end
+    of 0. ``numbered_unit`` is the unit's number among all the units the kernel does: its counter,
+    and its pieces' partial slots (``numbered_unit * pieces + piece``, the program's id)."""
+    UNIT_M: tl.constexpr = BLOCK_M // 2 if BLOCK_M >= 128 else BLOCK_M
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    k_steps: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
     units_before = tl.cumsum(units, axis=0) - units
     tail_index = tl.sum((units_before + units <= unit).to(tl.int32), axis=0)  # the tail tile holding the unit
     group, group_start, group_end, pm, pn = _tile_position(
@@ -396,13 +405,36 @@ def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_pt
     row_end = tl.where(has_piece, group_end, 0)
     if has_piece:
         steps_per_piece = (k_steps + pieces - 1) // pieces
-        k_begin = tl.minimum((pid % pieces) * steps_per_piece * BLOCK_K, K)
+        k_begin = tl.minimum(piece * steps_per_piece * BLOCK_K, K)
         k_end = tl.minimum(k_begin + steps_per_piece * BLOCK_K, K)
         total = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, k_begin, k_end, M, K, N, TRANSPOSE_RHS,
                               UNIT_M, BLOCK_N, BLOCK_K, COMPUTE_F32)
         if pieces > 1:
-            total, row_end = _sum_pieces(total, unit, pieces, row_end, partials_ptr, counters_ptr, UNIT_M, BLOCK_N)
+            total, row_end = _sum_pieces(total, numbered_unit, pieces, row_end, partials_ptr, counters_ptr, UNIT_M,
+                                         BLOCK_N)
     return total, row0 + tl.arange(0, UNIT_M), cols, row_end
+
+
+@triton.jit
+def _tail_piece(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, partials_ptr, counters_ptr, M: tl.constexpr,
+                K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                COMPUTE_F32: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """This program's piece of a tail unit (``_unit_piece``): program ``p`` takes piece ``p %
+    pieces`` of active unit ``p // pieces``, the units numbered in tail order."""
+    group_ids, offset, starts, ends, m_tiles, tile_ends, num_tiles, full_tiles, units = _tail_layout(
+        group_sizes_ptr, group_offset_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, NUM_PROGRAMS, TAIL_PAD
+    )
+    pid = tl.program_id(0)
+    num_units = tl.sum(units, axis=0)
+    pieces = _unit_pieces(num_units, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)
+    unit = pid // pieces
+    return _unit_piece(lhs_ptr, rhs_ptr, unit, unit, pid % pieces, pieces, pid < pieces * num_units, group_ids,
+                       offset, starts, ends, m_tiles, tile_ends, num_tiles, full_tiles, units, partials_ptr,
+                       counters_ptr, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, COMPUTE_F32,
+                       TAIL_PAD)
 
 
 @triton.jit
@@ -423,6 +455,45 @@ def gmm_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, prior_p
     out_ptrs = out_ptr + tl.cast(rows, tl.int64)[:, None] * N + cols[None, :]
     store_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def gmm_pair_tail_kernel(lhs_ptr, rhs_a_ptr, rhs_b_ptr, group_sizes_ptr, group_offset_ptr, prior_a_ptr, prior_b_ptr,
+                         out_a_ptr, out_b_ptr, partials_ptr, counters_ptr, M: tl.constexpr, K: tl.constexpr,
+                         N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                         GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                         COMPUTE_F32: tl.constexpr, TAIL_PAD: tl.constexpr):
+    """The tail tiles ``gmm_kernel(TAIL_APART=True)`` left of two products of the same rows,
+    ``lhs @ rhs_a`` into ``out_a`` and ``lhs @ rhs_b`` into ``out_b`` (aliasing ``prior_a`` and
+    ``prior_b``; weights ``[G, K, N]`` both), in one launch instead of two: the tail launches
+    were mostly fixed cost (benchmarks/EP_NOTES.md).
+
+    Same rows, sizes and shapes give both products the same tail tiles and ``U`` active units,
+    so one count numbers them all: ``a``'s units ``0 .. U - 1``, then ``b``'s ``U .. 2U - 1``,
+    cut into pieces by ``_unit_pieces(2U)``. A product leaves at most ``NUM_PROGRAMS / 2`` tail
+    tiles, so ``2U`` may reach ``2 * NUM_PROGRAMS``; then there is one piece per unit and program
+    ``p`` does units ``p, p + NUM_PROGRAMS``. When units are cut, every piece has a program, so
+    the scratch of ``gmm_tail_kernel`` (``NUM_PROGRAMS`` units and counters) holds the pair's.
+    """
+    group_ids, offset, starts, ends, m_tiles, tile_ends, num_tiles, full_tiles, units = _tail_layout(
+        group_sizes_ptr, group_offset_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N,
+        BLOCK_K, GROUP_M, NUM_PROGRAMS, TAIL_PAD
+    )
+    units_per_product = tl.sum(units, axis=0)
+    pieces = _unit_pieces(2 * units_per_product, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)
+    for work in range(tl.program_id(0), pieces * 2 * units_per_product, NUM_PROGRAMS):
+        numbered_unit = work // pieces
+        in_b = numbered_unit >= units_per_product
+        total, rows, cols, row_end = _unit_piece(
+            lhs_ptr, tl.where(in_b, rhs_b_ptr, rhs_a_ptr), numbered_unit - tl.where(in_b, units_per_product, 0),
+            numbered_unit, work % pieces, pieces, True, group_ids, offset, starts, ends, m_tiles, tile_ends,
+            num_tiles, full_tiles, units, partials_ptr, counters_ptr, M, K, N, False, BLOCK_M, BLOCK_N, BLOCK_K,
+            GROUP_M, COMPUTE_F32, TAIL_PAD
+        )
+        out_ptrs = tl.where(in_b, out_b_ptr, out_a_ptr) + tl.cast(rows, tl.int64)[:, None] * N + cols[None, :]
+        store_mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        tl.store(out_ptrs, total.to(out_a_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit

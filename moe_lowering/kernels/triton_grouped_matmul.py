@@ -18,6 +18,7 @@ import jax_triton
 from moe_lowering.kernels import grouped_matmul as reference
 from moe_lowering.kernels.triton_gmm_kernels import (
     gmm_kernel,
+    gmm_pair_tail_kernel,
     gmm_push_kernel,
     gmm_push_tail_kernel,
     gmm_tail_kernel,
@@ -127,6 +128,35 @@ def _compute_f32(*dtypes) -> bool:
     return not (len(set(dtypes)) == 1 and dtypes[0] in _TENSOR_CORE_DTYPES)
 
 
+def _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs: bool, preferred_element_type, name: str):
+    """``(rows, K, N, local groups, output dtype)`` of a grouped product, its operands checked."""
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"{name}: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    _check_group_sizes(group_sizes, name)
+    num_rows, k = lhs.shape
+    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if rhs_k != k:
+        raise ValueError(f"{name}: contraction sizes differ: lhs {lhs.shape}, rhs {rhs.shape}, "
+                         f"transpose_rhs={transpose_rhs}")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    return num_rows, k, n, rhs.shape[0], out_dtype
+
+
+def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool):
+    """``gmm_kernel``'s launch: the whole product, or its full waves only with ``TAIL_APART``."""
+    return jax_triton.triton_call(
+        lhs,
+        rhs,
+        *operands,
+        kernel=gmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((launch["M"], launch["N"]), out_dtype),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        ZERO_OUTSIDE=bool(zero_outside),
+        TAIL_APART=TAIL_APART,
+        **launch,
+    )
+
+
 def gmm(
     lhs,
     rhs,
@@ -140,15 +170,8 @@ def gmm(
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero,
     or left unwritten with ``zero_outside=False``."""
-    if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"gmm: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
-    _check_group_sizes(group_sizes, "gmm")
-    num_rows, k = lhs.shape
-    num_local_groups = rhs.shape[0]
-    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
-    if rhs_k != k:
-        raise ValueError(f"gmm: contraction sizes differ: lhs {lhs.shape}, rhs {rhs.shape}, transpose_rhs={transpose_rhs}")
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs,
+                                                              preferred_element_type, "gmm")
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
         return jnp.zeros((num_rows, n), out_dtype)
     if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
@@ -156,24 +179,18 @@ def gmm(
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
-    operands = (lhs, rhs, group_sizes.astype(jnp.int32), _offset_array(group_offset))
-    out = jax_triton.triton_call(
-        *operands,
-        kernel=gmm_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
-        TRANSPOSE_RHS=bool(transpose_rhs),
-        ZERO_OUTSIDE=bool(zero_outside),
-        TAIL_APART=TAIL_APART,
-        **launch,
-    )
+    sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
+    out = _gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, transpose_rhs, zero_outside)
     if not TAIL_APART:
         return out
     out, _, _ = jax_triton.triton_call(
-        *operands,
+        lhs,
+        rhs,
+        *sizes_and_offset,
         out,
         kernel=gmm_tail_kernel,
         out_shape=(jax.ShapeDtypeStruct((num_rows, n), out_dtype), *_tail_scratch(launch)),
-        input_output_aliases={len(operands): 0},
+        input_output_aliases={4: 0},
         zeroed_outputs=(2,),
         TRANSPOSE_RHS=bool(transpose_rhs),
         TAIL_PAD=_tail_pad(launch),
@@ -182,9 +199,47 @@ def gmm(
     return out
 
 
+def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
+             config: TileConfig | None = None, zero_outside: bool = True):
+    """``(gmm(lhs, rhs_a, ...), gmm(lhs, rhs_b, ...))`` with one tail launch for both products.
+
+    For SwiGLU's gate and up products of the same rows: each tail launch was mostly fixed cost
+    (38 us for 12 us of product on the GPU every other waits for at EP=4, and an empty launch
+    on the others), so ``gmm_pair_tail_kernel`` does both products' tails at once. Two ``gmm``
+    calls where the pair has no single launch: weights of different shapes or dtypes, no
+    kernel for the dtypes, empty operands, or the tail left in the main kernel.
+    """
+    num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs, rhs_a, group_sizes, False, preferred_element_type,
+                                                              "gmm_pair")
+    one_tail_launch = (TAIL_APART and rhs_b.shape == rhs_a.shape and rhs_b.dtype == rhs_a.dtype
+                       and min(num_rows, k, n, num_local_groups) > 0 and has_kernel(lhs.dtype, rhs_a.dtype, out_dtype))
+    if not one_tail_launch:
+        return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
+                         config=config, zero_outside=zero_outside) for rhs in (rhs_a, rhs_b))
+    launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
+    sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
+    outs = [_gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, False, zero_outside) for rhs in (rhs_a, rhs_b)]
+    out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
+    out_a, out_b, _, _ = jax_triton.triton_call(
+        lhs,
+        rhs_a,
+        rhs_b,
+        *sizes_and_offset,
+        *outs,
+        kernel=gmm_pair_tail_kernel,
+        out_shape=(out_shape, out_shape, *_tail_scratch(launch)),
+        input_output_aliases={5: 0, 6: 1},
+        zeroed_outputs=(3,),
+        TAIL_PAD=_tail_pad(launch),
+        **launch,
+    )
+    return out_a, out_b
+
+
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
-    """The tail kernel's float32 partial units (one per program) and its zeroed per-unit counters
-    (at most one unit per program). A unit is the kernel's ``UNIT_M`` rows: half a tile of 128
+    """The tail kernels' float32 partial units (one per program) and their zeroed per-unit counters
+    (at most one unit per program, also for the pair's: units are cut only when every piece has a
+    program). A unit is the kernel's ``UNIT_M`` rows: half a tile of 128
     rows or more, else the whole tile."""
     programs, block_m = launch["NUM_PROGRAMS"], launch["BLOCK_M"]
     unit_m = block_m // 2 if block_m >= 128 else block_m

@@ -71,7 +71,7 @@ from moe_lowering.kernels.peer_store import (
     peer_store,
     uses_kernels,
 )
-from moe_lowering.sparse_moe import expert_matmul, grouped_matmul_cotangents, swiglu_rows
+from moe_lowering.sparse_moe import expert_matmul, expert_matmul_pair, grouped_matmul_cotangents, swiglu_rows
 
 TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
 
@@ -428,7 +428,8 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
         """Both products, then the activation on the received rows only: the buffer is sized for
         the worst case (``ep`` times a balanced arrival with ``"peer"``), its tail is never read."""
-        gate, up = (matmul(lhs, rhs, sizes, offset, preferred_element_type) for rhs in (gate_rhs, up_rhs))
+        gate, up = expert_matmul_pair(lhs, gate_rhs, up_rhs, sizes, cfg.backend, offset, preferred_element_type,
+                                      zero_outside=zero_outside)
         return swiglu_rows(gate, up, jnp.sum(sizes), cfg.backend)
 
     return evaluate(program, values, context, matmul, swiglu_matmul=swiglu_matmul)

@@ -205,3 +205,33 @@ def test_gmm_splits_the_tiles_past_its_last_wave_along_k(dtype, monkeypatch):
     monkeypatch.setattr(tgm, "TAIL_APART", False)
     whole = tgm.gmm(lhs, rhs, sizes)
     assert _relative_error(split, np.asarray(whole, np.float64)) < TOLERANCE[dtype] / 10
+
+
+# (group sizes, rows, programs) leaving a tail. bf16's 128 x 256 tiles: the sizes of the test above
+# on 132 programs, 16 units a product, 32 for the pair in 4 pieces; 128-row multiples on 40 programs,
+# 16 tail tiles of two halves, 64 units for the pair, whole, some programs doing two. float32's
+# 64 x 64 tiles: 32 units a product in 2 pieces on 132 programs, 8 a product in 2 pieces on 40.
+PAIR_CASES = {"past-132": ([1040, 1060], 2100, 132), "more-units-than-programs": ([1024, 1152], 2200, 40)}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("zero_outside", [True, False])
+@pytest.mark.parametrize("case", sorted(PAIR_CASES))
+def test_gmm_pair_equals_two_gmm_with_one_tail_launch(case, dtype, zero_outside, monkeypatch):
+    """The gate/up pair with one tail launch: each output equals its own ``gmm`` and the float64
+    reference on the rows that must be written."""
+    group_sizes, num_rows, programs = PAIR_CASES[case]
+    k, n = 512, 2048
+    monkeypatch.setattr(tgm, "_multiprocessor_count", lambda: programs)
+    k_lhs, k_a, k_b = jax.random.split(jax.random.key(7), 3)
+    lhs = _random(k_lhs, (num_rows, k), dtype)
+    rhs_a, rhs_b = _random(k_a, (2, k, n), dtype), _random(k_b, (2, k, n), dtype)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    live = num_rows if zero_outside else sum(group_sizes)
+    _poison((num_rows, n), dtype)
+    pair = tgm.gmm_pair(lhs, rhs_a, rhs_b, sizes, zero_outside=zero_outside)
+    for out, rhs in zip(pair, (rhs_a, rhs_b)):
+        alone = np.asarray(tgm.gmm(lhs, rhs, sizes, zero_outside=zero_outside), np.float64)
+        reference = _gmm_reference(lhs, rhs, group_sizes, 0, False)
+        assert _relative_error(out[:live], reference[:live]) < TOLERANCE[dtype]
+        assert _relative_error(out[:live], alone[:live]) < TOLERANCE[dtype] / 10

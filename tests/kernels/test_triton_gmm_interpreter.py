@@ -2,8 +2,8 @@
 
 This checks the kernels' on-device scheduling (per-group row tiles, persistent loop, zero rows
 outside the local groups, clamped loads, K remainders, the tail kernels' units and K pieces, the
-push kernels' stores on peers) without a GPU or jax_triton, in a child process
-(``interpreter_harness``).
+pair's tail kernel doing two products' tails, the push kernels' stores on peers) without a GPU or
+jax_triton, in a child process (``interpreter_harness``).
 """
 
 from __future__ import annotations
@@ -89,12 +89,24 @@ PUSH_CASES = [*((case, (4, 6), BLOCK) for case in ("empty-group", "group-offset-
               *((case, all_programs, HALF_BLOCK) for case, (_, all_programs) in HALF_CASES.items())]
 PUSH_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, False, programs, block)
                  for case, all_programs, block in PUSH_CASES for k in (24, 128) for programs in all_programs}
+# The pair's tail (two products' units numbered together): whole units, some programs doing two
+# of them when the pair has more units than programs (the 128-row cases), and 2, 4 and 8 pieces.
+# One tail tile of 16 rows past a wave of 16 or 32 programs: 2 units, 8 pieces each.
+PAIR_CASES = {"one-tail-tile": ([90, 70], 160, 0, 2)}
+PAIR_VARIANTS = {
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, BLOCK)
+       for case in ("empty-group", "group-offset-window") for k in (24, 128, 136) for programs in (6, 8, 12, 13, 14)},
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, BLOCK)
+       for case in PAIR_CASES for k in (128, 136) for programs in (16, 32)},
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, HALF_BLOCK)
+       for case, (_, all_programs) in HALF_CASES.items() for k in (24, 136) for programs in all_programs},
+}
 PUSH_RANKS = 2
 N = 40
 
 
 def _case(case):
-    return CASES[case] if case in CASES else HALF_CASES[case][0]
+    return CASES[case] if case in CASES else PAIR_CASES[case] if case in PAIR_CASES else HALF_CASES[case][0]
 
 
 def _unit_rows(block):
@@ -129,6 +141,23 @@ def expected_counters(case, k, programs, block):
     """The tail kernel's per-unit counters after it ran: a split unit's counts its pieces, a unit
     done whole by one program leaves its own 0."""
     units, pieces = tail_units(case, k, programs, block)
+    counted = len(units) if pieces and pieces > 1 else 0
+    return [pieces] * counted + [0] * (programs - counted)
+
+
+def pair_units(case, k, programs, block):
+    """The pair's tail kernel's work: ``(units of both products, a's then b's, pieces per unit)``."""
+    units, _ = tail_units(case, k, programs, block)
+    if not units:
+        return [], None
+    k_steps = -(-k // block["BLOCK_K"])
+    both = [("a", *unit) for unit in units] + [("b", *unit) for unit in units]
+    return both, next(p for p in (8, 4, 2, 1) if p == 1 or (p * len(both) <= programs and k_steps >= p))
+
+
+def expected_pair_counters(case, k, programs, block):
+    """The pair's tail kernel's counters after it ran: a split unit's counts its pieces, whole units 0."""
+    units, pieces = pair_units(case, k, programs, block)
     counted = len(units) if pieces and pieces > 1 else 0
     return [pieces] * counted + [0] * (programs - counted)
 
@@ -174,6 +203,32 @@ def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block):
                                          HostTensor(counters), **tail_common)
     result = harness.summary(out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs))
     return dict(result, counters=counters.tolist())
+
+
+def _run_gmm_pair_with_tail(kernels, case, k, transpose_rhs, programs, block):
+    """``gmm_kernel`` leaving its tail apart for ``rhs_a``, then for ``rhs_b``, then
+    ``gmm_pair_tail_kernel`` doing both tails into the two outputs."""
+    assert not transpose_rhs, "the pair takes weights [G, K, N]"
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k + 2)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs_a, rhs_b = (rng.standard_normal((num_local, k, N)).astype(np.float32) for _ in range(2))
+    out_a, out_b = (np.full((num_rows, N), np.nan, np.float32) for _ in range(2))
+    sizes_and_offset = [HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32))]
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
+    for rhs, out in ((rhs_a, out_a), (rhs_b, out_b)):
+        kernels.gmm_kernel[(programs,)](HostTensor(lhs), HostTensor(rhs), *sizes_and_offset, HostTensor(out),
+                                        TRANSPOSE_RHS=False, TAIL_APART=True, **common)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
+    kernels.gmm_pair_tail_kernel[(programs,)](
+        HostTensor(lhs), HostTensor(rhs_a), HostTensor(rhs_b), *sizes_and_offset, HostTensor(out_a), HostTensor(out_b),
+        HostTensor(out_a), HostTensor(out_b), HostTensor(partials), HostTensor(counters), **tail_common
+    )
+    results = {name: harness.summary(out, gmm_reference(lhs, rhs, group_sizes, group_offset, False))
+               for name, out, rhs in (("a", out_a, rhs_a), ("b", out_b, rhs_b))}
+    return dict(results, counters=counters.tolist())
 
 
 def _address_words(array):
@@ -230,6 +285,8 @@ def _interpret_all():
     report.update({f"tail-{name}": _run_gmm_with_tail(kernels, *variant)
                    for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
     report.update({f"push-{name}": _run_push_with_tail(kernels, *variant) for name, variant in PUSH_VARIANTS.items()})
+    report.update({f"pair-{name}": _run_gmm_pair_with_tail(kernels, *variant)
+                   for name, variant in PAIR_VARIANTS.items()})
     return report
 
 
@@ -270,6 +327,28 @@ else:
         assert result["max_error"] < 1e-5, result
         assert result["signals_ok"], result
         assert result["counters"] == expected_counters(case, k, programs, block)
+
+    @pytest.mark.parametrize("name", sorted(PAIR_VARIANTS))
+    def test_gmm_pair_with_its_tail_apart_matches_reference(interpreter_report, name):
+        """Both main kernels' full waves plus the pair's tail kernel write every element of both
+        outputs once, each its own product, and the pair's units were cut as ``pair_units`` says."""
+        case, k, _, programs, block = PAIR_VARIANTS[name]
+        result = interpreter_report[f"pair-{name}"]
+        for product in ("a", "b"):
+            assert result[product]["unwritten"] == 0, (product, result)
+            assert result[product]["max_error"] < 1e-5, (product, result)
+        assert result["counters"] == expected_pair_counters(case, k, programs, block)
+
+    def test_pair_cases_reach_every_cut_and_more_units_than_programs():
+        """Whole units with a program doing two of them, and 2, 4 and 8 pieces."""
+        reached = set()
+        for case, k, _, programs, block in PAIR_VARIANTS.values():
+            units, pieces = pair_units(case, k, programs, block)
+            if units:
+                reached.add(f"pieces-{pieces}")
+                reached.update({"more-units-than-programs"} if len(units) > programs else set())
+        expected = {"pieces-1", "pieces-2", "pieces-4", "pieces-8", "more-units-than-programs"}
+        assert reached >= expected, expected - reached
 
     @pytest.mark.parametrize("variants, kinds", [
         ({**TAIL_VARIANTS, **HALF_VARIANTS}, {"rhsT"}),
