@@ -199,9 +199,15 @@ def exchange_from(path: Path | None):
             setattr(sharded_moe_module, name, value)
 
 
+# The physical device of each mesh position (``None``: ``jax.devices()`` in order); a benchmark
+# sets it to tell a slow device from a slow rank.
+DEVICE_ORDER: list[int] | None = None
+
+
 def make_mesh(shape, names):
     """Auto axes: the dense reference is partitioned by XLA's propagation, as a user's jit would be."""
-    devices = jax.devices()[: math.prod(shape)]
+    devices = [jax.devices()[i] for i in DEVICE_ORDER] if DEVICE_ORDER else jax.devices()
+    devices = devices[: math.prod(shape)]
     return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
 
 

@@ -602,8 +602,15 @@ def main(argv=None):
     parser.add_argument("--exchange-only", action="store_true",
                         help="only the token exchange's bandwidth (and the layer HLO with --dump-hlo)")
     parser.add_argument("--dump-hlo", action="store_true", help="write the compiled HLO of the EP=4 layer")
+    parser.add_argument("--device-order", type=int, nargs="+", default=None,
+                        help="the physical device of each mesh position (profiles name physical devices): "
+                             "tells a slow GPU from a slow rank")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on 8 host CPU devices")
     args = parser.parse_args(argv)
+    if args.device_order:
+        if sorted(args.device_order) != list(range(jax.device_count())):
+            parser.error(f"--device-order must be a permutation of 0..{jax.device_count() - 1}")
+        ep_bench.DEVICE_ORDER = args.device_order
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, pair-tail), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -94,13 +94,15 @@ for step in "$@"; do
       timeout 380 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
         --configs mixtral deepseek --transports peer --peer-variants fused whole-tail --reps 10 --forward-only \
         --deadline 350 2>&1 | tee "$OUT/ep_splitk_land.log" | tail -30 ;;
-    pair-tail) { git apply benchmarks/patches/pair_tail.patch 2>/dev/null || patch -p1 < benchmarks/patches/pair_tail.patch; } \
-        || exit 1
-      timeout 250 python3 -m pytest tests/gpu/test_triton_grouped_matmul.py tests/gpu/test_peer_exchange.py -q -x -rs \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pair_tail_tests.log" | tail -6
-      timeout 300 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
-        --configs mixtral deepseek --transports peer --peer-variants fused --reps 10 --forward-only --profile \
-        --deadline 280 2>&1 | tee "$OUT/ep_pair_tail.log" | grep "^name=\|GPU .: kernels" ;;
+    ranks) nvidia-smi topo -m | tee "$OUT/topo.txt"; nvidia-smi nvlink -s > "$OUT/nvlink_status.txt"
+      for order in "0 1 2 3" "1 2 3 0"; do
+        dir="$OUT/order_${order// /}"; mkdir -p "$dir"
+        variants="fused"; [ "$order" = "0 1 2 3" ] && variants="fused unfused"
+        timeout 230 python3 benchmarks/ep_overlap.py --out "$dir" --loops after --chunks 1 --scheduler default \
+          --configs deepseek --eps 4 --transports peer --peer-variants $variants --reps 10 --forward-only --profile \
+          --device-order $order --deadline 200 2>&1 | tee "$dir/ep_ranks.log" | grep "^name=\|GPU .: kernels"
+        rm -rf "$dir"/trace_*
+      done ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;
