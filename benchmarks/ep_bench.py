@@ -51,8 +51,9 @@ if "--smoke" in sys.argv:  # before JAX starts a backend
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from moe_lowering.expert_program import ExpertProgram, RowInput  # noqa: E402
 from moe_lowering.parallel import Layout, plan_layout, sharded_sparse_moe  # noqa: E402
@@ -206,9 +207,12 @@ DEVICE_ORDER: list[int] | None = None
 
 def make_mesh(shape, names):
     """Auto axes: the dense reference is partitioned by XLA's propagation, as a user's jit would be."""
-    devices = [jax.devices()[i] for i in DEVICE_ORDER] if DEVICE_ORDER else jax.devices()
-    devices = devices[: math.prod(shape)]
-    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+    axis_types = (AxisType.Auto,) * len(shape)
+    if DEVICE_ORDER:  # jax.make_mesh sorts GPUs by id, so the order is kept by building the Mesh itself
+        devices = np.array([jax.devices()[i] for i in DEVICE_ORDER][: math.prod(shape)]).reshape(shape)
+        return Mesh(devices, names, axis_types=axis_types)
+    devices = jax.devices()[: math.prod(shape)]
+    return jax.make_mesh(shape, names, axis_types=axis_types, devices=devices)
 
 
 def make_layer_data(cfg: LayerConfig, dtype=jnp.bfloat16):

@@ -95,7 +95,8 @@ for step in "$@"; do
         --configs mixtral deepseek --transports peer --peer-variants fused whole-tail --reps 10 --forward-only \
         --deadline 350 2>&1 | tee "$OUT/ep_splitk_land.log" | tail -30 ;;
     ranks) nvidia-smi topo -m | tee "$OUT/topo.txt"; nvidia-smi nvlink -s > "$OUT/nvlink_status.txt"
-      for order in "0 1 2 3" "1 2 3 0"; do
+      IFS=, read -ra orders <<< "${ORDERS:-0 1 2 3,2 3 0 1}"  # comma-separated device orders
+      for order in "${orders[@]}"; do
         dir="$OUT/order_${order// /}"; mkdir -p "$dir"
         variants="fused"; [ "$order" = "0 1 2 3" ] && variants="fused unfused"
         timeout 230 python3 benchmarks/ep_overlap.py --out "$dir" --loops after --chunks 1 --scheduler default \
