@@ -37,8 +37,6 @@ class SortedRouting(NamedTuple):
 # their one-hot experts, one scatter) instead of a comparison sort: on an H200, XLA's sort of the
 # 4096 copies of an EP=4 Mixtral step alone took 31 us, a third of the step's routing.
 COUNTING_SORT_MAX_PAIRS = 1 << 20
-# Past those, up to this many pairs (the packed keys must fit int32) one sort of packed keys.
-PACKED_KEY_SORT_MAX_PAIRS = (1 << 31) - 1
 
 
 @functools.partial(jax.jit, static_argnums=1)  # a named call, so dumps and golden checks can find the sort
@@ -51,17 +49,6 @@ def _counting_sort_positions(flat, num_buckets: int):
     return (jnp.cumsum(sizes) - sizes)[flat] + rank_in_bucket
 
 
-@functools.partial(jax.jit, static_argnums=1)  # named, like the counting sort
-def _packed_key_sort_order(flat, num_buckets: int):
-    """The stable sort's order of ``flat`` (values in ``[0, num_buckets)``) as one sort of unique
-    int32 keys ``(value, copy)``: unique keys make any sort the stable one, and a sort of a single
-    integer operand is one XLA:GPU hands to CUB's radix sort (a stable ``argsort`` sorts two
-    operands with XLA's own comparison sort: 32 us of a DeepSeek step's routing on an H200)."""
-    num_rows = flat.shape[0]
-    keys = flat * num_rows + jnp.arange(num_rows, dtype=jnp.int32)
-    return jax.lax.rem(jnp.sort(keys), jnp.int32(num_rows))
-
-
 def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     """Stable sort of the ``[T, k]`` expert choices; indices outside ``[0, E)`` mean dropped."""
     top_k = expert_indices.shape[-1]
@@ -72,9 +59,6 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     if num_rows * (num_experts + 1) <= COUNTING_SORT_MAX_PAIRS:
         inverse = _counting_sort_positions(flat, num_experts + 1).astype(jnp.int32)
         order = jnp.zeros((num_rows,), jnp.int32).at[inverse].set(rows, unique_indices=True)
-    elif num_rows * (num_experts + 1) <= PACKED_KEY_SORT_MAX_PAIRS:
-        order = _packed_key_sort_order(flat, num_experts + 1)
-        inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(rows, unique_indices=True)
     else:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(rows, unique_indices=True)
