@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks, swiglu-rows, swiglu-final), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -17,6 +17,16 @@ for step in "$@"; do
     tests) python3 -m pytest tests/gpu tests/kernels -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     sweep) timeout 330 python3 benchmarks/gmm_sweep.py --out "$OUT/gmm_sweep.json" 2>&1 | tee "$OUT/gmm_sweep.log" | tail -22 ;;
     bench) python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -16 ;;
+    swiglu-final) timeout 100 python3 -m pytest tests/gpu/test_triton_swiglu_rows.py -q -rs -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_swiglu_rows_tests.log" | tail -3
+      timeout 300 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs mixtral deepseek --transports peer --reps 10 --forward-only --profile --deadline 280 2>&1 \
+        | tee "$OUT/ep_swiglu_final.log" | grep "^name=\|GPU .: kernels"
+      rm -rf "$OUT"/trace_*; mkdir -p "$OUT/fwdbwd"
+      timeout 180 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after --chunks 1 --scheduler default \
+        --configs mixtral --eps 4 --transports peer --reps 10 --deadline 165 2>&1 \
+        | tee "$OUT/ep_swiglu_final_fwdbwd.log" | grep "^name=" ;;
+    swiglu-rows) timeout 400 python3 benchmarks/swiglu_rows_sweep.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_rows_sweep.log" | grep -v "^20.*INFO.*Unable" | tail -70 ;;
     swiglu) timeout 420 python3 benchmarks/swiglu_fusion.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_fusion.log" | tail -16 ;;
     swiglu-tests) timeout 150 python3 -m pytest tests/gpu/test_triton_swiglu_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_swiglu_tests.log" | tail -8 ;;
