@@ -15,9 +15,10 @@ from moe_lowering.kernels.swiglu_rows import check_swiglu_rows_operands
 from moe_lowering.kernels.triton_swiglu_rows_kernels import swiglu_rows_grads_kernel, swiglu_rows_kernel
 
 # Launch shape from benchmarks/swiglu_rows_sweep.py (H200, the EP layers' received rows): sixteen
-# programs per multiprocessor of 8 warps over 4 x 1024 tiles ran the forward 20-23% and the
-# gradient 6-25% faster than four of 4 warps over 8 x 1024 (Mixtral EP=4: 106 vs 137 us; XLA's
-# fusion over the same rows 96 us). Tiles of 16 rows spill the gradient's registers (10x slower).
+# programs per multiprocessor (more than fit at once: eight of 8 warps fill one) over 4 x 1024
+# tiles ran the forward 16-23% and the gradient 5-25% faster than four of 4 warps over 8 x 1024
+# (Mixtral EP=4: 106 vs 137 us; XLA's fusion over the same rows 96 us). Tiles of 16 rows spill
+# the gradient kernel's registers (10x slower).
 NUM_PROGRAMS = 16 * 132
 BLOCK_ROWS = 4
 MAX_BLOCK_COLS = 1024
