@@ -14,32 +14,20 @@ import datetime
 import itertools
 import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_lowering.kernels import triton_swiglu_rows  # noqa: E402
+from moe_layer import _time_ms  # noqa: E402  (this folder: the script's own)
 
 log = logging.getLogger("swiglu_rows_sweep")
 
 # (name, buffer rows, rows that arrived, features): the EP=4 / EP=2 layers' busiest GPU.
 SHAPES = [("mixtral-ep4", 16384, 4142, 14336), ("mixtral-ep2", 16384, 8263, 14336),
           ("deepseek-ep4", 65536, 16618, 2048)]
-
-
-def time_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def looped(step, iters: int):
@@ -77,6 +65,8 @@ def main(argv=None):
     parser.add_argument("--block-rows", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args(argv)
+    from moe_lowering.kernels import triton_swiglu_rows  # the GPU kernels (jax-triton): after --help
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     device = jax.devices()[0]
     sms = getattr(device, "core_count", 132)
@@ -96,18 +86,18 @@ def main(argv=None):
 
         xla = looped(lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype),
                      args.iters)
-        report("xla fusion (arrived rows only)", time_ms(xla, gate[:num_rows], up[:num_rows], reps=args.reps))
+        report("xla fusion (arrived rows only)", _time_ms(xla, (gate[:num_rows], up[:num_rows]), args.reps))
         saved = (triton_swiglu_rows.NUM_PROGRAMS, triton_swiglu_rows.BLOCK_ROWS, triton_swiglu_rows.NUM_WARPS)
         for per_sm, block_rows, warps in itertools.product(args.programs_per_sm, args.block_rows, args.warps):
             triton_swiglu_rows.NUM_PROGRAMS, triton_swiglu_rows.BLOCK_ROWS = per_sm * sms, block_rows
             triton_swiglu_rows.NUM_WARPS = warps
             try:
                 fn = chained(lambda g, u: triton_swiglu_rows.swiglu_rows(g, u, arrived), args.iters)
-                report(f"triton {per_sm}/SM rows={block_rows} warps={warps}", time_ms(fn, gate, up, reps=args.reps))
+                report(f"triton {per_sm}/SM rows={block_rows} warps={warps}", _time_ms(fn, (gate, up), args.reps))
                 grads = chained_grads(lambda d, g, u: triton_swiglu_rows.swiglu_rows_grads(d, g, u, arrived),
                                       args.iters)
                 report(f"triton grads {per_sm}/SM rows={block_rows} warps={warps}",
-                       time_ms(grads, up, gate, up, reps=args.reps), bytes_moved=5 * moved // 3)
+                       _time_ms(grads, (up, gate, up), args.reps), bytes_moved=5 * moved // 3)
             except Exception as err:  # a launch shape the compiler refuses: recorded, not fatal
                 log.warning("%s %s/SM rows=%s warps=%s failed: %s", name, per_sm, block_rows, warps, err)
             finally:
