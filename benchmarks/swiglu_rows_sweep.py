@@ -2,7 +2,9 @@
 
 The EP layer's activation runs over the received rows only (``swiglu_rows``); XLA's fusion over a
 static slice of the same rows is the bandwidth to match. Each variant runs ``--iters`` times in a
-``fori_loop`` (its output feeds the next gate), so host dispatch does not enter the time.
+``fori_loop``, so host dispatch does not enter the time: XLA's fusion feeds its output to the next
+gate (written in place), each kernel call depends on the last through one element (see
+``chained``), and the gradient kernel is timed alike.
 
     python benchmarks/swiglu_rows_sweep.py --out benchmarks/results
 """
