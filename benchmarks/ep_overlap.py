@@ -117,10 +117,13 @@ def peer_variant(name: str):
     activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
     ``swiglu_rows``), or sending rows once per expert instead of tokens once per rank (``rows``,
     before the deduplicated dispatch), or with the GEMMs' tail tiles whole (``whole-tail``, before
-    ``triton_grouped_matmul.TAIL_APART``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
+    ``triton_grouped_matmul.TAIL_APART``), or with the GEMMs' tile shape picked from the receive
+    buffer's size (``buffer-tiles``, before ``exchange._expected_rows``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
     ``W`` warps storing ``S`` rows at a time."""
     saved = (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
-             exchange.deduplicates)
+             exchange.deduplicates, exchange._expected_rows)
+    if name == "buffer-tiles":
+        exchange._expected_rows = lambda cfg, num_rows: cfg.ep_size * cfg.capacity
     if name in ("unfused", "looped"):
         exchange._output_matmul = lambda cfg, params: None
     if name == "looped":
@@ -135,7 +138,7 @@ def peer_variant(name: str):
             yield
     finally:
         (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
-         exchange.deduplicates) = saved
+         exchange.deduplicates, exchange._expected_rows) = saved
 
 
 @contextlib.contextmanager
@@ -166,10 +169,11 @@ def push_launch(name: str):
 
 
 def _peer_variant_name(name: str) -> str:
-    if name in ("fused", "unfused", "looped", "all-rows", "rows", "whole-tail") or re.fullmatch(r"push-\d+x\d+x\d+", name):
+    if (name in ("fused", "unfused", "looped", "all-rows", "rows", "whole-tail", "buffer-tiles")
+            or re.fullmatch(r"push-\d+x\d+x\d+", name)):
         return name
-    raise argparse.ArgumentTypeError(
-        f"unknown peer variant {name!r}: fused, unfused, looped, all-rows, rows, whole-tail or push-PxWxS")
+    raise argparse.ArgumentTypeError(f"unknown peer variant {name!r}: fused, unfused, looped, all-rows, rows, "
+                                     "whole-tail, buffer-tiles or push-PxWxS")
 
 
 def timed(bench: Bench, fn, args, lhs: bool):
@@ -593,7 +597,7 @@ def main(argv=None):
                         help="forms of the peer transport: as committed (one round, the output GEMM storing rows "
                              "home), without that fusion, slack-sized rounds with the overflow loop, or the SwiGLU "
                              "activation over the whole receive buffer; rows: no deduplicated dispatch; whole-tail: GEMM tail "
-                             "tiles not split; push-PxWxS: the dispatch push as P programs "
+                             "tiles not split; buffer-tiles: GEMM tiles picked from the receive buffer's size; push-PxWxS: the dispatch push as P programs "
                              "of W warps storing S rows at a time")
     parser.add_argument("--forward-only", action="store_true", help="leave out the forward+backward rows")
     parser.add_argument("--profile", action="store_true", help="trace the chunks=1 and best variants at EP=4")

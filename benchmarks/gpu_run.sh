@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks, swiglu-rows, swiglu-final), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks, swiglu-rows, swiglu-final, tiles, tiles-fwdbwd), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -114,6 +114,15 @@ for step in "$@"; do
           --device-order $order --deadline 200 2>&1 | tee "$dir/ep_ranks.log" | grep "^name=\|GPU .: kernels"
         rm -rf "$dir"/trace_*
       done ;;
+    tiles) timeout 230 python3 -m pytest tests/gpu/test_triton_grouped_matmul.py tests/gpu/test_peer_exchange.py -q -rs \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tiles_tests.log" | tail -8
+      timeout 330 python3 benchmarks/ep_overlap.py --out "$OUT" --loops after --chunks 1 --scheduler default \
+        --configs deepseek --transports peer --peer-variants buffer-tiles fused --reps 10 --forward-only --profile \
+        --deadline 300 2>&1 | tee "$OUT/ep_tiles.log" | grep "^name=\|GPU .: kernels"
+      rm -rf "$OUT"/trace_* ;;
+    tiles-fwdbwd) mkdir -p "$OUT/fwdbwd"; timeout 420 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
+        --chunks 1 --scheduler default --configs deepseek --transports peer --peer-variants buffer-tiles fused \
+        --reps 10 --deadline 390 2>&1 | tee "$OUT/ep_tiles_fwdbwd.log" | grep "^name=" ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;

@@ -113,34 +113,40 @@ def _combine_bwd(residuals, d_out):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
-                   zero_outside: bool = True):
+                   zero_outside: bool = True, expected_rows: int | None = None):
     """``lhs[r] @ rhs[group(r)]`` for rows sorted by group; backward is two more grouped products.
 
     Rows outside the groups are zero, or unspecified with ``zero_outside=False`` (for callers that
-    never read them, e.g. the unused tail of a receive buffer sized for the worst case)."""
+    never read them, e.g. the unused tail of a receive buffer sized for the worst case).
+    ``expected_rows``: how many rows such a buffer's groups should hold (the kernels' tile shape
+    is picked for them); ``None``: all of ``lhs``."""
     return get_backend(backend).gmm(
         lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
-        zero_outside=zero_outside,
+        zero_outside=zero_outside, expected_rows=expected_rows,
     )
 
 
-def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside):
-    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
+def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
+                        expected_rows):
+    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
+                         expected_rows)
     return out, (lhs, rhs, group_sizes)
 
 
-def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, zero_outside, residuals, d_out):
+def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, zero_outside, expected_rows, residuals, d_out):
     lhs, rhs, group_sizes = residuals
-    return (*grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset), None)
+    return (*grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset, expected_rows), None)
 
 
-def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto", group_offset: int = 0):
+def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto", group_offset: int = 0,
+                              expected_rows: int | None = None):
     """``(d_lhs, d_rhs)`` of ``grouped_matmul(lhs, rhs, group_sizes)`` for the output cotangent ``d_out``."""
     kernels = get_backend(backend)
     d_lhs = kernels.gmm(
-        d_out, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype
+        d_out, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype,
+        expected_rows=expected_rows,
     )
     d_rhs = kernels.tgmm(
         lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype
@@ -152,7 +158,7 @@ grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
-                  zero_outside: bool = True):
+                  zero_outside: bool = True, expected_rows: int | None = None):
     """``grouped_matmul``, or the weight's own product for a weight kept in another form.
 
     A weight object with a ``grouped_matmul(lhs, group_sizes, backend, group_offset,
@@ -162,7 +168,8 @@ def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: in
     own_product = getattr(rhs, "grouped_matmul", None)
     if own_product is not None:
         return own_product(lhs, group_sizes, backend, group_offset, preferred_element_type)
-    return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
+    return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
+                          expected_rows)
 
 
 class PairResiduals(NamedTuple):
@@ -186,28 +193,29 @@ def _gmm_pair(backend: str):
     return two_products
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
-                        preferred_element_type=None, zero_outside: bool = True):
+                        preferred_element_type=None, zero_outside: bool = True, expected_rows: int | None = None):
     """``(grouped_matmul(lhs, rhs_a, ...), grouped_matmul(lhs, rhs_b, ...))`` through the backend's
     ``gmm_pair`` (one tail launch for both on the Triton kernels); the backward is the two
     products' own, their ``lhs`` cotangents added in float32."""
     return _gmm_pair(backend)(lhs, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
-                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
+                              preferred_element_type=preferred_element_type, zero_outside=zero_outside,
+                              expected_rows=expected_rows)
 
 
 def _grouped_matmul_pair_fwd(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
-                             zero_outside):
+                             zero_outside, expected_rows):
     outs = grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
-                               zero_outside)
+                               zero_outside, expected_rows)
     return outs, PairResiduals(lhs, rhs_a, rhs_b, group_sizes)
 
 
-def _grouped_matmul_pair_bwd(backend, group_offset, preferred_element_type, zero_outside, residuals: PairResiduals,
-                             d_outs):
+def _grouped_matmul_pair_bwd(backend, group_offset, preferred_element_type, zero_outside, expected_rows,
+                             residuals: PairResiduals, d_outs):
     lhs, rhs_a, rhs_b, group_sizes = residuals
     (d_lhs_a, d_rhs_a), (d_lhs_b, d_rhs_b) = (
-        grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset)
+        grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset, expected_rows)
         for rhs, d_out in zip((rhs_a, rhs_b), d_outs)
     )
     d_lhs = (d_lhs_a.astype(jnp.float32) + d_lhs_b.astype(jnp.float32)).astype(lhs.dtype)
@@ -218,14 +226,15 @@ grouped_matmul_pair.defvjp(_grouped_matmul_pair_fwd, _grouped_matmul_pair_bwd)
 
 
 def expert_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
-                       preferred_element_type=None, zero_outside: bool = True):
+                       preferred_element_type=None, zero_outside: bool = True, expected_rows: int | None = None):
     """``(expert_matmul(lhs, rhs_a, ...), expert_matmul(lhs, rhs_b, ...))``, as ``grouped_matmul_pair``
     where both weights are plain arrays of one shape and dtype (else the two products apart)."""
     plain = not any(hasattr(rhs, "grouped_matmul") for rhs in (rhs_a, rhs_b))
     if plain and rhs_a.shape == rhs_b.shape and rhs_a.dtype == rhs_b.dtype:
         return grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
-                                   zero_outside)
-    return tuple(expert_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside)
+                                   zero_outside, expected_rows)
+    return tuple(expert_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
+                               expected_rows)
                  for rhs in (rhs_a, rhs_b))
 
 

@@ -24,7 +24,8 @@ BACKEND_NAMES = ("auto", "xla", "triton")
 class KernelBackend:
     """The grouped products a backend provides; see ``grouped_matmul`` for their contracts.
 
-    ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type, zero_outside)`` and
+    ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type, zero_outside,
+    expected_rows)`` and
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
     with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
@@ -34,7 +35,7 @@ class KernelBackend:
     (contract in ``swiglu_rows``): SwiGLU's elementwise part on a buffer's leading rows;
     ``None`` uses the jnp reference, which computes every row.
     ``gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset, preferred_element_type,
-    zero_outside)``: ``gmm`` of the same rows by two weights of one shape, ``(out_a, out_b)``, set
+    zero_outside, expected_rows)``: ``gmm`` of the same rows by two weights of one shape, ``(out_a, out_b)``, set
     where doing both at once saves launches (the Triton kernels: one tail launch for SwiGLU's gate
     and up products); ``None``: two ``gmm`` calls.
     """

@@ -86,10 +86,13 @@ def gmm(
     preferred_element_type=None,
     tile_rows: int | None = None,
     zero_outside: bool = True,
+    expected_rows: int | None = None,
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero
     (with ``zero_outside=False`` they are unspecified: a caller that never reads them saves the
-    writes; this implementation writes zeros either way).
+    writes; this implementation writes zeros either way). ``expected_rows`` (how many rows the
+    groups should hold, where ``lhs`` is a buffer sized for the worst case) picks the GPU kernels'
+    tile shape; this loop's tiles stay ``tile_rows``, so it does not use it.
 
     With ``transpose_rhs`` the weights are ``[G, N, K]`` and used transposed (the activation
     gradient reads the forward weights without copying them).

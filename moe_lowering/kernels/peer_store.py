@@ -125,7 +125,8 @@ def expand_rows(table, index, num_rows, *, backend: str = "auto", zero_tail: boo
 
 def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows: int, num_arrived, *,
                          axis_name: str, axis_size: int, zeroed: bool = True, backend: str = "auto",
-                         buffer: PeerBuffer | None = None, group_offset=0, preferred_element_type=None):
+                         buffer: PeerBuffer | None = None, group_offset=0, preferred_element_type=None,
+                         expected_rows: int | None = None):
     """``peer_store`` of the grouped product ``lhs[r] @ rhs[group(r)]``, row ``r`` as slot ``r``.
 
     On the Triton kernels the GEMM's epilogue stores each output row straight into its receiving
@@ -133,6 +134,7 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
     after it, and the product never exists on the computing GPU. Elsewhere, and for dtypes the
     kernel lacks, the product is formed and stored as ``peer_store`` does. ``zeroed`` as for
     ``peer_store`` (``buffer``, if given, was made alike); rows from ``num_arrived`` on are zero.
+    ``expected_rows``: as for ``grouped_matmul`` (``lhs`` may be a buffer sized for the worst case).
     """
     product_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     stored_by_gemm = False
@@ -142,7 +144,7 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
         stored_by_gemm = triton_grouped_matmul.has_kernel(lhs.dtype, rhs.dtype, product_dtype)
     if not stored_by_gemm:
         product = get_backend(backend).gmm(lhs, rhs, group_sizes, group_offset=group_offset,
-                                           preferred_element_type=preferred_element_type)
+                                           preferred_element_type=preferred_element_type, expected_rows=expected_rows)
         slots = jnp.arange(lhs.shape[0], dtype=jnp.int32)
         return peer_store(product, slots, dest_device, dest_row, recv_rows, num_arrived, axis_name=axis_name,
                           axis_size=axis_size, zeroed=zeroed, backend=backend, buffer=buffer)
@@ -155,7 +157,7 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
                          f"[{recv_rows}, {rhs.shape[2]}] {product_dtype}")
     done, signalling_programs = triton_grouped_matmul.gmm_push(
         lhs, rhs, group_sizes, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
-        group_offset=group_offset, preferred_element_type=preferred_element_type)
+        group_offset=group_offset, preferred_element_type=preferred_element_type, expected_rows=expected_rows)
     return peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=signalling_programs,
                      num_programs=WAIT_PROGRAMS)
 

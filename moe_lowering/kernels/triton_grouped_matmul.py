@@ -167,9 +167,10 @@ def gmm(
     preferred_element_type=None,
     config: TileConfig | None = None,
     zero_outside: bool = True,
+    expected_rows: int | None = None,
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero,
-    or left unwritten with ``zero_outside=False``."""
+    or left unwritten with ``zero_outside=False``. ``expected_rows``: see :func:`_row_tiled_launch`."""
     num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs,
                                                               preferred_element_type, "gmm")
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
@@ -178,7 +179,8 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
-    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
+                               expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
     out = _gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, transpose_rhs, zero_outside)
     if not TAIL_APART:
@@ -200,7 +202,7 @@ def gmm(
 
 
 def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
-             config: TileConfig | None = None, zero_outside: bool = True):
+             config: TileConfig | None = None, zero_outside: bool = True, expected_rows: int | None = None):
     """``(gmm(lhs, rhs_a, ...), gmm(lhs, rhs_b, ...))`` with one tail launch for both products.
 
     For SwiGLU's gate and up products of the same rows: each tail launch was mostly fixed cost
@@ -215,8 +217,10 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
                        and min(num_rows, k, n, num_local_groups) > 0 and has_kernel(lhs.dtype, rhs_a.dtype, out_dtype))
     if not one_tail_launch:
         return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
-                         config=config, zero_outside=zero_outside) for rhs in (rhs_a, rhs_b))
-    launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
+                         config=config, zero_outside=zero_outside, expected_rows=expected_rows)
+                     for rhs in (rhs_a, rhs_b))
+    launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
+                               expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
     outs = [_gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, False, zero_outside) for rhs in (rhs_a, rhs_b)]
     out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
@@ -254,10 +258,18 @@ def _tail_pad(launch: dict) -> int:
 
 
 def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
-                      config: TileConfig | None = None) -> dict:
-    """Grid, warps, stages and the constants ``gmm_kernel`` and ``gmm_push_kernel`` share."""
+                      config: TileConfig | None = None, expected_rows: int | None = None) -> dict:
+    """Grid, warps, stages and the constants ``gmm_kernel`` and ``gmm_push_kernel`` share.
+
+    ``expected_rows``: how many of the ``num_rows`` the groups are expected to hold, where the
+    operand is a buffer sized for the worst case (an expert-parallel receive buffer holds ``ep``
+    times a balanced arrival). The tile shape is picked for the rows that come, not for the
+    buffer: at DeepSeek's 128 rows per expert the buffer alone would pick 128-row tiles, half of
+    each group's last tile padding; the grid still covers the whole buffer.
+    """
     compute_f32 = _compute_f32(lhs_dtype, rhs_dtype)
-    config = config or gmm_config(num_rows, k, n, num_local_groups, compute_f32)
+    rows_for_shape = num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
+    config = config or gmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     return dict(
         grid=(num_programs,),
@@ -279,7 +291,7 @@ def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_l
 
 
 def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank, *, group_offset=0,
-             preferred_element_type=None):
+             preferred_element_type=None, expected_rows: int | None = None):
     """``gmm``'s rows stored straight into peers' receive buffers: ``(done token, programs that signal)``.
 
     Row ``r`` of a local group goes to row ``dest_row[r]`` of rank ``dest_device[r]`` (negative:
@@ -295,7 +307,8 @@ def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank,
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
         raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
-    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0])
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0],
+                               expected_rows=expected_rows)
     operands = (lhs, rhs, group_sizes.astype(jnp.int32), _offset_array(group_offset), dest_device.astype(jnp.int32),
                 dest_row.astype(jnp.int32), peer_addresses.reshape(-1), jnp.reshape(rank, (1,)).astype(jnp.int32))
     done_shape = jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype)

@@ -402,10 +402,17 @@ def _gather_home(returned_chunks, home_index):
     return jnp.take(returned, home_index, axis=0, mode="fill", fill_value=0)
 
 
+def _expected_rows(cfg: ExchangeConfig, num_rows: int) -> int:
+    """Rows a chunk's receive buffer holds when routing is balanced: a rank receives as many rows
+    as it sends, ``num_rows`` a round over the round's chunks. The buffer is sized for the worst
+    case (``ep`` times this for ``"peer"``); the grouped GEMMs pick their tile shape for these."""
+    return min(cfg.ep_size * cfg.capacity, -(-num_rows // cfg.chunks))
+
+
 def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows, sorted_payloads, params,
-                   program: ExpertProgram | None = None):
+                   program: ExpertProgram | None = None, expected_rows: int | None = None):
     """The expert program (or ``program``, a part of it) on rows sorted by local expert; per-token
-    inputs arrive as row payloads."""
+    inputs arrive as row payloads. ``expected_rows``: see :func:`_expected_rows`."""
     program = program or cfg.program
     payload_iter = iter(sorted_payloads)
     values = [next(payload_iter) if kind is ParamKind.PER_TOKEN else p
@@ -420,7 +427,8 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
     zero_outside = _tails_read(cfg)  # rows past the received ones: see there
 
     def matmul(lhs, rhs, sizes, offset, preferred_element_type):
-        return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside)
+        return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside,
+                             expected_rows=expected_rows)
 
     if zero_outside:
         return evaluate(program, values, context, matmul)
@@ -429,7 +437,7 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
         """Both products, then the activation on the received rows only: the buffer is sized for
         the worst case (``ep`` times a balanced arrival with ``"peer"``), its tail is never read."""
         gate, up = expert_matmul_pair(lhs, gate_rhs, up_rhs, sizes, cfg.backend, offset, preferred_element_type,
-                                      zero_outside=zero_outside)
+                                      zero_outside=zero_outside, expected_rows=expected_rows)
         return swiglu_rows(gate, up, jnp.sum(sizes), cfg.backend)
 
     return evaluate(program, values, context, matmul, swiglu_matmul=swiglu_matmul)
@@ -463,10 +471,12 @@ def _output_matmul(cfg: ExchangeConfig, params) -> _OutputMatmul | None:
     return _OutputMatmul(output, prefix, read_before)
 
 
-def _output_matmul_vjp(fused: _OutputMatmul, backend: str, lhs, weight, group_sizes, prefix_vjp, d_out):
+def _output_matmul_vjp(fused: _OutputMatmul, backend: str, expected_rows: int, lhs, weight, group_sizes, prefix_vjp,
+                       d_out):
     """The chunk's vjp when its output GEMM was fused with the return: the GEMM's two cotangent
     products, then the prefix's vjp; same ``(rows, payloads, params)`` cotangents as ``jax.vjp``."""
-    d_lhs, d_weight = grouped_matmul_cotangents(lhs, weight, group_sizes, d_out.astype(lhs.dtype), backend)
+    d_lhs, d_weight = grouped_matmul_cotangents(lhs, weight, group_sizes, d_out.astype(lhs.dtype), backend,
+                                                expected_rows=expected_rows)
     d_rows, d_payloads, d_params = prefix_vjp(d_lhs)
     d_params = list(d_params)
     index = fused.matmul.weight
@@ -559,7 +569,8 @@ def _send_home_from_matmul(lhs, weight, fused: _OutputMatmul, plan: _ChunkPlan, 
     return grouped_matmul_store(lhs, weight, plan.local_group_sizes, routes.return_device, routes.return_row,
                                 num_rows, arriving, axis_name=cfg.axis_name, axis_size=cfg.ep_size, zeroed=zeroed,
                                 backend=cfg.backend, buffer=buffer,
-                                preferred_element_type=fused.matmul.preferred_element_type)
+                                preferred_element_type=fused.matmul.preferred_element_type,
+                                expected_rows=_expected_rows(cfg, num_rows))
 
 
 @jax.tree_util.register_dataclass
@@ -657,8 +668,9 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
             sorted_rows = _dispatch_tokens(rows, token_routes, plan, cfg, chunk.tokens, row_source)
         sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg, b) for p, b in zip(payloads, chunk.dispatched_payloads))
         fused = _output_matmul(cfg, params)
+        expected_rows = _expected_rows(cfg, num_rows)
         program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row,
-                                    program=None if fused is None else fused.prefix)
+                                    program=None if fused is None else fused.prefix, expected_rows=expected_rows)
         if keep_vjp:
             result, vjp = jax.vjp(program, sorted_rows, sorted_payloads, params)
         else:
@@ -669,8 +681,8 @@ def _round_forward(cfg: ExchangeConfig, counts, round_index, rows, payloads, par
             weight = params[fused.matmul.weight]
             returned.append(_send_home_from_matmul(result, weight, fused, plan, cfg, num_rows, chunk.home[0]))
             if keep_vjp:
-                vjp = jax.tree_util.Partial(functools.partial(_output_matmul_vjp, fused, cfg.backend), result, weight,
-                                            plan.local_group_sizes, vjp)
+                vjp = jax.tree_util.Partial(functools.partial(_output_matmul_vjp, fused, cfg.backend, expected_rows),
+                                            result, weight, plan.local_group_sizes, vjp)
         if keep_vjp:
             vjps.append(vjp)
     return _combine_home(returned, counts, round_index, num_rows, cfg), tuple(vjps)
@@ -777,7 +789,8 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
         plan = _chunk_plan(counts, chunk_index, num_rows, cfg)
         chunk = _ChunkBuffers.none(0, 1 + len(payloads)) if buffers is None else buffers[j]
         if vjps is None:
-            program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row)
+            program = functools.partial(_local_program, cfg, plan.local_group_sizes, plan.local_expert_of_row,
+                                        expected_rows=_expected_rows(cfg, num_rows))
             sorted_payloads = tuple(_dispatch_sorted(p, plan, cfg) for p in payloads)
             _, vjp = jax.vjp(program, _dispatch_sorted(rows, plan, cfg), sorted_payloads, params)
         else:

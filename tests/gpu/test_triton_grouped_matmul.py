@@ -235,3 +235,46 @@ def test_gmm_pair_equals_two_gmm_with_one_tail_launch(case, dtype, zero_outside,
         reference = _gmm_reference(lhs, rhs, group_sizes, 0, False)
         assert _relative_error(out[:live], reference[:live]) < TOLERANCE[dtype]
         assert _relative_error(out[:live], alone[:live]) < TOLERANCE[dtype] / 10
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_expected_rows_picks_the_tile_for_the_rows_that_come(transpose_rhs):
+    """A receive buffer four times the rows its groups hold (as the expert-parallel exchange
+    sizes it): ``expected_rows`` picks the small-group tiles that the buffer's size alone would
+    not, and ``gmm``, ``gmm_pair`` and the gradients stay equal to the float64 reference."""
+    group_sizes = [120, 131, 0, 97, 256, 129, 140, 127]
+    live, groups, k, n = sum(group_sizes), len(group_sizes), 384, 512
+    num_rows = 4 * live
+    from_buffer = tgm._row_tiled_launch(jnp.bfloat16, jnp.bfloat16, num_rows, k, n, groups, groups)
+    from_rows = tgm._row_tiled_launch(jnp.bfloat16, jnp.bfloat16, num_rows, k, n, groups, groups, expected_rows=live)
+    assert (from_buffer["BLOCK_M"], from_rows["BLOCK_M"]) == (128, 64)
+    assert from_rows["NUM_PROGRAMS"] == tgm._row_tile_grid(num_rows, n, groups, tgm.gmm_config(live, k, n, groups, False))
+
+    keys = jax.random.split(jax.random.key(11), 4)
+    lhs = _random(keys[0], (num_rows, k), jnp.bfloat16)
+    shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    rhs_a, rhs_b = _random(keys[1], shape, jnp.bfloat16), _random(keys[2], shape, jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    _poison((num_rows, n), jnp.bfloat16)
+    out = tgm.gmm(lhs, rhs_a, sizes, transpose_rhs=transpose_rhs, zero_outside=False, expected_rows=live)
+    reference = _gmm_reference(lhs, rhs_a, group_sizes, 0, transpose_rhs)
+    assert _relative_error(out[:live], reference[:live]) < TOLERANCE[jnp.bfloat16]
+    if transpose_rhs:
+        return
+    pair = tgm.gmm_pair(lhs, rhs_a, rhs_b, sizes, zero_outside=False, expected_rows=live)
+    for product, rhs in zip(pair, (rhs_a, rhs_b)):
+        assert _relative_error(product[:live], _gmm_reference(lhs, rhs, group_sizes, 0, False)[:live]) < 1e-2
+
+    cotangent = _random(keys[3], (num_rows, n), jnp.bfloat16)
+    live_rows = (jnp.arange(num_rows) < live)[:, None]
+
+    def loss(lhs, rhs):
+        product = grouped_matmul(lhs, rhs, sizes, "triton", 0, None, False, live)
+        return jnp.sum(jnp.where(live_rows, product.astype(jnp.float32) * cotangent.astype(jnp.float32), 0))
+
+    d_lhs, d_rhs = jax.grad(loss, argnums=(0, 1))(lhs, rhs_a)
+    masked = np.where(np.asarray(live_rows), np.asarray(cotangent, np.float64), 0)
+    expected_d_lhs = _gmm_reference(masked, np.swapaxes(np.asarray(rhs_a, np.float64), 1, 2), group_sizes, 0, False)
+    assert _relative_error(d_lhs[:live].astype(jnp.float32), expected_d_lhs[:live]) < 1e-2
+    expected_d_rhs = _tgmm_reference(np.asarray(lhs, np.float64), masked, group_sizes, 0, groups)
+    assert _relative_error(d_rhs.astype(jnp.float32), expected_d_rhs) < 1e-2

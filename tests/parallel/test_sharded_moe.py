@@ -9,6 +9,7 @@ partitioning's ``[all tokens, local experts, f]``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from types import SimpleNamespace
@@ -483,3 +484,39 @@ def test_bucket_is_the_binary_search():
         np.testing.assert_array_equal(exchange._bucket(ends, values),
                                       np.searchsorted(np.asarray(ends), np.asarray(values), side="right"))
         key = jax.random.split(key)[0]
+
+
+@pytest.mark.parametrize("transport, exchange_chunks", [("peer", 1), ("peer", 2), ("all_to_all", 1)])
+def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, exchange_chunks, monkeypatch):
+    """Every grouped GEMM on a receive buffer (forward, the fused output GEMM, and the backward's
+    activation products) is told how many rows a balanced routing brings, the rows a rank sends
+    over the round's chunks: the buffer holds up to ``ep`` times that, and the GPU kernels pick
+    their tile shape from it (128-row tiles at DeepSeek's 128 rows per expert otherwise)."""
+    from moe_lowering import sparse_moe as sparse_moe_module
+    from moe_lowering.kernels import get_backend, peer_store
+
+    xla = get_backend("xla")
+    calls = []
+
+    def recording_gmm(lhs, *args, **options):
+        calls.append((lhs.shape[0], options.get("expected_rows")))
+        return xla.gmm(lhs, *args, **options)
+
+    recorder = dataclasses.replace(xla, gmm=recording_gmm)
+    for module in (sparse_moe_module, peer_store):
+        monkeypatch.setattr(module, "get_backend", lambda name: recorder)
+    layout = make_layout("fsdp2_expert4")  # 8 token slices, 2 experts on each of 4 ranks
+    tokens, indices, weights, params, cotangent = case(23, num_tokens=128, expert_bias=False, token_scale=False)
+    program = swiglu_program()
+    moe = sharded(layout, indices, program, exchange_transport=transport, exchange_chunks=exchange_chunks)
+    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    local_rows = 128 // 8 * 2
+    expected = local_rows // exchange_chunks
+    on_buffers = [(rows, rows_hint) for rows, rows_hint in calls if rows != local_rows]  # not the shape probe
+    assert len(on_buffers) >= 3 * exchange_chunks, calls  # gate, up, down; then the backward's
+    assert {rows_hint for _, rows_hint in on_buffers} == {expected}, calls
+    if transport == "peer":
+        assert {rows for rows, _ in on_buffers} == {4 * expected}, calls  # ep times a balanced arrival
+    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                         tokens, weights, params, cotangent)
+    assert_close(got, want, 1e-5)
