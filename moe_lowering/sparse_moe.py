@@ -162,12 +162,12 @@ def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: in
     """``grouped_matmul``, or the weight's own product for a weight kept in another form.
 
     A weight object with a ``grouped_matmul(lhs, group_sizes, backend, group_offset,
-    preferred_element_type)`` method multiplies itself: the FP8-gathered expert weights of
+    preferred_element_type, expected_rows)`` method multiplies itself: the FP8-gathered expert weights of
     :mod:`moe_lowering.parallel.quantize` do, so that no dequantised copy needs to exist.
     """
     own_product = getattr(rhs, "grouped_matmul", None)
     if own_product is not None:
-        return own_product(lhs, group_sizes, backend, group_offset, preferred_element_type)
+        return own_product(lhs, group_sizes, backend, group_offset, preferred_element_type, expected_rows)
     return grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
                           expected_rows)
 

@@ -157,9 +157,9 @@ class GatheredFp8Weight:
     def dequantize(self):
         return dequantize_blocks(self.fp8_values(), self.scales, self.quant, self.dtype)
 
-    def grouped_matmul(self, lhs, group_sizes, backend, group_offset, preferred_element_type):
+    def grouped_matmul(self, lhs, group_sizes, backend, group_offset, preferred_element_type, expected_rows=None):
         """``lhs[r] @ self[group(r)]`` (the protocol :func:`moe_lowering.sparse_moe.expert_matmul` calls)."""
-        return fp8_weight_matmul(lhs, self, group_sizes, backend, group_offset, preferred_element_type)
+        return fp8_weight_matmul(lhs, self, group_sizes, backend, group_offset, preferred_element_type, expected_rows)
 
 
 def gather_weight_fp8(w, axis_name: str, dim: int, quant: str) -> GatheredFp8Weight:
@@ -177,36 +177,41 @@ def _opaque(*arrays):
     return jax.lax.optimization_barrier(arrays)
 
 
-def use_fp8_kernel(lhs, weight: GatheredFp8Weight, backend: str) -> bool:
-    """Whether the FP8-weight kernel beats dequantise-then-GEMM here: a GPU backend and few rows per expert."""
-    rows_per_expert = lhs.shape[0] / max(weight.shape[0], 1)
+def use_fp8_kernel(lhs, weight: GatheredFp8Weight, backend: str, expected_rows: int | None = None) -> bool:
+    """Whether the FP8-weight kernel beats dequantise-then-GEMM here: a GPU backend and few rows per
+    expert, counted in ``expected_rows`` where ``lhs`` is a receive buffer sized for the worst case
+    (at DeepSeek's EP=4 the buffer alone says 512 rows per expert, a balanced arrival 128)."""
+    rows = lhs.shape[0] if expected_rows is None else min(expected_rows, lhs.shape[0])
+    rows_per_expert = rows / max(weight.shape[0], 1)
     return (get_backend(backend).name == "triton" and lhs.dtype in (jnp.bfloat16, jnp.float16)
             and rows_per_expert <= FP8_KERNEL_MAX_ROWS_PER_EXPERT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, group_offset, preferred_element_type):
-    """``lhs[r] @ weight[group(r)]`` with the weight read from its FP8 bytes where that is faster."""
-    if use_fp8_kernel(lhs, weight, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, group_offset, preferred_element_type,
+                      expected_rows=None):
+    """``lhs[r] @ weight[group(r)]`` with the weight read from its FP8 bytes where that is faster.
+    ``expected_rows``: as for :func:`moe_lowering.sparse_moe.grouped_matmul`."""
+    if use_fp8_kernel(lhs, weight, backend, expected_rows):
         from moe_lowering.kernels.triton_fp8_gmm import fp8_gmm
 
         return fp8_gmm(lhs, weight.fp8_values(), weight.scales, group_sizes, quant=weight.quant,
                        group_offset=group_offset, preferred_element_type=preferred_element_type)
     return get_backend(backend).gmm(lhs, weight.dequantize(), group_sizes, group_offset=group_offset,
-                                    preferred_element_type=preferred_element_type)
+                                    preferred_element_type=preferred_element_type, expected_rows=expected_rows)
 
 
-def _fp8_weight_matmul_fwd(lhs, weight, group_sizes, backend, group_offset, preferred_element_type):
-    out = fp8_weight_matmul(lhs, weight, group_sizes, backend, group_offset, preferred_element_type)
+def _fp8_weight_matmul_fwd(lhs, weight, group_sizes, backend, group_offset, preferred_element_type, expected_rows):
+    out = fp8_weight_matmul(lhs, weight, group_sizes, backend, group_offset, preferred_element_type, expected_rows)
     return out, (lhs, weight, group_sizes)
 
 
-def _fp8_weight_matmul_bwd(backend, group_offset, preferred_element_type, residuals, d_out):
+def _fp8_weight_matmul_bwd(backend, group_offset, preferred_element_type, expected_rows, residuals, d_out):
     lhs, weight, group_sizes = residuals
     kernels = get_backend(backend)
     dequantized = weight.dequantize()
     d_lhs = kernels.gmm(d_out, dequantized, group_sizes, group_offset=group_offset, transpose_rhs=True,
-                        preferred_element_type=lhs.dtype)
+                        preferred_element_type=lhs.dtype, expected_rows=expected_rows)
     d_gathered = kernels.tgmm(lhs, d_out, group_sizes, num_groups=weight.shape[0], group_offset=group_offset,
                               preferred_element_type=weight.dtype)
     d_shard = jax.lax.psum_scatter(d_gathered, weight.axis_name, scatter_dimension=weight.dim, tiled=True)

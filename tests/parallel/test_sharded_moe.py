@@ -486,14 +486,18 @@ def test_bucket_is_the_binary_search():
         key = jax.random.split(key)[0]
 
 
-@pytest.mark.parametrize("transport, exchange_chunks", [("peer", 1), ("peer", 2), ("all_to_all", 1)])
-def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, exchange_chunks, monkeypatch):
+@pytest.mark.parametrize("transport, exchange_chunks, quant", [
+    ("peer", 1, None), ("peer", 2, None), ("all_to_all", 1, None),
+    ("all_to_all", 1, "fp8_e4m3"),  # the FP8-gathered weights' own product passes it on
+])
+def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, exchange_chunks, quant, monkeypatch):
     """Every grouped GEMM on a receive buffer (forward, the fused output GEMM, and the backward's
     activation products) is told how many rows a balanced routing brings, the rows a rank sends
     over the round's chunks: the buffer holds up to ``ep`` times that, and the GPU kernels pick
     their tile shape from it (128-row tiles at DeepSeek's 128 rows per expert otherwise)."""
     from moe_lowering import sparse_moe as sparse_moe_module
     from moe_lowering.kernels import get_backend, peer_store
+    from moe_lowering.parallel import quantize
 
     xla = get_backend("xla")
     calls = []
@@ -503,12 +507,13 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
         return xla.gmm(lhs, *args, **options)
 
     recorder = dataclasses.replace(xla, gmm=recording_gmm)
-    for module in (sparse_moe_module, peer_store):
+    for module in (sparse_moe_module, peer_store, quantize):
         monkeypatch.setattr(module, "get_backend", lambda name: recorder)
     layout = make_layout("fsdp2_expert4")  # 8 token slices, 2 experts on each of 4 ranks
     tokens, indices, weights, params, cotangent = case(23, num_tokens=128, expert_bias=False, token_scale=False)
     program = swiglu_program()
-    moe = sharded(layout, indices, program, exchange_transport=transport, exchange_chunks=exchange_chunks)
+    moe = sharded(layout, indices, program, exchange_transport=transport, exchange_chunks=exchange_chunks,
+                  weight_gather_quant=quant)
     got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
     local_rows = 128 // 8 * 2
     expected = local_rows // exchange_chunks
@@ -519,4 +524,20 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
         assert {rows for rows, _ in on_buffers} == {4 * expected}, calls  # ep times a balanced arrival
     want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
                          tokens, weights, params, cotangent)
-    assert_close(got, want, 1e-5)
+    if quant is None:
+        assert_close(got, want, 1e-5)
+    else:
+        assert rel_err(got[0], want[0]) < 5e-2
+
+
+def test_fp8_kernel_choice_counts_the_rows_that_come(monkeypatch):
+    """The FP8-weight kernel wins at few rows per expert: a receive buffer four times a balanced
+    arrival must not talk the choice out of it (DeepSeek at EP=4: 512 rows per expert by the
+    buffer, 128 arriving)."""
+    from moe_lowering.parallel import quantize
+
+    monkeypatch.setattr(quantize, "get_backend", lambda name: SimpleNamespace(name="triton"))
+    weight = SimpleNamespace(shape=(64, 7168, 2048))
+    buffer = jax.ShapeDtypeStruct((4 * 8192, 7168), jnp.bfloat16)
+    assert not quantize.use_fp8_kernel(buffer, weight, "auto")
+    assert quantize.use_fp8_kernel(buffer, weight, "auto", expected_rows=8192)
