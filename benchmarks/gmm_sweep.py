@@ -28,6 +28,19 @@ CANDIDATES = {
     "128x128x64s4": tgm.TileConfig(128, 128, 64, num_stages=4),
     "64x256x64s4": tgm.TileConfig(64, 256, 64, num_stages=4),
     "128x256x64s3-grid": tgm.TileConfig(128, 256, 64, num_stages=3, persistent=False),
+    # Weight-gradient shapes for small groups: smaller tiles, several programs per multiprocessor.
+    "128x128x64s2w4x2": tgm.TileConfig(128, 128, 64, num_warps=4, num_stages=2, programs_per_sm=2),
+    "128x128x64s3w4x2": tgm.TileConfig(128, 128, 64, num_warps=4, num_stages=3, programs_per_sm=2),
+    "128x128x64s2w8x2": tgm.TileConfig(128, 128, 64, num_warps=8, num_stages=2, programs_per_sm=2),
+    "128x128x32s3w4x2": tgm.TileConfig(128, 128, 32, num_warps=4, num_stages=3, programs_per_sm=2),
+    "128x128x64s2w4x3": tgm.TileConfig(128, 128, 64, num_warps=4, num_stages=2, programs_per_sm=3),
+    "64x256x64s2w4x2": tgm.TileConfig(64, 256, 64, num_warps=4, num_stages=2, programs_per_sm=2),
+    "128x256x64s2w8x2": tgm.TileConfig(128, 256, 64, num_warps=8, num_stages=2, programs_per_sm=2),
+    "128x256x128s2w8": tgm.TileConfig(128, 256, 128, num_warps=8, num_stages=2),
+    "128x128x64s2w4-grid": tgm.TileConfig(128, 128, 64, num_warps=4, num_stages=2, persistent=False),
+    "128x256x32s4": tgm.TileConfig(128, 256, 32, num_stages=4),
+    "128x128x32s4w4x2": tgm.TileConfig(128, 128, 32, num_warps=4, num_stages=4, programs_per_sm=2),
+    "128x128x128s3": tgm.TileConfig(128, 128, 128, num_stages=3),
 }
 
 
@@ -54,7 +67,8 @@ def products(config):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--configs", nargs="+", default=["mixtral", "qwen3", "deepseek"])
-    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES))
+    parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES))
+    parser.add_argument("--products", nargs="+", help="time only these products (e.g. dw_up dw_down)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -63,6 +77,8 @@ def main(argv=None):
         config = CONFIGS[name]
         sizes = group_sizes_for(config, jax.random.key(0))
         for product, kind, lhs_shape, other_shape, transpose in products(config):
+            if args.products and product not in args.products:
+                continue
             keys = jax.random.split(jax.random.key(1), 2)
             lhs = jax.random.normal(keys[0], lhs_shape, jnp.float32).astype(jnp.bfloat16)
             other = jax.random.normal(keys[1], other_shape, jnp.float32).astype(jnp.bfloat16)
@@ -92,6 +108,8 @@ def main(argv=None):
     print(f"{'config':9s} {'product':10s} " + " ".join(f"{c:>18s}" for c in args.candidates))
     for name in args.configs:
         for product, *_ in products(CONFIGS[name]):
+            if args.products and product not in args.products:
+                continue
             cells = []
             for label in args.candidates:
                 row = next(r for r in results if (r["config"], r["product"], r["candidate"]) == (name, product, label))

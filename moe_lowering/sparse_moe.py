@@ -149,7 +149,8 @@ def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto
         expected_rows=expected_rows,
     )
     d_rhs = kernels.tgmm(
-        lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype
+        lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype,
+        expected_rows=expected_rows,
     )
     return d_lhs, d_rhs
 

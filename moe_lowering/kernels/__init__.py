@@ -26,7 +26,7 @@ class KernelBackend:
 
     ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type, zero_outside,
     expected_rows)`` and
-    ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type)``.
+    ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type, expected_rows)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
     with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
     product was measured no slower than two ``gmm`` calls and an elementwise pass (the XLA

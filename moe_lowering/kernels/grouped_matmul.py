@@ -132,8 +132,10 @@ def tgmm(
     group_offset=0,
     preferred_element_type=None,
     tile_rows: int | None = None,
+    expected_rows: int | None = None,
 ):
-    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``."""
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``.
+    ``expected_rows`` picks the GPU kernel (as in :func:`gmm`); this loop does not use it."""
     num_rows, k = lhs.shape
     n = grad.shape[1]
     num_groups = group_sizes.shape[0] if num_groups is None else num_groups

@@ -583,3 +583,106 @@ def tgmm_kernel(
 
         out_ptrs = out_ptr + tl.cast(local_group, tl.int64) * (K * N) + ks[:, None] * N + cols[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _transposed_dot(a, b, acc, COMPUTE_F32: tl.constexpr):
+    """``acc + a^T @ b`` (float32 inputs multiplied exactly where ``COMPUTE_F32``)."""
+    if COMPUTE_F32:
+        return tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
+def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K: tl.constexpr,
+                           N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                           WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """Every ``BLOCK_K`` tile of one group's output columns ``cols``, from one load of the group's
+    ``grad`` rows: ``BLOCK_R`` of them (``lo``), and where ``WITH_HI`` the next ``BLOCK_R // 2`` (``hi``)."""
+    in_k = tl.arange(0, BLOCK_K)
+    lo_rows = group_start + tl.arange(0, BLOCK_R)
+    lo_ok = (lo_rows < group_end)[:, None]
+    cols_ok = (cols < N)[None, :]
+    b_lo = tl.load(grad_ptr + tl.cast(lo_rows, tl.int64)[:, None] * N + cols[None, :], mask=lo_ok & cols_ok, other=0.0)
+    if WITH_HI:
+        hi_rows = group_start + BLOCK_R + tl.arange(0, BLOCK_R // 2)
+        hi_ok = (hi_rows < group_end)[:, None]
+        b_hi = tl.load(grad_ptr + tl.cast(hi_rows, tl.int64)[:, None] * N + cols[None, :], mask=hi_ok & cols_ok,
+                       other=0.0)
+    for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+        ks = pk * BLOCK_K + in_k
+        ks_ok = (ks < K)[None, :]
+        a_lo = tl.load(lhs_ptr + tl.cast(lo_rows, tl.int64)[:, None] * K + ks[None, :], mask=lo_ok & ks_ok, other=0.0)
+        acc = _transposed_dot(a_lo, b_lo, tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32), COMPUTE_F32)
+        if WITH_HI:
+            a_hi = tl.load(lhs_ptr + tl.cast(hi_rows, tl.int64)[:, None] * K + ks[None, :], mask=hi_ok & ks_ok,
+                           other=0.0)
+            acc = _transposed_dot(a_hi, b_hi, acc, COMPUTE_F32)
+        tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_group_ptr.dtype.element_ty),
+                 mask=(ks < K)[:, None] & cols_ok)
+
+
+@triton.jit
+def tgmm_resident_kernel(
+    lhs_ptr,
+    grad_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+):
+    """``tgmm_kernel``'s product for groups of about ``BLOCK_R`` rows (DeepSeek-like: ~128 per expert).
+
+    Reducing over so few rows, ``tgmm_kernel`` loads both operands' rows again for every output
+    tile. Here a program takes one group's ``BLOCK_N`` output columns, loads those columns of the
+    group's ``grad`` rows once, and keeps them while it walks the group's ``K`` tiles, loading only
+    ``lhs`` per tile: 2/3 less operand traffic at ``BLOCK_K = BLOCK_N = BLOCK_R``. Groups of up
+    to 1.5 ``BLOCK_R`` rows keep a second, half-height block; larger groups loop over their rows.
+    """
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids = tl.arange(0, GROUPS_PAD)
+    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
+    offset = tl.load(group_offset_ptr)
+    ends = tl.cumsum(sizes, axis=0)
+    starts = ends - sizes
+    in_k = tl.arange(0, BLOCK_K)
+    in_r = tl.arange(0, BLOCK_R)
+    for item in range(pid, NUM_LOCAL_GROUPS * n_tiles, NUM_PROGRAMS):
+        local_group = item // n_tiles
+        cols = (item % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        selected = group_ids == local_group + offset
+        group_start = tl.minimum(_pick(starts, selected), M)
+        group_end = tl.minimum(_pick(ends, selected), M)
+        out_group_ptr = out_ptr + tl.cast(local_group, tl.int64) * (K * N)
+        rows = group_end - group_start
+        if rows <= BLOCK_R:
+            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
+                                   BLOCK_N, BLOCK_R, False, COMPUTE_F32)
+        elif rows <= BLOCK_R + BLOCK_R // 2:
+            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
+                                   BLOCK_N, BLOCK_R, True, COMPUTE_F32)
+        else:
+            cols_ok = (cols < N)[None, :]
+            for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+                ks = pk * BLOCK_K + in_k
+                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+                for r0 in range(group_start, group_end, BLOCK_R):
+                    rows_ok = (r0 + in_r < group_end)[:, None]
+                    a = tl.load(lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :],
+                                mask=rows_ok & (ks < K)[None, :], other=0.0)
+                    b = tl.load(grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :],
+                                mask=rows_ok & cols_ok, other=0.0)
+                    acc = _transposed_dot(a, b, acc, COMPUTE_F32)
+                tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                         mask=(ks < K)[:, None] & cols_ok)

@@ -23,6 +23,7 @@ from moe_lowering.kernels.triton_gmm_kernels import (
     gmm_push_tail_kernel,
     gmm_tail_kernel,
     tgmm_kernel,
+    tgmm_resident_kernel,
 )
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class TileConfig:
 
     For ``gmm`` the tile is ``block_m`` rows x ``block_n`` output columns, reduced ``block_k`` at
     a time; for ``tgmm`` it is ``block_m`` x ``block_n`` of a group's ``[K, N]`` output, reduced
-    over the group's rows ``block_k`` at a time. ``persistent``: one program per multiprocessor
-    looping over tiles, else one program per (possible) tile.
+    over the group's rows ``block_k`` at a time. ``persistent``: ``programs_per_sm`` programs per
+    multiprocessor looping over tiles (more than one where a tile's few reduction steps leave its
+    loads and stores exposed, so another program's work hides them), else one program per
+    (possible) tile.
     """
 
     block_m: int
@@ -54,15 +57,32 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     persistent: bool = True
+    programs_per_sm: int = 1
 
 
 _F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 _SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
 _WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4)
 _WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+_RESIDENT = TileConfig(128, 128, 128, num_warps=8, num_stages=3)
 
-TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _WIDE_SHORT_K, _WIDE)
+TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _WIDE_SHORT_K, _WIDE, _RESIDENT)
 """Every configuration the tables below can pick, so tests can run each one."""
+
+
+SMALL_GROUP_ROWS = 256
+"""Groups averaging fewer rows than this are small: each group's last row tile pads much of the
+group (``gmm``), and a weight-gradient tile reduces over too few rows to hide its loads (``tgmm``)."""
+
+
+def _small_groups(num_rows: int, num_groups: int) -> bool:
+    return num_rows / max(num_groups, 1) < SMALL_GROUP_ROWS
+
+
+def _rows_for_shape(num_rows: int, expected_rows: int | None) -> int:
+    """The rows a shape class is picked for: ``expected_rows`` where the operand is a buffer sized for
+    the worst case (an expert-parallel receive buffer holds ``ep`` times a balanced arrival)."""
+    return num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
 
 
 def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
@@ -74,7 +94,7 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
     """
     if compute_f32:
         return _F32_CONFIG
-    if num_rows / max(num_groups, 1) < 256:
+    if _small_groups(num_rows, num_groups):
         return _SMALL_GROUPS
     if k <= 2048:
         return _WIDE_SHORT_K
@@ -82,8 +102,14 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
 
 
 def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
-    """Tile shape for the per-group ``[k, n]`` weight gradient: 128 x 256 blocks won on every layer shape."""
-    return _F32_CONFIG if compute_f32 else _WIDE
+    """Tile shape for the per-group ``[k, n]`` weight gradient.
+
+    Small groups run ``tgmm_resident_kernel`` on 128 x 128 tiles of 128 resident rows (the A/B in
+    ``benchmarks/NOTES.md``); otherwise 128 x 256 blocks, which won on every larger layer shape.
+    """
+    if compute_f32:
+        return _F32_CONFIG
+    return _RESIDENT if _small_groups(num_rows, num_groups) else _WIDE
 
 
 @functools.cache
@@ -93,8 +119,9 @@ def _multiprocessor_count() -> int:
 
 
 def _grid_size(max_tiles: int, config: TileConfig) -> int:
-    """Programs to launch: one per multiprocessor (persistent, never more than the tiles), else one per tile."""
-    return min(max_tiles, _multiprocessor_count()) if config.persistent else max_tiles
+    """Programs to launch: ``programs_per_sm`` per multiprocessor (persistent, never more than the tiles),
+    else one per tile."""
+    return min(max_tiles, config.programs_per_sm * _multiprocessor_count()) if config.persistent else max_tiles
 
 
 def _row_tile_grid(num_rows: int, n: int, num_local_groups: int, config: TileConfig) -> int:
@@ -268,8 +295,7 @@ def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_l
     each group's last tile padding; the grid still covers the whole buffer.
     """
     compute_f32 = _compute_f32(lhs_dtype, rhs_dtype)
-    rows_for_shape = num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
-    config = config or gmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
+    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups, compute_f32)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     return dict(
         grid=(num_programs,),
@@ -344,8 +370,13 @@ def tgmm(
     group_offset=0,
     preferred_element_type=None,
     config: TileConfig | None = None,
+    expected_rows: int | None = None,
 ):
-    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``."""
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``.
+
+    Small groups (``SMALL_GROUP_ROWS``; ``expected_rows`` as in :func:`_row_tiled_launch`) run
+    ``tgmm_resident_kernel``, which keeps each group's ``grad`` columns while it walks ``K``.
+    """
     if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"tgmm: expected lhs [M, K] and grad [M, N], got {lhs.shape} and {grad.shape}")
     _check_group_sizes(group_sizes, "tgmm")
@@ -360,15 +391,22 @@ def tgmm(
         return reference.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
                               preferred_element_type=preferred_element_type)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
-    config = config or tgmm_config(num_rows, k, n, num_local_groups, compute_f32)
-    num_programs = _grid_size(num_local_groups * -(-k // config.block_m) * -(-n // config.block_n), config)
+    rows_for_shape = _rows_for_shape(num_rows, expected_rows)
+    config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
+    if _small_groups(rows_for_shape, num_local_groups):
+        work_items = num_local_groups * -(-n // config.block_n)  # (group, column block); each walks all of K
+        kernel, swizzle = tgmm_resident_kernel, {}
+    else:
+        work_items = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
+        kernel, swizzle = tgmm_kernel, {"GROUP_M": config.group_m}
+    num_programs = _grid_size(work_items, config)
     total_groups = group_sizes.shape[0]
     return jax_triton.triton_call(
         lhs,
         grad,
         group_sizes.astype(jnp.int32),
         _offset_array(group_offset),
-        kernel=tgmm_kernel,
+        kernel=kernel,
         out_shape=jax.ShapeDtypeStruct((num_local_groups, k, n), out_dtype),
         grid=(num_programs,),
         num_warps=config.num_warps,
@@ -382,7 +420,7 @@ def tgmm(
         BLOCK_K=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_R=config.block_k,
-        GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
+        **swizzle,
     )

@@ -213,7 +213,7 @@ def _fp8_weight_matmul_bwd(backend, group_offset, preferred_element_type, expect
     d_lhs = kernels.gmm(d_out, dequantized, group_sizes, group_offset=group_offset, transpose_rhs=True,
                         preferred_element_type=lhs.dtype, expected_rows=expected_rows)
     d_gathered = kernels.tgmm(lhs, d_out, group_sizes, num_groups=weight.shape[0], group_offset=group_offset,
-                              preferred_element_type=weight.dtype)
+                              preferred_element_type=weight.dtype, expected_rows=expected_rows)
     d_shard = jax.lax.psum_scatter(d_gathered, weight.axis_name, scatter_dimension=weight.dim, tiled=True)
     d_weight = GatheredFp8Weight(np.zeros(weight.values.shape, jax.dtypes.float0), jnp.zeros_like(weight.scales),
                                  d_shard, weight.quant, weight.axis_name, weight.dim)

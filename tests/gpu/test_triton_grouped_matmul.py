@@ -33,6 +33,7 @@ CASES = {
     "rows-outside-groups": ([100, 250, 0, 311], 901, 0, 4),
     "group-offset-window": ([120, 333, 64, 0, 290, 150], 957, 1, 4),
     "all-empty": ([0, 0, 0], 129, 0, 3),
+    "large-groups": ([300, 0, 520, 270], 1090, 0, 4),  # over SMALL_GROUP_ROWS: tgmm_kernel, not the resident one
 }
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
 
@@ -102,6 +103,11 @@ def test_gmm_matches_reference(case, dtype, transpose_rhs, config):
     assert out.shape == (num_rows, n) and out.dtype == dtype
     expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, group_offset, transpose_rhs)
     assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
+def test_tgmm_cases_reach_both_weight_gradient_kernels():
+    small = [tgm._small_groups(rows, num_local) for _, rows, _, num_local in CASES.values()]
+    assert any(small) and not all(small)
 
 
 @pytest.mark.parametrize("dtype,config", DTYPE_CONFIGS)

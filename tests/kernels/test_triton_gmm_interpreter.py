@@ -52,18 +52,29 @@ def _run_gmm(kernels, case, k, transpose_rhs):
     return out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs)
 
 
-def _run_tgmm(kernels, case):
-    group_sizes, num_rows, group_offset, num_local = CASES[case]
+# The weight-gradient kernels: groups reaching past the rows (clamped), groups of several row steps,
+# and, for the resident kernel (BLOCK_R 16), groups of at most 16 rows (one resident block), 17-24
+# (a second, half-height block) and more (a loop over the rows); program counts that split the work
+# unevenly.
+TGMM_CASES = {**CASES, "groups-past-rows": ([6, 10, 9], 20, 0, 3), "several-steps": ([40, 3, 33, 0], 76, 0, 4),
+              "resident-blocks": ([16, 24, 17, 25, 8], 90, 0, 5)}
+TGMM_VARIANTS = {f"{kernel}-{case}-p{programs}": (kernel, case, programs)
+                 for kernel in ("tgmm_kernel", "tgmm_resident_kernel") for case in TGMM_CASES for programs in (3, 5)}
+
+
+def _run_tgmm(kernels, kernel, case, programs):
+    group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 100 + num_rows)
     k, n = 24, 40
     group_sizes = np.asarray(group_sizes, np.int32)
     lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
     grad = rng.standard_normal((num_rows, n)).astype(np.float32)
     out = np.full((num_local, k, n), np.nan, np.float32)
-    kernels.tgmm_kernel[(NUM_PROGRAMS,)](
+    swizzle = {"GROUP_M": 2} if kernel == "tgmm_kernel" else {}
+    getattr(kernels, kernel)[(programs,)](
         HostTensor(lhs), HostTensor(grad), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)),
         HostTensor(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, GROUP_M=2, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=programs, COMPUTE_F32=True, **swizzle,
     )
     return out, _tgmm_reference(lhs, grad, group_sizes, group_offset, num_local)
 
@@ -281,7 +292,8 @@ def _interpret_all():
     from moe_lowering.kernels import triton_gmm_kernels as kernels
 
     report = {f"gmm-{name}": harness.summary(*_run_gmm(kernels, *variant)) for name, variant in GMM_VARIANTS.items()}
-    report.update({f"tgmm-{case}": harness.summary(*_run_tgmm(kernels, case)) for case in CASES})
+    report.update({f"tgmm-{name}": harness.summary(*_run_tgmm(kernels, *variant))
+                   for name, variant in TGMM_VARIANTS.items()})
     report.update({f"tail-{name}": _run_gmm_with_tail(kernels, *variant)
                    for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
     report.update({f"push-{name}": _run_push_with_tail(kernels, *variant) for name, variant in PUSH_VARIANTS.items()})
@@ -301,9 +313,9 @@ else:
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
-    @pytest.mark.parametrize("case", sorted(CASES))
-    def test_tgmm_kernel_matches_reference(interpreter_report, case):
-        result = interpreter_report[f"tgmm-{case}"]
+    @pytest.mark.parametrize("name", sorted(TGMM_VARIANTS))
+    def test_tgmm_kernel_matches_reference(interpreter_report, name):
+        result = interpreter_report[f"tgmm-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 

@@ -492,9 +492,10 @@ def test_bucket_is_the_binary_search():
 ])
 def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, exchange_chunks, quant, monkeypatch):
     """Every grouped GEMM on a receive buffer (forward, the fused output GEMM, and the backward's
-    activation products) is told how many rows a balanced routing brings, the rows a rank sends
-    over the round's chunks: the buffer holds up to ``ep`` times that, and the GPU kernels pick
-    their tile shape from it (128-row tiles at DeepSeek's 128 rows per expert otherwise)."""
+    activation and weight-gradient products) is told how many rows a balanced routing brings, the
+    rows a rank sends over the round's chunks: the buffer holds up to ``ep`` times that, and the GPU
+    kernels pick their tile shape (and the weight gradient its kernel) from it (128-row tiles at
+    DeepSeek's 128 rows per expert otherwise)."""
     from moe_lowering import sparse_moe as sparse_moe_module
     from moe_lowering.kernels import get_backend, peer_store
     from moe_lowering.parallel import quantize
@@ -502,11 +503,13 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
     xla = get_backend("xla")
     calls = []
 
-    def recording_gmm(lhs, *args, **options):
-        calls.append((lhs.shape[0], options.get("expected_rows")))
-        return xla.gmm(lhs, *args, **options)
+    def recording(product):
+        def run(lhs, *args, **options):
+            calls.append((product.__name__, lhs.shape[0], options.get("expected_rows")))
+            return product(lhs, *args, **options)
+        return run
 
-    recorder = dataclasses.replace(xla, gmm=recording_gmm)
+    recorder = dataclasses.replace(xla, gmm=recording(xla.gmm), tgmm=recording(xla.tgmm))
     for module in (sparse_moe_module, peer_store, quantize):
         monkeypatch.setattr(module, "get_backend", lambda name: recorder)
     layout = make_layout("fsdp2_expert4")  # 8 token slices, 2 experts on each of 4 ranks
@@ -517,11 +520,12 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
     got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
     local_rows = 128 // 8 * 2
     expected = local_rows // exchange_chunks
-    on_buffers = [(rows, rows_hint) for rows, rows_hint in calls if rows != local_rows]  # not the shape probe
-    assert len(on_buffers) >= 3 * exchange_chunks, calls  # gate, up, down; then the backward's
-    assert {rows_hint for _, rows_hint in on_buffers} == {expected}, calls
+    on_buffers = [(name, rows, rows_hint) for name, rows, rows_hint in calls if rows != local_rows]  # not the shape probe
+    assert sum(name == "gmm" for name, _, _ in on_buffers) >= 3 * exchange_chunks, calls  # gate, up, down; backward's
+    assert sum(name == "tgmm" for name, _, _ in on_buffers) >= 3 * exchange_chunks, calls  # the weight gradients
+    assert {rows_hint for _, _, rows_hint in on_buffers} == {expected}, calls
     if transport == "peer":
-        assert {rows for rows, _ in on_buffers} == {4 * expected}, calls  # ep times a balanced arrival
+        assert {rows for _, rows, _ in on_buffers} == {4 * expected}, calls  # ep times a balanced arrival
     want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
                          tokens, weights, params, cotangent)
     if quant is None:
