@@ -41,6 +41,13 @@ CANDIDATES = {
     "128x256x32s4": tgm.TileConfig(128, 256, 32, num_stages=4),
     "128x128x32s4w4x2": tgm.TileConfig(128, 128, 32, num_warps=4, num_stages=4, programs_per_sm=2),
     "128x128x128s3": tgm.TileConfig(128, 128, 128, num_stages=3),
+    "128x128x128s4": tgm.TileConfig(128, 128, 128, num_stages=4),
+    "128x128x128s3w4": tgm.TileConfig(128, 128, 128, num_warps=4, num_stages=3),
+    "64x256x128s3": tgm.TileConfig(64, 256, 128, num_stages=3),
+    "64x256x128s4": tgm.TileConfig(64, 256, 128, num_stages=4),
+    "256x128x128s2": tgm.TileConfig(256, 128, 128, num_stages=2),
+    "64x128x128s4w4": tgm.TileConfig(64, 128, 128, num_warps=4, num_stages=4),
+    "64x256x128s2": tgm.TileConfig(64, 256, 128, num_stages=2),
 }
 
 
