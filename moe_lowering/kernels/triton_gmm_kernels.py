@@ -515,6 +515,59 @@ def gmm_push_tail_kernel(lhs_ptr, rhs_ptr, group_sizes_ptr, group_offset_ptr, de
 
 
 @triton.jit
+def _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr):
+    """``(group_ids, offset, starts, ends)``: every group's rows, from ``group_sizes`` on device."""
+    group_ids = tl.arange(0, GROUPS_PAD)
+    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
+    ends = tl.cumsum(sizes, axis=0)
+    return group_ids, tl.load(group_offset_ptr), ends - sizes, ends
+
+
+@triton.jit
+def _local_group_rows(group_ids, offset, starts, ends, local_group, M: tl.constexpr):
+    """``(first row, end row)`` of local group ``local_group``, clamped to the ``M`` rows."""
+    selected = group_ids == local_group + offset
+    return tl.minimum(_pick(starts, selected), M), tl.minimum(_pick(ends, selected), M)
+
+
+@triton.jit
+def _transposed_dot(a, b, acc, COMPUTE_F32: tl.constexpr):
+    """``acc + a^T @ b`` (float32 inputs multiplied exactly where ``COMPUTE_F32``)."""
+    if COMPUTE_F32:
+        return tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(tl.trans(a), b, acc)
+
+
+@triton.jit
+def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: tl.constexpr, N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                       COMPUTE_F32: tl.constexpr):
+    """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time."""
+    in_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for r0 in range(group_start, group_end, BLOCK_R):
+        in_group = (r0 + in_r < group_end)[:, None]
+        a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
+        b_ptrs = grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :]
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs, mask=in_group, other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=in_group & (ks < K)[None, :], other=0.0)
+        if N % BLOCK_N == 0:
+            b = tl.load(b_ptrs, mask=in_group, other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=in_group & (cols < N)[None, :], other=0.0)
+        acc = _transposed_dot(a, b, acc, COMPUTE_F32)
+    return acc
+
+
+@triton.jit
+def _store_weight_tile(out_group_ptr, acc, ks, cols, K: tl.constexpr, N: tl.constexpr):
+    tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_group_ptr.dtype.element_ty),
+             mask=(ks < K)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
 def tgmm_kernel(
     lhs_ptr,
     grad_ptr,
@@ -543,54 +596,16 @@ def tgmm_kernel(
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     tiles_per_group = k_tiles * n_tiles
-    group_ids = tl.arange(0, GROUPS_PAD)
-    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
-    offset = tl.load(group_offset_ptr)
-    ends = tl.cumsum(sizes, axis=0)
-    starts = ends - sizes
-
-    in_k = tl.arange(0, BLOCK_K)
-    in_n = tl.arange(0, BLOCK_N)
-    in_r = tl.arange(0, BLOCK_R)
+    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
     for tile in range(pid, NUM_LOCAL_GROUPS * tiles_per_group, NUM_PROGRAMS):
         local_group = tile // tiles_per_group
         pk, pn = _band_swizzle(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
-        selected = group_ids == local_group + offset
-        group_start = tl.minimum(_pick(starts, selected), M)
-        group_end = tl.minimum(_pick(ends, selected), M)
-
-        ks = pk * BLOCK_K + in_k
-        cols = pn * BLOCK_N + in_n
-        ks_ok = (ks < K)[None, :]
-        cols_ok = (cols < N)[None, :]
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for r0 in range(group_start, group_end, BLOCK_R):
-            in_group = (r0 + in_r < group_end)[:, None]
-            a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
-            b_ptrs = grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :]
-            if K % BLOCK_K == 0:
-                a = tl.load(a_ptrs, mask=in_group, other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=in_group & ks_ok, other=0.0)
-            if N % BLOCK_N == 0:
-                b = tl.load(b_ptrs, mask=in_group, other=0.0)
-            else:
-                b = tl.load(b_ptrs, mask=in_group & cols_ok, other=0.0)
-            if COMPUTE_F32:
-                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(tl.trans(a), b, acc)
-
-        out_ptrs = out_ptr + tl.cast(local_group, tl.int64) * (K * N) + ks[:, None] * N + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(ks < K)[:, None] & (cols < N)[None, :])
-
-
-@triton.jit
-def _transposed_dot(a, b, acc, COMPUTE_F32: tl.constexpr):
-    """``acc + a^T @ b`` (float32 inputs multiplied exactly where ``COMPUTE_F32``)."""
-    if COMPUTE_F32:
-        return tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(tl.trans(a), b, acc)
+        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
+        ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
+                                 BLOCK_R, COMPUTE_F32)
+        _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
 
 
 @triton.jit
@@ -618,8 +633,7 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
             a_hi = tl.load(lhs_ptr + tl.cast(hi_rows, tl.int64)[:, None] * K + ks[None, :], mask=hi_ok & ks_ok,
                            other=0.0)
             acc = _transposed_dot(a_hi, b_hi, acc, COMPUTE_F32)
-        tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_group_ptr.dtype.element_ty),
-                 mask=(ks < K)[:, None] & cols_ok)
+        _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
 
 
 @triton.jit
@@ -651,19 +665,11 @@ def tgmm_resident_kernel(
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    group_ids = tl.arange(0, GROUPS_PAD)
-    sizes = tl.maximum(tl.load(group_sizes_ptr + group_ids, mask=group_ids < NUM_GROUPS, other=0), 0)
-    offset = tl.load(group_offset_ptr)
-    ends = tl.cumsum(sizes, axis=0)
-    starts = ends - sizes
-    in_k = tl.arange(0, BLOCK_K)
-    in_r = tl.arange(0, BLOCK_R)
+    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
     for item in range(pid, NUM_LOCAL_GROUPS * n_tiles, NUM_PROGRAMS):
         local_group = item // n_tiles
         cols = (item % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        selected = group_ids == local_group + offset
-        group_start = tl.minimum(_pick(starts, selected), M)
-        group_end = tl.minimum(_pick(ends, selected), M)
+        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
         out_group_ptr = out_ptr + tl.cast(local_group, tl.int64) * (K * N)
         rows = group_end - group_start
         if rows <= BLOCK_R:
@@ -673,16 +679,8 @@ def tgmm_resident_kernel(
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, True, COMPUTE_F32)
         else:
-            cols_ok = (cols < N)[None, :]
             for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-                ks = pk * BLOCK_K + in_k
-                acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-                for r0 in range(group_start, group_end, BLOCK_R):
-                    rows_ok = (r0 + in_r < group_end)[:, None]
-                    a = tl.load(lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :],
-                                mask=rows_ok & (ks < K)[None, :], other=0.0)
-                    b = tl.load(grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :],
-                                mask=rows_ok & cols_ok, other=0.0)
-                    acc = _transposed_dot(a, b, acc, COMPUTE_F32)
-                tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                         mask=(ks < K)[:, None] & cols_ok)
+                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+                acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
+                                         BLOCK_N, BLOCK_R, COMPUTE_F32)
+                _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
