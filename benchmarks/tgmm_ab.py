@@ -60,13 +60,25 @@ def baseline_tgmm(kernel, lhs, grad, group_sizes, num_groups: int, config: tgm.T
     )
 
 
+def skewed_sizes(config, hot_share: float = 1 / 64, hot_factor: int = 8):
+    """A collapsing router: ``E * hot_share`` experts (at least one) get ``hot_factor`` times the mean
+    rows, the others share the rest evenly."""
+    total, experts = config.T * config.k, config.E
+    hot = max(1, int(experts * hot_share))
+    hot_rows = hot_factor * total // experts
+    rest = total - hot * hot_rows
+    cold = [rest // (experts - hot) + (i < rest % (experts - hot)) for i in range(experts - hot)]
+    return jnp.asarray([hot_rows] * hot + cold, jnp.int32)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--baselines", type=Path, nargs="+", required=True,
                         help="other revisions' triton_gmm_kernels.py; the first is the reference")
     parser.add_argument("--configs", nargs="+", default=["deepseek", "qwen3", "mixtral"])
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["128x256x64s3"])
-    parser.add_argument("--balanced", action="store_true", help="every group the same size (T * k / E rows)")
+    parser.add_argument("--routing", choices=("uniform", "balanced", "skewed"), default="uniform",
+                        help="group sizes: uniform top-k routing, every group T * k / E rows, or skewed_sizes")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -75,8 +87,9 @@ def main(argv=None):
     results = []
     for name in args.configs:
         config = CONFIGS[name]
-        sizes = (jnp.full((config.E,), config.T * config.k // config.E, jnp.int32) if args.balanced
-                 else group_sizes_for(config, jax.random.key(0)))
+        sizes = {"uniform": lambda: group_sizes_for(config, jax.random.key(0)),
+                 "balanced": lambda: jnp.full((config.E,), config.T * config.k // config.E, jnp.int32),
+                 "skewed": lambda: skewed_sizes(config)}[args.routing]()
         for product, kind, lhs_shape, grad_shape, _ in products(config):
             if kind != "tgmm":
                 continue
