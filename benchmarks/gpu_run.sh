@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried wheels, then run the steps named as arguments
 # (tests, sweep, bench, bench-small, swiglu, swiglu-tests, overlap, exchange-bw, fp8, final-ep, peer, fp8-layer,
-# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks, swiglu-rows, swiglu-final, tiles, tiles-fwdbwd, tiles-final), each logging under $OUT. Run from the repository root with
+# fp8-weight-tests, peer-tests, peer-ep, peer-ep-after, peer-ep-quick, ep2-base, cmdbuf, fused-tests, ep2-fused, ep2-fused-fwdbwd, ep2-final, issue4, issue4-rows, issue4-fwdbwd, push-sweep, dedup, b2b-profile, splitk, splitk-land, ranks, swiglu-rows, swiglu-final, tiles, tiles-fwdbwd, tiles-final, resident-ep), each logging under $OUT. Run from the repository root with
 # .whl (jax-triton, tokamax and its needs) and .gpu_stubs (the xprof stand-in tokamax imports) carried.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -131,6 +131,11 @@ for step in "$@"; do
         --configs mixtral --eps 2 --transports peer --reps 10 --forward-only --profile --deadline 135 2>&1 \
         | tee "$OUT/ep_tiles_final_mixtral_ep2.log" | grep "^name=\|GPU .: kernels"
       rm -rf "$OUT"/ep2/trace_* ;;
+    resident-ep) timeout 200 python3 -m pytest tests/gpu/test_peer_exchange.py -q -rs -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_peer_tests_resident.log" | tail -4
+      mkdir -p "$OUT/fwdbwd"; timeout 380 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
+        --chunks 1 --scheduler default --configs deepseek mixtral --transports peer --reps 10 --deadline 350 2>&1 \
+        | tee "$OUT/ep_resident_fwdbwd.log" | grep "^name=" ;;
     peer) timeout 240 python3 benchmarks/peer_exchange_probe.py --out "$OUT" 2>&1 | tee "$OUT/peer_exchange_probe.log" | tail -30 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \
       | tee "$OUT/fp8_layer.log" | tail -14 ;;
