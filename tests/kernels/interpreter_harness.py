@@ -1,11 +1,14 @@
 """Triton kernels under Triton's interpreter, from pytest, without a GPU or jax_triton.
 
 Triton picks interpreter or compiler when a kernel is decorated, i.e. at import, so each
-interpreter test module runs itself as a script in one child process started with
-``TRITON_INTERPRET=1`` (:func:`run_as_child`), and its tests read the JSON report the child
-prints (:func:`report_fixture`). The interpreter is handed numpy arrays dressed as the tensors
-it expects (:class:`HostTensor`). Also here: the grouped-row cases and float64 references the
-grouped-GEMM kernels' tests share.
+interpreter test module runs itself as a script in child processes started with
+``TRITON_INTERPRET=1``. A module names its cases as jobs (:func:`run_as_child` gets a function
+returning ``{report key: zero-argument callable}``); its tests read a lazy report
+(:func:`report_fixture`) that runs the chunk of jobs holding the key asked for, in one child, the
+first time one of them is asked for. Chunks keep each child short and its progress visible, and
+no child has a time limit: a slower machine takes longer, it does not fail. The interpreter is
+handed numpy arrays dressed as the tensors it expects (:class:`HostTensor`). Also here: the
+grouped-row cases and float64 references the grouped-GEMM kernels' tests share.
 """
 
 from __future__ import annotations
@@ -31,24 +34,51 @@ def skip_without_interpreter(pytest) -> None:
                     f"{triton.__version__}", allow_module_level=True)
 
 
-def run_as_child(interpret_all) -> None:
-    """The child process's work: ``interpret_all()``'s report, printed as one JSON line."""
+# Jobs per child: the interpreter runs a small case in 0.1-3 s, a child starts in about 2 s.
+JOBS_PER_CHILD = 16
+
+
+def run_as_child(jobs) -> None:
+    """The child process's work: the jobs named on its command line, their results as one JSON line."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     sys.path.insert(0, str(REPO_ROOT))
-    print(json.dumps(interpret_all()))
+    table = jobs()
+    print(json.dumps({name: table[name]() for name in sys.argv[1:]}))
 
 
-def report_fixture(test_file: str, **env):
-    """A module-scoped fixture: ``test_file`` run as a script under the interpreter, its report."""
+class _LazyReport:
+    """``report[key]``: the chunk of keys holding ``key`` run in one interpreter child, once."""
+
+    def __init__(self, test_file: str, keys, env: dict):
+        ordered = sorted(keys)
+        self._chunk_of = {key: ordered[i - i % JOBS_PER_CHILD: i - i % JOBS_PER_CHILD + JOBS_PER_CHILD]
+                          for i, key in enumerate(ordered)}
+        self._test_file = test_file
+        self._env = env
+        self._results: dict = {}
+        self._failed: dict = {}  # first key of a chunk whose child failed -> its error output
+
+    def __getitem__(self, key):
+        chunk = self._chunk_of[key]
+        if key not in self._results and chunk[0] not in self._failed:
+            child_env = dict(os.environ, TRITON_INTERPRET="1", **self._env)
+            done = subprocess.run([sys.executable, self._test_file, *chunk], env=child_env, capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                self._results.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            else:
+                self._failed[chunk[0]] = done.stderr[-4000:]
+        assert chunk[0] not in self._failed, f"interpreter run of {chunk} failed:\n{self._failed[chunk[0]]}"
+        return self._results[key]
+
+
+def report_fixture(test_file: str, keys, **env):
+    """A module-scoped fixture: the lazy report of ``test_file``'s jobs ``keys`` (see :class:`_LazyReport`)."""
     import pytest
 
     @pytest.fixture(scope="module")
     def interpreter_report():
-        child_env = dict(os.environ, TRITON_INTERPRET="1", **env)
-        done = subprocess.run([sys.executable, test_file], env=child_env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, f"interpreter run failed:\n{done.stderr[-4000:]}"
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        return _LazyReport(test_file, keys, env)
 
     return interpreter_report
 

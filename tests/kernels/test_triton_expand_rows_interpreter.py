@@ -36,17 +36,17 @@ def _run(kernel, table_rows, out_rows, features, counted, zero_tail):
             "tail_written_past_block": int(np.sum(~np.isnan(tail[LAUNCH["BLOCK_ROWS"]:])))}
 
 
-def _interpret_all():
-    """Runs every case under the interpreter; called in the child process."""
+def _jobs():
+    """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels.triton_expand_rows_kernel import expand_rows_kernel
 
-    return {name: _run(expand_rows_kernel, *case) for name, case in CASES.items()}
+    return {name: (lambda v=case: _run(expand_rows_kernel, *v)) for name, case in CASES.items()}
 
 
 if __name__ == "__main__":
-    harness.run_as_child(_interpret_all)
+    harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__)
+    interpreter_report = harness.report_fixture(__file__, CASES)
 
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_expand_rows_kernel(interpreter_report, name):

@@ -78,18 +78,18 @@ def _run(kernels, case, shape, quant, order):
     return harness.summary(out, np.asarray(expected, np.float64))
 
 
-def _interpret_all():
-    """Runs every variant under the interpreter; called in the child process."""
+def _jobs():
+    """Every variant as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels import triton_fp8_gmm_kernel
 
-    return {name: _run(triton_fp8_gmm_kernel, *variant) for name, variant in VARIANTS.items()}
+    return {name: (lambda v=variant: _run(triton_fp8_gmm_kernel, *v)) for name, variant in VARIANTS.items()}
 
 
 if __name__ == "__main__":
-    harness.run_as_child(_interpret_all)
+    harness.run_as_child(_jobs)
 else:
     # JAX computes the reference in the child: on its CPU, whatever the machine has
-    interpreter_report = harness.report_fixture(__file__, JAX_PLATFORMS="cpu")
+    interpreter_report = harness.report_fixture(__file__, VARIANTS, JAX_PLATFORMS="cpu")
 
     @pytest.mark.parametrize("name", sorted(VARIANTS))
     def test_fp8_gmm_kernel_matches_reference(interpreter_report, name):

@@ -287,25 +287,32 @@ def _run_push_with_tail(kernels, case, k, transpose_rhs, programs, block):
                 signals_ok=bool((arrivals == signalled).all()))
 
 
-def _interpret_all():
-    """Runs every case under the interpreter; called in the child process."""
+def _jobs():
+    """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels import triton_gmm_kernels as kernels
 
-    report = {f"gmm-{name}": harness.summary(*_run_gmm(kernels, *variant)) for name, variant in GMM_VARIANTS.items()}
-    report.update({f"tgmm-{name}": harness.summary(*_run_tgmm(kernels, *variant))
-                   for name, variant in TGMM_VARIANTS.items()})
-    report.update({f"tail-{name}": _run_gmm_with_tail(kernels, *variant)
-                   for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
-    report.update({f"push-{name}": _run_push_with_tail(kernels, *variant) for name, variant in PUSH_VARIANTS.items()})
-    report.update({f"pair-{name}": _run_gmm_pair_with_tail(kernels, *variant)
-                   for name, variant in PAIR_VARIANTS.items()})
-    return report
+    jobs = {f"gmm-{name}": (lambda v=variant: harness.summary(*_run_gmm(kernels, *v)))
+            for name, variant in GMM_VARIANTS.items()}
+    jobs.update({f"tgmm-{name}": (lambda v=variant: harness.summary(*_run_tgmm(kernels, *v)))
+                 for name, variant in TGMM_VARIANTS.items()})
+    jobs.update({f"tail-{name}": (lambda v=variant: _run_gmm_with_tail(kernels, *v))
+                 for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
+    jobs.update({f"push-{name}": (lambda v=variant: _run_push_with_tail(kernels, *v))
+                 for name, variant in PUSH_VARIANTS.items()})
+    jobs.update({f"pair-{name}": (lambda v=variant: _run_gmm_pair_with_tail(kernels, *v))
+                 for name, variant in PAIR_VARIANTS.items()})
+    return jobs
+
+
+JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
+            + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
+            + [f"pair-{n}" for n in PAIR_VARIANTS])
 
 
 if __name__ == "__main__":
-    harness.run_as_child(_interpret_all)
+    harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__)
+    interpreter_report = harness.report_fixture(__file__, JOB_KEYS)
 
     @pytest.mark.parametrize("name", sorted(GMM_VARIANTS))
     def test_gmm_kernel_matches_reference(interpreter_report, name):

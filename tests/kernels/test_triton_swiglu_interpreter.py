@@ -46,17 +46,17 @@ def _run(kernels, case, k, n, with_preactivations):
     return {name: summary(out, want) for name, out, want in zip(("out", "gate", "up"), outs, expected)}
 
 
-def _interpret_all():
-    """Runs every variant under the interpreter; called in the child process."""
+def _jobs():
+    """Every variant as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels import triton_swiglu_kernels
 
-    return {name: _run(triton_swiglu_kernels, *variant) for name, variant in VARIANTS.items()}
+    return {name: (lambda v=variant: _run(triton_swiglu_kernels, *v)) for name, variant in VARIANTS.items()}
 
 
 if __name__ == "__main__":
-    harness.run_as_child(_interpret_all)
+    harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__)
+    interpreter_report = harness.report_fixture(__file__, VARIANTS)
 
     @pytest.mark.parametrize("name", sorted(VARIANTS))
     def test_swiglu_kernel_matches_reference(interpreter_report, name):

@@ -45,17 +45,17 @@ def _run(kernels, rows, features, counted):
             "d_gate": _check(d_gate, d * u * s * (1 + g * (1 - s)), counted)}
 
 
-def _interpret_all():
-    """Runs every case under the interpreter; called in the child process."""
+def _jobs():
+    """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels import triton_swiglu_rows_kernels
 
-    return {name: _run(triton_swiglu_rows_kernels, *case) for name, case in CASES.items()}
+    return {name: (lambda v=case: _run(triton_swiglu_rows_kernels, *v)) for name, case in CASES.items()}
 
 
 if __name__ == "__main__":
-    harness.run_as_child(_interpret_all)
+    harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__)
+    interpreter_report = harness.report_fixture(__file__, CASES)
 
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_swiglu_rows_kernels_cover_the_counted_rows(interpreter_report, name):
