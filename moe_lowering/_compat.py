@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
+from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import pjit as _pjit
@@ -22,6 +23,7 @@ sharding_constraint_p = _pjit.sharding_constraint_p
 closed_call_p = _core.closed_call_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
+stop_gradient_p = _ad_util.stop_gradient_p
 
 
 def jaxpr_parts(closed):
@@ -37,6 +39,20 @@ def open_jaxpr(jaxpr_like):
 
 def sub_jaxpr_consts(jaxpr_like) -> list:
     return list(getattr(jaxpr_like, "consts", ()))
+
+
+def custom_jvp_rule(params, num_inputs: int):
+    """``(jaxpr, consts, out_zeros)`` of a ``custom_jvp_call`` eqn's derivative rule with every
+    tangent nonzero: inputs ``(*primals, *tangents)``, outputs ``(*primals, *nonzero tangents)``."""
+    rule = params["jvp_jaxpr_fun"]
+    jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * num_inputs))
+    return open_jaxpr(jaxpr), list(consts) + sub_jaxpr_consts(jaxpr), list(out_zeros)
+
+
+def custom_jvp_name(params) -> str:
+    """The Python name of a ``custom_jvp_call`` eqn's function (``relu``), for messages."""
+    info = getattr(open_jaxpr(params["call_jaxpr"]), "debug_info", None)
+    return params.get("name") or getattr(info, "func_name", None) or "custom_jvp"
 
 
 def literal_value(atom):

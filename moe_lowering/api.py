@@ -69,7 +69,8 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
             described = f"{layout.describe(transport, backend)}; {plan.describe(region.top_k)}"
         regions.append(region_report(region, path, described, capacity_factor))
     misses = tuple(
-        NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where())
+        NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where(),
+                 failure.assumption or "")
         for _, anchor, failure in scope.all_near_misses()
     )
     return ExplainReport(tuple(regions), misses)

@@ -18,6 +18,7 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,25 @@ class FeatureConcat:
     sources: tuple["Node", ...]
 
 
-Node = Union[RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat]
+@dataclass(frozen=True)
+class CustomJvpCall:
+    """An elementwise ``jax.custom_jvp`` function of the dense body (``relu``, a straight-through
+    estimator), replayed on rows with its own derivative rule, not autodiff's of its body.
+
+    ``body`` and ``rule`` are ``(jaxpr, consts)``; both were checked to be elementwise, so they run
+    unchanged on rows of any count. ``rule`` maps ``(*primals, *tangents)`` to ``(primal, tangent)``.
+    Two calls are equal when their printed body and rule are (the loop style traces one per expert).
+    """
+
+    name: str
+    body: tuple = field(compare=False)
+    rule: tuple = field(compare=False)
+    operands: tuple["Operand", ...]
+    zero_tangent: bool = False  # the rule says the derivative is zero
+    text: str = ""  # body and rule as printed, with their constants: what equality compares
+
+
+Node = Union[RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat, CustomJvpCall]
 Operand = Union[Node, ParamRef, Literal]
 
 
@@ -108,6 +127,8 @@ class ExpertProgram:
                 names.append("matmul")
             elif isinstance(node, Elementwise):
                 names.append(str(node.primitive))
+            elif isinstance(node, CustomJvpCall):
+                names.append(node.name)
             elif isinstance(node, FeatureSlice):
                 names.append("split")
             elif isinstance(node, FeatureConcat):
@@ -123,7 +144,7 @@ def topological_nodes(output: Node) -> tuple[Node, ...]:
     seen: set[int] = set()
 
     def visit(node):
-        if not isinstance(node, (RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat)):
+        if not isinstance(node, (RowInput, ExpertMatmul, Elementwise, FeatureSlice, FeatureConcat, CustomJvpCall)):
             return
         if id(node) in seen:
             return
@@ -139,7 +160,7 @@ def topological_nodes(output: Node) -> tuple[Node, ...]:
 def _children(node: Node) -> tuple:
     if isinstance(node, ExpertMatmul):
         return (node.source,)
-    if isinstance(node, Elementwise):
+    if isinstance(node, (Elementwise, CustomJvpCall)):
         return node.operands
     if isinstance(node, FeatureSlice):
         return (node.source,)
@@ -260,6 +281,9 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             out = lax.slice_in_dim(values[id(node.source)], node.start, node.stop, node.stride, axis=1)
         elif isinstance(node, FeatureConcat):
             out = jnp.concatenate([values[id(s)] for s in node.sources], axis=1)
+        elif isinstance(node, CustomJvpCall):
+            like = next(values[id(o)] for o in node.operands if id(o) in values)
+            out = custom_jvp_function(node)(*[operand(o, like, None) for o in node.operands])
         else:
             like = next(values[id(o)] for o in node.operands if id(o) in values)
             operands = [operand(o, like, node.primitive) for o in node.operands]
@@ -276,3 +300,61 @@ def _row_param(value, kind: ParamKind, context: RowContext, like):
     elif kind is ParamKind.CONSTANT and jnp.ndim(value) == 0:
         return value
     return jnp.broadcast_to(value, like.shape).astype(value.dtype)
+
+
+def custom_jvp_function(node: CustomJvpCall):
+    """``node`` as a ``jax.custom_jvp`` function of rows: its body, and its own derivative rule."""
+
+    def replay(jaxpr_and_consts, args):
+        jaxpr, consts = jaxpr_and_consts
+        like = next(a for a in args if jnp.ndim(a))
+        return replay_elementwise(jaxpr, consts, args, like.shape)
+
+    function = jax.custom_jvp(lambda *args: replay(node.body, args)[0])
+
+    def rule(primals, tangents):
+        outputs = replay(node.rule, tuple(primals) + tuple(tangents))
+        return outputs[0], jnp.zeros_like(outputs[0]) if node.zero_tangent else outputs[1]
+
+    function.defjvp(rule)
+    return function
+
+
+def replay_elementwise(jaxpr, consts, args, shape) -> list:
+    """Runs an elementwise jaxpr on arguments of another ``shape`` than it was traced for: every
+    broadcast goes to ``shape``, nested ``custom_jvp`` calls keep their rules."""
+    from moe_lowering import _compat
+
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(atom):
+        return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(a) for a in eqn.invars]
+        if eqn.primitive is lax.broadcast_in_dim_p:
+            outputs = [jnp.broadcast_to(inputs[0], shape)]
+        elif eqn.primitive is _compat.custom_jvp_call_p:
+            node = custom_jvp_node(eqn.params, _compat.custom_jvp_name(eqn.params), tuple(Literal(None) for _ in inputs))
+            outputs = [custom_jvp_function(node)(*inputs)]
+        elif eqn.primitive is _compat.jit_p:
+            inner = eqn.params["jaxpr"]
+            outputs = replay_elementwise(_compat.open_jaxpr(inner), _compat.sub_jaxpr_consts(inner), inputs, shape)
+        else:
+            result = eqn.primitive.bind(*inputs, **eqn.params)
+            outputs = result if eqn.primitive.multiple_results else [result]
+        env.update(zip(eqn.outvars, outputs))
+    return [read(a) for a in jaxpr.outvars]
+
+
+def custom_jvp_node(params, name: str, operands: tuple) -> CustomJvpCall:
+    """A ``CustomJvpCall`` for a ``custom_jvp_call`` eqn's params (one output, no consts)."""
+    from moe_lowering import _compat
+
+    body = params["call_jaxpr"]
+    rule_jaxpr, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(operands))
+    body_jaxpr, body_consts = _compat.open_jaxpr(body), _compat.sub_jaxpr_consts(body)
+    text = "\n".join([str(body_jaxpr), repr([np.asarray(c).tolist() for c in body_consts]), str(rule_jaxpr),
+                      repr([np.asarray(c).tolist() for c in rule_consts])])
+    return CustomJvpCall(name, (body_jaxpr, body_consts), (rule_jaxpr, rule_consts), operands, bool(out_zeros[0]), text)

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from moe_lowering.passes.assumptions import device_checks
+
 
 @dataclass(frozen=True)
 class RegionReport:
@@ -30,6 +32,7 @@ class RegionReport:
     expert_body: str
     scope: str = ""
     parallel_layout: str | None = None
+    device_checks: tuple[str, ...] = ()  # assumptions checked at run time, the dense layer as fallback
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +50,8 @@ class RegionReport:
             f"  peak intermediate: dense {_bytes(self.dense_peak_intermediate_bytes)} -> "
             f"sorted {_bytes(self.rewritten_peak_intermediate_bytes)}"
             + (f"\n  sharded: {self.parallel_layout}" if self.parallel_layout else "")
+            + (f"\n  checked on device, dense layer as fallback: {', '.join(self.device_checks)}"
+               if self.device_checks else "")
         )
 
 
@@ -57,12 +62,14 @@ class NearMiss:
     routing: str
     reason: str
     location: str
+    assumption: str = ""  # the replacement's assumption that could not be proven (passes/assumptions.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def summary(self) -> str:
-        return f"not rewritten: routing {self.routing}\n  because {self.reason} (at {self.location})"
+        unproven = f"\n  unproven assumption: {self.assumption}" if self.assumption else ""
+        return f"not rewritten: routing {self.routing}\n  because {self.reason} (at {self.location}){unproven}"
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,7 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         expert_body=region.program.describe(),
         scope=scope,
         parallel_layout=parallel_layout,
+        device_checks=device_checks(region.style),
     )
 
 

@@ -90,6 +90,22 @@ class Gate:
     boolean: bool = False
 
 
+@dataclass(frozen=True, eq=False)
+class GateValue:
+    """The routing weights as the program itself computes them, where they meet the expert outputs.
+
+    ``atom`` (a graph value or constant) with ``roles``: tokens and ``E`` (a ``[t.., E]`` gate,
+    zero off the chosen experts), tokens and ``k`` (per-choice weights), or tokens only (one
+    ``expert``'s weights in the loop style, or one weight per token). The rewrite reads this value
+    at the chosen experts, so whatever the program did to it (a cast, a fake quantisation, a
+    per-position factor) is kept, not assumed away.
+    """
+
+    atom: Any
+    roles: Roles
+    expert: int | None = None
+
+
 @dataclass(frozen=True)
 class ExpertParamSlice:
     """``param[e]`` for a static expert ``e``: the per-expert loop's weight or bias slice."""
@@ -117,6 +133,7 @@ class Rows:
     expert: int | None = None
     gate: Gate | None = None
     dispatch: Any = None  # slot space: the [t.., E, C] dispatch tensor
+    gate_value: GateValue | None = None  # set with ``gate``: the value that was multiplied in
 
 
 @dataclass(frozen=True)
@@ -131,3 +148,4 @@ class Combined:
     combine: Any = None  # slot space: the [t.., E, C] combine tensor
     dispatch: Any = None
     style: str = ""
+    gate_values: tuple[GateValue, ...] = ()  # the routing weights as computed (one per expert in the loop style)

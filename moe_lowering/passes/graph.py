@@ -42,7 +42,7 @@ class Value:
         return f"%{self.id}:{self.aval.str_short() if hasattr(self.aval, 'str_short') else self.aval}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Const:
     """A literal or closed-over constant operand."""
 

@@ -26,6 +26,7 @@ from jax import lax
 
 from moe_lowering import _compat
 from moe_lowering.expert_program import (
+    CustomJvpCall,
     Elementwise,
     ExpertMatmul,
     ExpertProgram,
@@ -35,6 +36,7 @@ from moe_lowering.expert_program import (
     ParamKind,
     ParamRef,
     RowInput,
+    custom_jvp_node,
     topological_nodes,
 )
 from moe_lowering.passes.abstract import (
@@ -49,6 +51,7 @@ from moe_lowering.passes.abstract import (
     ExpertParamSlice,
     Factor,
     Gate,
+    GateValue,
     Iota,
     NegativeIndexCheck,
     PackedIndices,
@@ -58,7 +61,8 @@ from moe_lowering.passes.abstract import (
     is_token,
     token_roles,
 )
-from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, inline_jaxpr
+from moe_lowering.passes.assumptions import BY_NAME
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +70,16 @@ ITERATION_ROLE = "i"  # the axis of an iota, before a use says whether it counts
 
 
 class FailedMatch:
-    """A falsy match result that carries the reason, so ``explain`` can say what did not match."""
+    """A falsy match result that carries the reason, so ``explain`` can say what did not match, and
+    the name of the assumption (``assumptions.py``) that could not be proven, where one could not."""
 
-    __slots__ = ("reason", "eqn")
+    __slots__ = ("reason", "eqn", "assumption")
 
-    def __init__(self, reason: str, eqn: Eqn | None = None):
+    def __init__(self, reason: str, eqn: Eqn | None = None, assumption: str | None = None):
+        assert assumption is None or assumption in BY_NAME, assumption
         self.reason = reason
         self.eqn = eqn
+        self.assumption = assumption
 
     def __bool__(self):
         return False
@@ -131,6 +138,8 @@ class MoeRegion:
     style: str
     capacity: int | None = None
     top_k: int = 1
+    gate_values: tuple[GateValue, ...] = ()  # top-k styles: the routing weights as the program computes them
+    combine_masks: tuple = ()  # capacity style: non-differentiable values outside whose support combine's derivative is 0
 
     @property
     def num_experts(self) -> int:
@@ -159,6 +168,9 @@ class MoeRegion:
     def activation(self) -> str:
         """A readable name for the lifted body: ``swiglu``, ``gelu (tanh)``, ``squared relu``, ..."""
         prims = {str(n.primitive) for n in self.program.nodes if isinstance(n, Elementwise)}
+        for node in self.program.nodes:
+            if isinstance(node, CustomJvpCall):
+                prims |= _primitive_names(node.body[0])
         if "logistic" in prims or prims - {"mul", "convert_element_type"} == {"neg", "exp", "add", "div"}:
             name = "silu"
         elif prims & {"erf", "erfc"}:
@@ -174,6 +186,18 @@ class MoeRegion:
         elif self.gated_activation:
             name = f"gated {name}"
         return f"clipped {name}" if prims & {"clamp", "min"} else name
+
+
+def _primitive_names(jaxpr) -> set[str]:
+    """The primitives of ``jaxpr``, inside its ``jit`` and ``custom_jvp`` calls too."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if inner is not None:
+            names |= _primitive_names(_compat.open_jaxpr(inner))
+        else:
+            names.add(str(eqn.primitive))
+    return names
 
 
 def _weight_dims(param: ParamSource) -> tuple[int, int, int]:
@@ -469,7 +493,8 @@ def _as_contribution(value):
     if not (isinstance(value, Rows) and value.space == "single" and value.gate is not None):
         return value
     gate = replace(value.gate, expert=None, roles=tuple(r for r in value.gate.roles if r != ONE))
-    return Combined(value.roles, value.node, value.tokens, gate, experts=frozenset({value.expert}), style="per-expert loop")
+    return Combined(value.roles, value.node, value.tokens, gate, experts=frozenset({value.expert}), style="per-expert loop",
+                    gate_values=(replace(value.gate_value, expert=value.expert),))
 
 
 def _index_arith(an: Analysis, eqn: Eqn, abstracts):
@@ -486,6 +511,10 @@ def _index_arith(an: Analysis, eqn: Eqn, abstracts):
             return an.abstract(a.of)
         return None
     if prim is lax.convert_element_type_p and isinstance(a, (ExpertIndex, Iota)):
+        largest = an.num_experts - 1 if isinstance(a, ExpertIndex) else eqn.inputs[0].shape[a.roles.index(ITERATION_ROLE)] - 1
+        if not _holds_integers_up_to(eqn.params["new_dtype"], largest):
+            return FailedMatch(f"expert indices are cast to {np.dtype(eqn.params['new_dtype']).name}, which does not "
+                               f"hold every index up to {largest}", eqn, "routing-indices")
         return a
     if prim is lax.eq_p:
         return _one_hot(an, eqn, a, b)
@@ -494,6 +523,20 @@ def _index_arith(an: Analysis, eqn: Eqn, abstracts):
         if isinstance(bound, Const) and np.size(bound.value) == 1:
             return _bounds_check(an, prim, a, float(np.asarray(bound.value).reshape(())))
     return None
+
+
+def _holds_integers_up_to(dtype, largest: int) -> bool:
+    """Every integer in ``[0, largest]`` survives a cast to ``dtype`` unchanged."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return largest <= 1
+    if np.issubdtype(dtype, np.integer):
+        return np.iinfo(dtype).max >= largest
+    if np.issubdtype(dtype, np.floating) or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        import ml_dtypes
+
+        return largest <= 2 ** (ml_dtypes.finfo(dtype).nmant + 1)
+    return False
 
 
 def _bounds_check(an: Analysis, prim, index: ExpertIndex, bound: float):
@@ -576,14 +619,15 @@ def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):
         if prim is lax.convert_element_type_p:
             return replace(first, node=_elementwise_node(an, eqn, abstracts, first))
         return FailedMatch(
-            f"routing weights are applied before the nonlinear step `{prim}`; only linear steps may follow them", eqn
-        )
+            f"routing weights are applied before the nonlinear step `{prim}`; only linear steps may follow them", eqn,
+            "linear-after-gate")
     if first.space == "choice" and prim is lax.mul_p and len(rows) == 1:
         other = eqn.inputs[1 - abstracts.index(first)]
         source, roles = _plain_roles(an.graph, other, first.roles, out.shape)
         if all(is_token(r) or r in (CHOICE, ONE) for r in roles) and any(is_token(r) for r in roles):
             # the chosen experts' outputs times per-(token, choice) weights (k = 1: per token)
-            return replace(first, gate=Gate(tuple(r for r in first.roles if r != FEATURE), (Factor(source, roles),)))
+            return replace(first, gate=Gate(tuple(r for r in first.roles if r != FEATURE), (Factor(source, roles),)),
+                           gate_value=GateValue(source, roles))
     node = _elementwise_node(an, eqn, abstracts, first)
     if isinstance(node, FailedMatch):
         return node
@@ -655,10 +699,11 @@ def _apply_gate(an: Analysis, eqn: Eqn, abstracts, rows: Rows, gates):
         return FailedMatch("routing weights still have a top-k axis: sum the one-hot over k first", eqn)
     if gate.boolean:
         return FailedMatch("a boolean routing mask multiplies expert activations", eqn)
+    value = GateValue(eqn.inputs[abstracts.index(gate)], gate.roles, gate.expert)
     if rows.space == "dense" and gate.expert is None and _compatible(gate.roles, rows.roles):
-        return replace(rows, gate=gate)
+        return replace(rows, gate=gate, gate_value=value)
     if rows.space == "single" and gate.expert == rows.expert and _compatible(gate.roles, rows.roles):
-        return replace(rows, gate=gate)
+        return replace(rows, gate=gate, gate_value=value)
     return FailedMatch("routing weights do not line up with the expert activations' token and expert axes", eqn)
 
 
@@ -675,9 +720,9 @@ def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
         return None
     if a.roles != b.roles or a.tokens is not b.tokens or a.experts & b.experts:
         return FailedMatch("per-expert outputs of different layouts (or the same expert twice) are added", eqn)
-    if a.node != b.node or a.gate != b.gate:
-        return FailedMatch("experts in the loop do not all compute the same program with the same routing weights", eqn)
-    return replace(a, experts=a.experts | b.experts)
+    if a.node != b.node:
+        return FailedMatch("experts in the loop do not all compute the same program", eqn, "expert-program")
+    return replace(a, experts=a.experts | b.experts, gate_values=a.gate_values + b.gate_values)
 
 
 @rule(lax.reduce_and_p)
@@ -773,7 +818,7 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
             return FailedMatch(
                 "expert outputs are summed over experts without routing weights (an ensemble, not a routed MoE)", eqn
             )
-        return Combined(kept, value.node, value.tokens, value.gate, style=_style(value))
+        return Combined(kept, value.node, value.tokens, value.gate, style=_style(value), gate_values=(value.gate_value,))
     return None
 
 
@@ -794,10 +839,11 @@ def _slice(an: Analysis, eqn: Eqn, abstracts):
         strides = eqn.params.get("strides") or (1,) * len(in_shape)
     else:
         starts = []
-        for idx in eqn.inputs[1:]:
+        for dim, idx in enumerate(eqn.inputs[1:]):
             if not isinstance(idx, Const):
                 return None
-            starts.append(int(idx.value))
+            # XLA clamps a start so that the slice stays inside the operand
+            starts.append(min(max(int(idx.value), 0), in_shape[dim] - out_shape[dim]))
         strides = (1,) * len(in_shape)
     changed = [d for d in range(len(in_shape)) if out_shape[d] != in_shape[d]]
     if value is None:
@@ -935,29 +981,54 @@ def _gather(an: Analysis, eqn: Eqn, abstracts):
 
 @rule(_compat.custom_jvp_call_p)
 def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
-    """An elementwise ``custom_jvp`` function (``relu``, ...) on expert activations: read its body."""
-    if not any(isinstance(a, Rows) for a in abstracts):
+    """An elementwise ``custom_jvp`` function (``relu``, a straight-through estimator) on expert
+    activations: replayed on the sorted rows with its own derivative rule (``CustomJvpCall``)."""
+    rows = [a for a in abstracts if isinstance(a, Rows)]
+    if not rows:
         return None
+    name = _compat.custom_jvp_name(eqn.params)
+    first = rows[0]
+    if any(not _rows_like(r, first) for r in rows) or first.gate is not None:
+        return FailedMatch(f"custom_jvp function `{name}` mixes expert activations or follows the routing weights", eqn, "expert-program")
+    if len(eqn.outputs) != 1 or eqn.params.get("num_consts", 0):
+        return FailedMatch(f"custom_jvp function `{name}` has several outputs or closed-over values", eqn, "expert-program")
+    operands = []
+    for atom, abstract in zip(eqn.inputs, abstracts):
+        if isinstance(abstract, Rows):
+            operands.append(abstract.node)
+        elif isinstance(atom, Const) and _is_scalar(atom):
+            operands.append(Literal(atom.value))
+        else:
+            return FailedMatch(f"custom_jvp function `{name}` takes an operand that is not a row or a scalar", eqn, "expert-program")
     body = eqn.params["call_jaxpr"]
-    inner = _compat.open_jaxpr(body)
-    env = {v: Const(c, v.aval) for v, c in zip(inner.constvars, _compat.sub_jaxpr_consts(body))}
-    env.update(zip(inner.invars, eqn.inputs))
-    inner_eqns: list = []
-    outputs = inline_jaxpr(inner, env, inner_eqns, {})
-    table = rules()
-    for inner_eqn in inner_eqns:
-        if inner_eqn.primitive not in _ELEMENTWISE and inner_eqn.primitive is not lax.broadcast_in_dim_p:
-            return FailedMatch(f"custom_jvp function `{eqn.params.get('name', '?')}` is not elementwise", eqn)
-        inner_abstracts = [an.abstract(a) for a in inner_eqn.inputs]
-        if all(a is None for a in inner_abstracts):
-            continue
-        result = table[inner_eqn.primitive](an, inner_eqn, inner_abstracts)
-        if not result:
-            return result if isinstance(result, FailedMatch) else FailedMatch(
-                f"custom_jvp function `{eqn.params.get('name', '?')}` is not elementwise", eqn
-            )
-        an.values[inner_eqn.outputs[0]] = result
-    return an.abstract(outputs[0]) if len(outputs) == 1 else None
+    if not _elementwise_jaxpr(_compat.open_jaxpr(body), _compat.sub_jaxpr_consts(body)):
+        return FailedMatch(f"custom_jvp function `{name}` is not elementwise", eqn, "expert-program")
+    try:
+        node = custom_jvp_node(eqn.params, name, tuple(operands))
+    except Exception as error:  # the rule cannot be traced on its own: nothing to replay
+        return FailedMatch(f"custom_jvp function `{name}`: its derivative rule cannot be read ({error})", eqn,
+                           "expert-program")
+    if not _elementwise_jaxpr(*node.rule):
+        return FailedMatch(f"custom_jvp function `{name}` has a derivative rule that is not elementwise", eqn, "expert-program")
+    return replace(first, node=node)
+
+
+def _elementwise_jaxpr(jaxpr, consts) -> bool:
+    """Every eqn elementwise (or a broadcast, or a nested elementwise ``custom_jvp``), constants scalar."""
+    _register_rules()
+    if any(np.size(c) != 1 for c in consts):
+        return False
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in (_compat.custom_jvp_call_p, _compat.jit_p):
+            inner = eqn.params["call_jaxpr" if eqn.primitive is _compat.custom_jvp_call_p else "jaxpr"]
+            if not _elementwise_jaxpr(_compat.open_jaxpr(inner), _compat.sub_jaxpr_consts(inner)):
+                return False
+        elif eqn.primitive is lax.broadcast_in_dim_p:
+            if int(np.prod(eqn.invars[0].aval.shape)) != 1:
+                return False
+        elif eqn.primitive not in _ELEMENTWISE:
+            return False
+    return True
 
 
 @rule(lax.dot_general_p)
@@ -1051,7 +1122,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             w_roles = tuple(EXPERT if d == e_w else ("K" if d == k_w else "N") for d in range(3))
             node = ExpertMatmul(ax.node, an.param(w, ParamKind.EXPERT_WEIGHT, w_roles), pet)
             roles = out_roles(ax.roles, tuple(FEATURE if d == n_w else EXPERT for d in range(3)), xc, wc, xb, wb, swap)
-            return Combined(roles, node, ax.tokens, ax.gate, style="one-hot gate")
+            return Combined(roles, node, ax.tokens, ax.gate, style="one-hot gate", gate_values=(ax.gate_value,))
         return None
 
     # one expert's rows [t.., F] @ W[e] [F, N]
@@ -1072,11 +1143,13 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         if not xc and [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and EXPERT in [ax.roles[i] for i in xb]:
             # an einsum's elementwise step ('te,tef->tef'): gating before the down-projection
             roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
-            return replace(aw, roles=roles, gate=replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT)))
+            return replace(aw, roles=roles, gate=replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT)),
+                           gate_value=GateValue(x, ax.roles))
         if len(xc) == 1 and ax.roles[xc[0]] == EXPERT and aw.roles[wc[0]] == EXPERT:
             if [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and all(is_token(ax.roles[i]) for i in xb):
                 roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
-                return Combined(roles, aw.node, aw.tokens, replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT)), style="one-hot gate")
+                gate = replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT))
+                return Combined(roles, aw.node, aw.tokens, gate, style="one-hot gate", gate_values=(GateValue(x, ax.roles),))
         return None
 
     # one-hot [t.., k, E] . weights [t.., k] over k -> gate [t.., E]
@@ -1092,7 +1165,8 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             source, f_roles = _plain_roles(an.graph, x, x_roles, x.shape)
             roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
             gate = Gate(tuple(r for r in aw.roles if r not in (FEATURE,)), (Factor(source, f_roles),))
-            return Combined(roles, aw.node, aw.tokens, gate, style="gather combine")
+            return Combined(roles, aw.node, aw.tokens, gate, style="gather combine",
+                            gate_values=(GateValue(source, f_roles),))
         return None
 
     # combine [t.., E, C] . slot rows [E, C, F] over (E, C) -> combined
@@ -1211,7 +1285,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
     graph = an.graph
     if combined.experts is not None and combined.experts != frozenset(range(an.num_experts)):
         missing = sorted(set(range(an.num_experts)) - combined.experts)
-        return FailedMatch(f"the per-expert loop leaves out experts {missing}", graph.producer[output])
+        return FailedMatch(f"the per-expert loop leaves out experts {missing}", graph.producer[output], "expert-program")
     replaced = _interior(an, output)
     for eqn_index in replaced:
         eqn = graph.eqns[eqn_index]
@@ -1225,6 +1299,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
                     f"an interior value of the MoE (the expert activations {list(value.shape)}) is also used "
                     f"outside it, at {where}; replacing the layer would change that use",
                     eqn,
+                    "private-interior",
                 )
     program_nodes = topological_nodes(combined.node)
     used = sorted({n.weight for n in program_nodes if isinstance(n, ExpertMatmul)} | {
@@ -1242,10 +1317,23 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         return FailedMatch("the MoE output is not laid out as [tokens.., features]")
     capacity = None
     top_k = an.anchor.top_k
+    combine_masks: tuple = ()
     if combined.combine is not None:
         dispatch, dispatch_roles = combined.dispatch
         capacity = dispatch.shape[dispatch_roles.index(SLOT)]
         top_k = sum(a.top_k for a in anchors if a.indices in graph.ancestors(dispatch))
+        if not _tangent_free(graph, dispatch):
+            return FailedMatch(
+                "the dispatch tensor has a derivative (a soft or straight-through dispatch); the sparse rewrite "
+                "moves token rows by index and would drop it", graph.producer.get(dispatch), "dispatch-has-no-derivative")
+        combine_masks = _tangent_masks(graph, combined.combine[0])
+        if combine_masks is None:
+            return FailedMatch(
+                "cannot prove that the combine tensor's derivative vanishes outside the dispatched slots (write it as "
+                "a 0/1 slot mask times the gate)", graph.producer.get(combined.combine[0]), "combine-derivative-in-slots")
+    elif not _gate_values_complete(combined, an.num_experts):
+        return FailedMatch("the routing weights are not one value per expert layer", graph.producer[output],
+                           "gate-values")
     return MoeRegion(
         anchor=an.anchor,
         output=output,
@@ -1260,7 +1348,120 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         style=combined.style,
         capacity=capacity,
         top_k=top_k,
+        gate_values=combined.gate_values,
+        combine_masks=combine_masks,
     )
+
+
+def _gate_values_complete(combined: Combined, num_experts: int) -> bool:
+    """One routing-weight value for the layer, or (loop style) one per expert."""
+    values = combined.gate_values
+    if any(v is None for v in values):
+        return False
+    if combined.experts is not None:
+        return sorted(v.expert for v in values) == list(range(num_experts))
+    return len(values) == 1 and values[0].expert is None
+
+
+# --------------------------------------------------------------------------- derivatives
+
+# Primitives whose outputs have a zero derivative whatever their inputs.
+_ZERO_DERIVATIVE_NAMES = "floor ceil round sign stop_gradient iota argmax argmin is_finite"
+
+
+@functools.cache
+def _zero_derivative_primitives() -> frozenset:
+    return frozenset(p for p in (getattr(lax, f"{n}_p", None) for n in _ZERO_DERIVATIVE_NAMES.split()) if p) | {
+        _compat.stop_gradient_p}
+
+
+def _is_float(atom) -> bool:
+    return np.issubdtype(np.dtype(atom.dtype), np.inexact) if hasattr(atom, "dtype") else False
+
+
+def _tangent_free(graph: JaxprGraph, atom) -> bool:
+    """``atom`` has a zero derivative with respect to every input of the program: it is an integer or
+    boolean value, a constant, or computed from such values (through ``stop_gradient``, ``floor``, ...)."""
+    zero = _zero_derivative_primitives()
+    memo = graph.__dict__.setdefault("_tangent_free", {})
+    stack = [atom]
+    while stack:
+        value = stack[-1]
+        if not isinstance(value, Value) or value in memo:
+            stack.pop()
+            continue
+        if not _is_float(value):
+            memo[value] = True
+            stack.pop()
+            continue
+        eqn = graph.producer.get(value)
+        if eqn is None:
+            memo[value] = False  # a program input
+            stack.pop()
+            continue
+        if eqn.primitive in zero:
+            memo[value] = True
+            stack.pop()
+            continue
+        pending = [a for a in eqn.inputs if isinstance(a, Value) and a not in memo]
+        if pending:
+            stack.extend(pending)
+            continue
+        memo[value] = all(memo.get(a, True) for a in eqn.inputs)
+        stack.pop()
+    return memo.get(atom, True) if isinstance(atom, Value) else True
+
+
+def _tangent_masks(graph: JaxprGraph, atom, depth: int = 0):
+    """Values without a derivative, each shaped like ``atom`` (or a scalar), such that ``atom``'s
+    derivative is zero wherever they all are zero; ``()`` if it has none; ``None`` if not proven.
+
+    A product with such a value ``m`` has its derivative inside ``m``'s support (``m * g``,
+    ``einsum('bse,bsec->bsec', g, m)``, ``where(m, g, 0)``); sums unite the supports.
+    """
+    if _tangent_free(graph, atom):
+        return ()
+    eqn = graph.producer.get(atom)
+    if eqn is None or depth > 64:
+        return None
+    prim, inputs = eqn.primitive, eqn.inputs
+    if prim is lax.mul_p:
+        free = [a for a in inputs if _tangent_free(graph, a)]
+        return (free[0],) if free else None
+    if prim in (lax.add_p, lax.sub_p):
+        parts = [_tangent_masks(graph, a, depth + 1) for a in inputs]
+        return None if any(p is None for p in parts) else tuple(m for p in parts for m in p)
+    if prim in (lax.neg_p, lax.convert_element_type_p, lax.reduce_precision_p, lax.copy_p):
+        return _tangent_masks(graph, inputs[0], depth + 1)
+    if prim is lax.select_n_p and len(inputs) == 3:
+        predicate, on_false, on_true = inputs
+        if _tangent_free(graph, on_false) and _is_zero(graph, on_false) and predicate.shape == atom.shape:
+            return (predicate,) if _tangent_masks(graph, on_true, depth + 1) is not None else None
+        return None
+    if prim is lax.dot_general_p:
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        if contract:
+            return None
+        for operand in inputs:
+            if _tangent_free(graph, operand) and operand.shape == atom.shape and _dot_keeps_layout(eqn, operand):
+                return (operand,)
+    return None
+
+
+def _dot_keeps_layout(eqn: Eqn, operand) -> bool:
+    """A ``dot_general`` without contraction whose output dims are ``operand``'s, in order."""
+    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
+    side = eqn.inputs.index(operand)
+    batch = lb if side == 0 else rb
+    rank = len(operand.shape)
+    free = [d for d in range(rank) if d not in batch]
+    other_free = len(eqn.inputs[1 - side].shape) - len(batch)
+    order = list(batch) + (free if side == 0 else free)
+    if side == 0 and other_free:
+        return False  # the rhs's free dims would come after ours
+    if side == 1 and other_free:
+        return False  # the lhs's free dims would come first
+    return order == list(range(rank))
 
 
 def _interior(an: Analysis, output: Value) -> set[int]:
@@ -1299,6 +1500,8 @@ def _renumber(node, mapping):
             out = FeatureSlice(walk(n.source), n.start, n.stop, n.stride)
         elif isinstance(n, FeatureConcat):
             out = FeatureConcat(tuple(walk(s) for s in n.sources))
+        elif isinstance(n, CustomJvpCall):
+            out = replace(n, operands=tuple(walk(o) for o in n.operands))
         else:
             out = n
         memo[id(n)] = out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,11 +142,12 @@ def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of
     should a dispatch tensor ever select more, the original dense computation runs instead
     (an on-device ``lax.cond``), so the rewrite never changes results.
     """
-    out = _sparse_region(region, read, options, sharding_of)
     if region.combine is None or graph is None:
-        return out
-    overflow = _capacity_overflow(region, read)
-    return lax.cond(overflow, lambda: _dense_region(graph, region, read), lambda: out)
+        return _sparse_region(region, read, options, sharding_of)
+    # the sparse layer inside its branch: computed outside, its backward would still run (on zero
+    # cotangents) when the dense branch is taken, and 0 * NaN would reach the gradients
+    return lax.cond(_capacity_assumptions_fail(region, read), lambda: _dense_region(graph, region, read),
+                    lambda: _sparse_region(region, read, options, sharding_of))
 
 
 def _dense_region(graph: JaxprGraph, region: MoeRegion, read):
@@ -311,36 +313,48 @@ def _canonical(value, roles, order):
     return jnp.transpose(value, perm), [r for r in order if r in kept_roles]
 
 
+def _per_token(value, roles, token_shape, trailing=()):
+    """``value`` as ``[T, *trailing]``: its token axes (any subset, in any order) broadcast to every
+    token, its ``trailing`` roles last, axes of other roles (size 1, or only broadcast) read at 0."""
+    value = jnp.asarray(value)
+    tokens = token_roles(len(token_shape))
+    index = tuple(slice(None) if r in tokens or r in trailing else 0 for r in roles)
+    value = value[index]
+    kept = [r for r in roles if r in tokens or r in trailing]
+    order = [r for r in tokens + tuple(trailing) if r in kept]
+    value = jnp.transpose(value, [kept.index(r) for r in order])
+    full = [token_shape[tokens.index(r)] if r in tokens else None for r in tokens]
+    shape = [n if r in kept else 1 for r, n in zip(tokens, full)] + list(value.shape[len(value.shape) - len(trailing):])
+    value = value.reshape(shape)
+    value = jnp.broadcast_to(value, tuple(token_shape) + value.shape[len(tokens):])
+    return value.reshape((math.prod(token_shape),) + value.shape[len(tokens):])
+
+
 def _routing_weights(region: MoeRegion, read, expert_indices):
-    """``[T, k]`` routing weights: the product of the gate's factors, read per (token, choice)."""
+    """``[T, k]`` routing weights: the program's own gate values, read at the chosen experts.
+
+    A ``[T, E]`` gate is zero off the chosen experts (the matcher proved it for finite values);
+    should an entry there be NaN or infinite, the reference's output for that token is not
+    finite either, and the ``0 * entry`` term below carries that into the weights.
+    """
     num_tokens, top_k = expert_indices.shape
-    tokens = token_roles(len(region.anchor.token_shape))
-    weights = None
-    for factor in region.gate.factors:
-        value = factor.source.value if isinstance(factor.source, Const) else read(factor.source)
-        value = jnp.asarray(value)
-        if value.ndim == 0:
-            piece = value.reshape(1, 1)
-        else:
-            piece, roles = _canonical(value, factor.roles, tokens + (CHOICE, EXPERT))
-            n_tok = sum(1 for r in roles if is_token(r))
-            lead = 1
-            for d in range(n_tok):
-                lead *= piece.shape[d]
-            piece = piece.reshape((lead,) + piece.shape[n_tok:]) if n_tok else piece.reshape((1,) + piece.shape)
-            if EXPERT in roles and piece.shape[0] == 1:  # a per-expert scale, the same for every token
-                piece = jnp.take(piece[0], expert_indices, axis=0)
-            elif EXPERT in roles:
-                piece = jnp.take_along_axis(piece, expert_indices, axis=1)
-            elif CHOICE not in roles:
-                piece = piece.reshape(piece.shape[0], 1)
-        if factor.reciprocal:
-            piece = 1 / piece
-        weights = piece if weights is None else weights * piece
-    if weights is None:
-        dtype = region.output.dtype
-        return jnp.ones((num_tokens, top_k), dtype)
-    return jnp.broadcast_to(weights, (num_tokens, top_k))
+    token_shape = region.anchor.token_shape
+    values = region.gate_values
+    if values[0].expert is not None:  # the loop style: one [T] value per expert
+        by_expert = sorted(values, key=lambda v: v.expert)
+        table = jnp.stack([_per_token(read(v.atom), v.roles, token_shape) for v in by_expert], axis=1)
+    elif EXPERT in values[0].roles:
+        table = _per_token(read(values[0].atom), values[0].roles, token_shape, (EXPERT,))
+    elif CHOICE in values[0].roles:
+        return _per_token(read(values[0].atom), values[0].roles, token_shape, (CHOICE,))
+    else:  # one weight per token, for each of its choices
+        weights = _per_token(read(values[0].atom), values[0].roles, token_shape)
+        return jnp.broadcast_to(weights[:, None], (num_tokens, top_k))
+    if table.shape[0] != num_tokens:
+        table = jnp.broadcast_to(table, (num_tokens,) + table.shape[1:])
+    chosen = jnp.any(expert_indices[..., None] == jnp.arange(table.shape[1]), axis=1)
+    poison = jnp.sum(jnp.where(chosen, 0, table) * 0, axis=1, keepdims=True)
+    return jnp.take_along_axis(table, expert_indices, axis=1) + poison
 
 
 def _slot_tensor(region: MoeRegion, read, which):
@@ -356,8 +370,24 @@ def _kept(region: MoeRegion, read):
     return jnp.any(_slot_tensor(region, read, region.dispatch) != 0, axis=-1)
 
 
-def _capacity_overflow(region: MoeRegion, read):
-    return jnp.any(jnp.sum(_kept(region, read), axis=-1) > region.top_k)
+def _capacity_assumptions_fail(region: MoeRegion, read):
+    """True where the sparse capacity layer would not compute the reference, checked on the device.
+
+    The sparse layer sends each token once to each expert whose slots it occupies and weighs the
+    result by the token's combine entries there. That is the reference when the dispatch tensor is
+    0/1, no slot holds two tokens, every token occupies at most ``top_k`` experts, and combine (and
+    what its derivative depends on: ``region.combine_masks``) is zero outside the dispatched slots.
+    """
+    dispatch = _slot_tensor(region, read, region.dispatch)
+    occupied = dispatch != 0
+    fails = jnp.any(occupied & (dispatch != 1))
+    fails |= jnp.any(jnp.sum(occupied, axis=0) > 1)
+    fails |= jnp.any(jnp.sum(jnp.any(occupied, axis=-1), axis=-1) > region.top_k)
+    combine_atom, roles = region.combine
+    for value in (combine_atom,) + tuple(region.combine_masks):
+        full = jnp.broadcast_to(jnp.asarray(read(value)), combine_atom.shape)
+        fails |= jnp.any((_slot_tensor(region, lambda _: full, (value, roles)) != 0) & ~occupied)
+    return fails
 
 
 def _capacity_choices(region: MoeRegion, read):
@@ -380,11 +410,10 @@ def _normalise_param(param, value, region: MoeRegion):
     if param.kind is ParamKind.PER_EXPERT:
         out, roles = _canonical(value, param.roles, (EXPERT, FEATURE))
         return out if FEATURE in roles else out.reshape(-1, 1)
-    if param.kind is ParamKind.PER_TOKEN:
-        tokens = token_roles(len(region.anchor.token_shape))
-        out, roles = _canonical(value, param.roles, tokens + (FEATURE,))
-        features = out.shape[-1] if FEATURE in roles else 1
-        return out.reshape(-1, features)
+    if param.kind is ParamKind.PER_TOKEN:  # any subset of the token axes, broadcast to every token
+        trailing = (FEATURE,) if FEATURE in param.roles else ()
+        out = _per_token(value, param.roles, region.anchor.token_shape, trailing)
+        return out if trailing else out.reshape(-1, 1)
     if value.ndim == 0:
         return value
     out, roles = _canonical(value, param.roles, (FEATURE,))

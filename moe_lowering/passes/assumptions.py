@@ -1,0 +1,110 @@
+"""Every assumption the sparse replacement makes, and how each one is discharged.
+
+The sparse MoE computes ``y[t] = sum over chosen experts e of w[t, e] * program_e(x[t])``. That is
+the dense reference only under the assumptions below. Each is either **proven** from the program
+by the matcher (``match.py``; where the proof fails the pass declines, and ``explain`` names the
+assumption), or **checked on the device** at run time, with the region's original dense
+computation as the fallback (``rewrite.py``), or not assumed at all because the replacement reads
+the program's own value. A ``FailedMatch`` that declines for one of these carries its ``name``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROVEN = "proven"
+CHECKED = "checked on device"
+READ = "read from the program"
+
+TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop")
+CAPACITY = ("capacity",)
+ALL_STYLES = TOP_K_STYLES + CAPACITY
+
+
+@dataclass(frozen=True)
+class Assumption:
+    """One fact the replacement relies on: ``statement``, for ``styles``, discharged by ``how``."""
+
+    name: str
+    styles: tuple[str, ...]
+    statement: str
+    discharge: str  # PROVEN, CHECKED or READ
+    how: str
+
+
+ASSUMPTIONS = (
+    Assumption(
+        "routing-indices", ALL_STYLES,
+        "the masks, scatters and gathers are built from the routing decision's indices, value for value",
+        PROVEN,
+        "only layout changes and casts whose type holds every index in [0, E) lie between top_k / argmax and "
+        "the one-hot, scatter or gather"),
+    Assumption(
+        "gate-support", ("one-hot gate", "per-expert loop"),
+        "the [tokens, E] gate, and its derivative, is zero off each token's chosen experts",
+        PROVEN,
+        "the gate is a one-hot mask, or a scatter into zeros, of the indices, changed only by products, "
+        "quotients, casts and selects against zero; a NaN or infinite entry off the choice (0 * NaN) reaches "
+        "the token's output, as it does in the reference"),
+    Assumption(
+        "gate-values", TOP_K_STYLES,
+        "the routing weights",
+        READ,
+        "the gate the program multiplies into the expert outputs, read at the chosen experts: casts, fake "
+        "quantisation and per-position factors included"),
+    Assumption(
+        "linear-after-gate", ALL_STYLES,
+        "whatever follows the routing weights in the expert computation is linear",
+        PROVEN,
+        "only casts, layout changes, the down-projection and the sum over experts may follow the gate"),
+    Assumption(
+        "expert-program", ALL_STYLES,
+        "each expert computes the same per-row program from its own weights",
+        PROVEN,
+        "the body between the projections is elementwise (custom_jvp functions keep their derivative rules); "
+        "the loop style covers every expert once, each with its own slice of one stacked weight"),
+    Assumption(
+        "private-interior", ALL_STYLES,
+        "nothing outside the layer reads its dense intermediates",
+        PROVEN,
+        "every user of an interior value is inside the region"),
+    Assumption(
+        "dispatch-has-no-derivative", CAPACITY,
+        "the dispatch tensor has no derivative (rows are moved by index)",
+        PROVEN,
+        "the dispatch tensor is computed from integers, booleans and constants only"),
+    Assumption(
+        "combine-derivative-in-slots", CAPACITY,
+        "the combine tensor's derivative is zero outside the slots its non-differentiable masks mark",
+        PROVEN,
+        "combine is a product of a non-differentiable mask and the gate, a sum of such, or a select against "
+        "zero by such a mask"),
+    Assumption(
+        "dispatch-is-0-1", CAPACITY, "every dispatch entry is 0 or 1", CHECKED,
+        "any(dispatch not in {0, 1})"),
+    Assumption(
+        "one-token-per-slot", CAPACITY, "no (expert, slot) receives two tokens", CHECKED,
+        "any(sum over tokens of (dispatch != 0) > 1)"),
+    Assumption(
+        "at-most-k-experts", CAPACITY, "each token reaches at most the routing's k experts", CHECKED,
+        "any(experts reached per token > k)"),
+    Assumption(
+        "combine-within-dispatch", CAPACITY,
+        "combine (and each mask its derivative lives in) is zero wherever the token was not dispatched",
+        CHECKED, "any((combine != 0) & (dispatch == 0)), likewise for each mask; also catches NaN routing"),
+)
+
+BY_NAME = {a.name: a for a in ASSUMPTIONS}
+
+
+def device_checks(style: str) -> tuple[str, ...]:
+    """Names of the assumptions a region of ``style`` checks on the device."""
+    return tuple(a.name for a in ASSUMPTIONS if a.discharge == CHECKED and style in a.styles)
+
+
+def describe() -> str:
+    """The table as text: what ``explain`` users and the README point to."""
+    lines = []
+    for a in ASSUMPTIONS:
+        lines.append(f"{a.name} ({', '.join(a.styles)}): {a.statement}. {a.discharge}: {a.how}.")
+    return "\n".join(lines)
