@@ -9,7 +9,11 @@ like a traced JAX program. ``func.call`` becomes a named ``jax.jit`` call, keepi
 
 Ops without a lax counterpart and without regions (custom calls, collectives, convolutions...) are
 re-emitted verbatim through :data:`stablehlo_passthrough_p`, so they survive the round trip.
-Region-carrying ops the importer does not know raise :class:`UnsupportedModuleError`.
+``stablehlo.composite`` becomes ``lax.composite`` (same name, version and attributes; its
+decomposition is interpreted like any function). Constants Python cannot read through the MLIR
+bindings (complex ones raise ``TypeError`` there) are read from their printed form, or re-emitted
+as printed through :data:`stablehlo_verbatim_p`. Region-carrying ops the importer does not know
+raise :class:`UnsupportedModuleError`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -28,6 +33,7 @@ from jax import lax
 from jax._src.core import ShapedArray
 from jax.extend import core as jex_core
 from jax.interpreters import mlir as jax_mlir
+from jax._src.interpreters import mlir as jax_mlir_internal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
@@ -71,6 +77,13 @@ _ELEMENT_TYPES = {
     "f8E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
     "f8E4M3B11FNUZ": ml_dtypes.float8_e4m3b11fnuz,
 }
+# Narrow types of newer ml_dtypes/JAX: known when both have them (constants of them are re-emitted
+# as printed when numpy cannot read them).
+for _mlir_name, _ml_name in (("i4", "int4"), ("ui4", "uint4"), ("i2", "int2"), ("ui2", "uint2"),
+                             ("f8E4M3", "float8_e4m3"), ("f8E3M4", "float8_e3m4"),
+                             ("f8E8M0FNU", "float8_e8m0fnu"), ("f4E2M1FN", "float4_e2m1fn")):
+    if hasattr(ml_dtypes, _ml_name) and hasattr(jnp, _ml_name):
+        _ELEMENT_TYPES[_mlir_name] = getattr(ml_dtypes, _ml_name)
 _WIDE_TYPES = {"f64", "i64", "ui64", "complex<f64>"}
 
 
@@ -128,6 +141,30 @@ stablehlo_passthrough_p.def_abstract_eval(_passthrough_abstract_eval)
 jax_mlir.register_lowering(stablehlo_passthrough_p, _passthrough_lowering)
 
 
+def _verbatim_lowering(ctx, *operands, asm, result_avals):
+    """An operand-free op re-parsed from its generic printed form: no attribute passes through Python."""
+    del operands, result_avals
+    op = ir.Operation.parse(asm, context=ctx.module_context.context)
+    ir.InsertionPoint.current.insert(op)
+    return list(op.results)
+
+
+stablehlo_verbatim_p = jex_core.Primitive("stablehlo_verbatim")
+stablehlo_verbatim_p.multiple_results = True
+stablehlo_verbatim_p.def_abstract_eval(_passthrough_abstract_eval)
+jax_mlir.register_lowering(stablehlo_verbatim_p, _verbatim_lowering)
+
+
+@dataclass(frozen=True)
+class _AttributeText:
+    """An MLIR attribute by its text: a ``lax.composite`` keyword argument re-emitted exactly as read."""
+
+    text: str
+
+
+jax_mlir_internal.register_attribute_handler(_AttributeText, lambda value: ir.Attribute.parse(value.text))
+
+
 # --------------------------------------------------------------------------------------------
 # Attribute helpers.
 
@@ -179,10 +216,56 @@ def _dense_constant(attr, shape, dtype) -> np.ndarray:
     try:
         return np.array(attr, copy=True).astype(dtype).reshape(shape)
     except (ValueError, TypeError, RuntimeError):
-        flat = ir.DenseFPElementsAttr(attr) if np.issubdtype(dtype, np.floating) or dtype.kind == "V" else None
-        if flat is None:
-            raise UnsupportedModuleError(f"cannot read constant {str(attr)[:80]}") from None
-        return np.array([flat[i] for i in range(len(flat))], np.float64).astype(dtype).reshape(shape)
+        for cls, wide in ((ir.DenseFPElementsAttr, np.float64), (ir.DenseIntElementsAttr, np.int64)):
+            flat = _cast(cls, attr)
+            if flat is not None:
+                return np.array([flat[i] for i in range(len(flat))], wide).astype(dtype).reshape(shape)
+        raise UnsupportedModuleError(f"cannot read constant {str(attr)[:80]}") from None
+
+
+_HEX_TOKEN = r"0x[0-9A-Fa-f]+"
+_NUMBER_TOKEN = re.compile(_HEX_TOKEN + r"|[-+]?(?:inf|nan|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)|true|false")
+
+
+def _constant_from_asm(asm: str, shape, dtype) -> np.ndarray | None:
+    """A complex (or other) dense constant read from the op's printed form; None if unreadable.
+
+    The bindings cannot hand complex dense attributes to Python. The printer writes them as
+    ``dense<(re,im)>`` (a splat), ``dense<[(re,im), ...]>`` (nested per dimension; NaN and inf as
+    hex bit patterns) or ``dense<"0x...">`` (the raw little-endian buffer).
+    """
+    dtype = np.dtype(dtype)
+    match = re.search(r"dense<(.*)>\s*:\s*tensor<", asm, re.S)
+    if match is None or dtype.kind not in "fc" or dtype.itemsize not in (4, 8, 16):
+        return None
+    body = match.group(1).strip()
+    size = math.prod(shape)
+    if body.startswith('"0x') and body.endswith('"'):
+        try:
+            flat = np.frombuffer(bytes.fromhex(body[3:-1]), dtype.newbyteorder("<")).astype(dtype)
+        except ValueError:
+            return None
+    else:
+        part = np.dtype(f"f{dtype.itemsize // 2}") if dtype.kind == "c" else dtype
+        bits = np.dtype(f"u{part.itemsize}")
+        values = []
+        for token in _NUMBER_TOKEN.findall(body):
+            if token.startswith("0x"):
+                values.append(np.array(int(token, 16), bits).view(part))
+            elif token in ("true", "false"):
+                return None
+            else:
+                values.append(np.array(float(token), part))
+        flat = np.array(values, part)
+        if dtype.kind == "c":
+            if len(flat) % 2:
+                return None
+            pairs = flat
+            flat = np.empty(len(pairs) // 2, dtype)
+            flat.real, flat.imag = pairs[0::2], pairs[1::2]
+    if flat.size == 1:
+        return np.full(shape, flat[0], dtype)
+    return flat.reshape(shape) if flat.size == size else None
 
 
 def _scalar_attr_value(attr):
@@ -471,7 +554,10 @@ class _Interpreter:
             if attr is not None and len(ir.ArrayAttr(attr)):
                 raise UnsupportedModuleError(f"{op.name} calls other functions; not supported")
         log.debug("re-emitting %s verbatim", op.name)
-        attributes = tuple((name, str(op.attributes[name])) for name in _attribute_names(op))
+        try:
+            attributes = tuple((name, str(op.attributes[name])) for name in _attribute_names(op))
+        except TypeError:  # an attribute the bindings cannot hand to Python (complex elements...)
+            return self.verbatim(op)
         result_types = tuple(str(r.type) for r in op.results)
         result_avals = tuple(_aval(r.type) for r in op.results)
         return stablehlo_passthrough_p.bind(
@@ -480,7 +566,22 @@ class _Interpreter:
 
     def op_constant(self, op, operands, env):
         shape, dtype = _tensor_type(op.results[0].type)
-        return [_dense_constant(op.attributes["value"], shape, dtype)]
+        try:
+            return [_dense_constant(op.attributes["value"], shape, dtype)]
+        except (TypeError, ValueError, OverflowError, UnsupportedModuleError) as err:
+            # Complex constants: the bindings raise TypeError handing the attribute to Python.
+            value = _constant_from_asm(_generic_asm(op), shape, dtype)
+            if value is not None:
+                return [value]
+            log.debug("constant %s is re-emitted as printed (%s)", op.results[0].type, err)
+            return self.verbatim(op)
+
+    def verbatim(self, op) -> list:
+        """An operand-free op (a constant the bindings cannot read) re-emitted from its printed form."""
+        if len(op.operands) or len(op.regions):
+            raise UnsupportedModuleError(f"{op.name}: cannot read its attributes")
+        result_avals = tuple(_aval(r.type) for r in op.results)
+        return stablehlo_verbatim_p.bind(asm=_generic_asm(op), result_avals=result_avals)
 
     def op_iota(self, op, operands, env):
         shape, dtype = _tensor_type(op.results[0].type)
@@ -788,6 +889,23 @@ class _Interpreter:
             fn = self._jit_cache[callee]
         return list(fn(*operands))
 
+    def op_composite(self, op, operands, env):
+        """``lax.composite`` with the same name, version and attributes, and this decomposition."""
+        extra = set(_attribute_names(op)) - {"name", "decomposition", "version", "composite_attributes"}
+        if extra:
+            raise UnsupportedModuleError(f"stablehlo.composite with attributes {sorted(extra)} is not supported")
+        name = ir.StringAttr(op.attributes["name"]).value
+        callee = ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value
+        version = _int(op, "version", 0)
+        attributes = _composite_attributes(op)
+        body = self.function(callee)
+
+        def decomposition(*args, **_):  # the attributes are the op's; the body does not read them
+            return body(*args)
+
+        decomposition.__name__ = decomposition.__qualname__ = callee.replace(".", "_")
+        return list(lax.composite(decomposition, name=name, version=version)(*operands, **attributes))
+
     def op_custom_call(self, op, operands, env):
         target = ir.StringAttr(op.attributes["call_target_name"]).value
         if target in ("mhlo.topk", "TopK") and len(op.results) == 2:
@@ -813,7 +931,84 @@ _FOLDABLE = {
 
 def _attribute_names(op) -> list[str]:
     """Attribute names; iterating ``op.attributes`` yields names or NamedAttributes by version."""
+    keys = getattr(op.attributes, "keys", None)
+    if keys is not None:  # names only: building a NamedAttribute can abort on an unreadable value
+        return list(keys())
     return [item if isinstance(item, str) else item.name for item in op.attributes]
+
+
+def _generic_asm(op) -> str:
+    """``"dialect.op"(...) <{...}> : (...) -> ...`` without the ``%name =`` of its results."""
+    asm = op.get_asm(print_generic_op_form=True).strip()
+    return re.sub(r"^%[^=]*=\s*", "", asm) if asm.startswith("%") else asm
+
+
+def _composite_attributes(op) -> dict:
+    """``composite_attributes`` as ``{name: _AttributeText}``, each checked to re-parse."""
+    attr = _attr(op, "composite_attributes")
+    if attr is None:
+        return {}
+    dictionary = ir.DictAttr(attr)
+    names = _dict_attr_names(str(attr))
+    if len(names) != len(dictionary) or not all(n in dictionary for n in names):
+        raise UnsupportedModuleError(f"cannot read the composite attributes {str(attr)[:80]}")
+    out = {}
+    for name in names:
+        try:
+            text = str(dictionary[name])
+            ir.Attribute.parse(text, context=op.context)
+        except (TypeError, ValueError, ir.MLIRError) as err:
+            raise UnsupportedModuleError(f"composite attribute {name!r} cannot be re-emitted ({err})") from None
+        out[name] = _AttributeText(text)
+    return out
+
+
+def _dict_attr_names(text: str) -> list[str]:
+    """The keys of a printed dictionary attribute ``{a = 1 : i32, "b.c" = [..], unit_key}``."""
+    body = text.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        return []
+    body = body[1:-1]
+    entries, depth, start, i, quoted = [], 0, 0, 0, False
+    while i < len(body):
+        c = body[i]
+        if quoted:
+            if c == "\\":
+                i += 1
+            elif c == '"':
+                quoted = False
+        elif c == '"':
+            quoted = True
+        elif c in "([{<":
+            depth += 1
+        elif c in ")]}>" and not (c == ">" and body[i - 1 : i] == "-"):
+            depth -= 1
+        elif c == "," and depth == 0:
+            entries.append(body[start:i])
+            start = i + 1
+        i += 1
+    entries.append(body[start:])
+    names = []
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        key = entry.split("=", 1)[0].strip() if not entry.startswith('"') else entry[: _closing_quote(entry) + 1]
+        if key.startswith('"'):
+            key = bytes(key[1:-1], "utf-8").decode("unicode_escape")
+        names.append(key)
+    return names
+
+
+def _closing_quote(text: str) -> int:
+    i = 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+            continue
+        if text[i] == '"':
+            return i
+        i += 1
+    return len(text) - 1
 
 
 @dataclass(frozen=True)

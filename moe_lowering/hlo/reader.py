@@ -1,7 +1,10 @@
 """Reading the tool's inputs: StableHLO text, MLIR bytecode, HLO text, XLA dump directories.
 
 Every failure is a :class:`ModuleReadError` with a one-line message naming the file and, for
-MLIR, the line and column of the first diagnostic; the CLI prints it and exits 2.
+MLIR, the line and column of the first diagnostic; the CLI prints it and exits 2. Given a
+``worker`` (:class:`moe_lowering.hlo.isolated.Worker`, what the CLI does) the native parsing and
+conversion of the input runs first in that child process, so input that crashes jaxlib is an
+error too rather than the end of the process.
 """
 
 from __future__ import annotations
@@ -52,24 +55,39 @@ def detect_kind(raw: bytes, path: str) -> str:
     raise ModuleReadError(f"{path}: not a StableHLO module (`module ...`), MLIR bytecode, or HLO text (`HloModule ...`)")
 
 
-def load_source(path: str) -> ModuleSource:
+def load_source(path: str, *, worker=None) -> ModuleSource:
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as err:
         raise ModuleReadError(f"{path}: cannot read: {err.strerror or err}") from None
-    return source_from_bytes(raw, path)
+    return source_from_bytes(raw, path, worker=worker)
 
 
-def source_from_bytes(raw: bytes, path: str = "<input>") -> ModuleSource:
+def source_from_bytes(raw: bytes, path: str = "<input>", *, worker=None) -> ModuleSource:
+    """The module in ``raw``; with a ``worker``, parsed/converted in that child process first."""
     if not raw.strip():
         raise ModuleReadError(f"{path}: empty input")
     kind = detect_kind(raw, path)
+    if worker is not None:
+        from moe_lowering.hlo import isolated
+
+        try:
+            converted = worker.check_module(raw, kind)
+        except isolated.IsolatedError as err:
+            what = "invalid HLO" if kind == "hlo" else "invalid module"
+            message = str(err)
+            # MLIR diagnostics already read as "line L:C: ..." or "<op> op ...": keep them as they were.
+            raise ModuleReadError(
+                f"{path}: {what}: {message}" if kind == "hlo" or err.crashed else f"{path}: {message}"
+            ) from None
+        if kind == "hlo":
+            return ModuleSource(path, kind, raw, converted)
     if kind == "hlo":
         try:
             mlir = _compat.hlo_text_to_stablehlo_bytecode(raw.decode("utf-8"))
         except ValueError as err:
-            raise ModuleReadError(f"{path}: invalid HLO text: {err}") from None
+            raise ModuleReadError(f"{path}: invalid HLO: {err}") from None
         return ModuleSource(path, kind, raw, mlir)
     return ModuleSource(path, kind, raw, raw if kind == "bytecode" else raw.decode("utf-8"))
 

@@ -19,7 +19,8 @@ from jaxlib.mlir import ir
 from moe_lowering import _compat as jaxpr_compat
 
 from moe_lowering.hlo import _compat
-from moe_lowering.hlo.importer import ImportedProgram, import_module
+from moe_lowering.hlo.importer import ImportedProgram, UnsupportedModuleError, import_module
+from moe_lowering.hlo.importer import _attribute_names as importer_attribute_names
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,11 @@ def _carry_signature(original: ir.Module, rewritten_text: str, context: ir.Conte
                 del new_main.attributes[name]
         for name in _attribute_names(original.operation):
             if name == "sym_name" or name not in rewritten.operation.attributes:
-                rewritten.operation.attributes[name] = ir.Attribute.parse(str(original.operation.attributes[name]))
+                try:
+                    value = ir.Attribute.parse(str(original.operation.attributes[name]))
+                except TypeError:  # an attribute the bindings cannot hand to Python (complex elements)
+                    raise UnsupportedModuleError(f"module attribute {name} cannot be carried over") from None
+                rewritten.operation.attributes[name] = value
         _carry_meshes(original, rewritten)
         return str(rewritten)
 
@@ -108,4 +113,4 @@ def _function(module: ir.Module, name: str):
 
 
 def _attribute_names(op) -> list[str]:
-    return [item if isinstance(item, str) else item.name for item in op.attributes]
+    return importer_attribute_names(op)  # names only: building a NamedAttribute can abort

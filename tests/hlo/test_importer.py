@@ -115,3 +115,81 @@ def test_unsupported_region_op_is_reported():
     program = _import(text)
     with pytest.raises(UnsupportedModuleError, match="stablehlo.map"):
         jax.make_jaxpr(program.fn)(*program.in_avals)
+
+
+# Constants the MLIR bindings cannot hand to Python, and composites.
+
+
+def _complex_cases():
+    rng = np.random.default_rng(1)
+    for dtype in (np.complex64, np.complex128):
+        small = (rng.standard_normal((2, 3)) + 1j * rng.standard_normal((2, 3))).astype(dtype)
+        small[0, 1] = complex(np.nan, np.inf)  # printed as hex bit patterns
+        small[1, 2] = complex(-np.inf, -0.0)
+        large = (rng.standard_normal((20, 30)) + 1j * rng.standard_normal((20, 30))).astype(dtype)  # hex blob
+        for name, value in (("list", small), ("hex_blob", large), ("splat", np.full((4,), 1 - 2j, dtype)),
+                            ("scalar", np.asarray(dtype(0.5 + 3j)))):
+            yield pytest.param(value, id=f"{np.dtype(dtype).name}-{name}")
+
+
+@pytest.mark.parametrize("constant", list(_complex_cases()))
+def test_complex_constants_are_read_exactly(constant):
+    def f(x):
+        return x.astype(constant.dtype) * constant, jnp.sum(constant)
+
+    x = np.ones(constant.shape, np.float32)
+    with _compat.enable_x64(constant.dtype == np.complex128), np.errstate(invalid="ignore"):
+        program = _import(jax.jit(f).lower(x).as_text())
+        got = jax.jit(program.fn)(x)
+        want = f(x)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # Read as a value, not kept opaque: the jaxpr has the constant, as traced JAX would.
+        assert "stablehlo_verbatim" not in str(jax.make_jaxpr(program.fn)(*program.in_avals))
+
+
+def test_unreadable_constant_is_re_emitted_as_printed():
+    """An int4 constant numpy cannot read from the attribute: copied through unchanged."""
+    constant = np.array([1, -2, 3, 0], jnp.int4)
+
+    def f(x):
+        return x + constant
+
+    x = np.ones(4, jnp.int4)
+    program = _import(jax.jit(f).lower(x).as_text())
+    np.testing.assert_array_equal(np.asarray(jax.jit(program.fn)(x)[0], np.int8), np.asarray(f(x), np.int8))
+    relowered = jax.jit(program.fn).lower(*program.in_avals).as_text()
+    assert "dense<[1, -2, 3, 0]> : tensor<4xi4>" in relowered
+
+
+def test_composite_round_trips_with_its_attributes():
+    def decomposition(x, y, *, alpha, name, axes, table, flag):
+        return jnp.tanh(x) * alpha + y.sum(axis=axes[0]), x * table.sum()
+
+    composite = jax.lax.composite(decomposition, name="test.odd_attributes", version=7)
+
+    def f(x, y):
+        out = composite(x, y, alpha=0.5, name="a, b = {c}", axes=np.array([0], np.int64),
+                        table=np.arange(4, dtype=np.float32), flag=True)
+        return out[0] + 1, out[1]
+
+    args = (np.ones((3, 4), np.float32), np.ones((2, 3, 4), np.float32))
+    text = jax.jit(f).lower(*args).as_text()
+    original = next(line for line in text.splitlines() if "stablehlo.composite" in line)
+    program = _import(text)
+    assert "composite[" in str(jax.make_jaxpr(program.fn)(*program.in_avals))
+    relowered = jax.jit(program.fn).lower(*program.in_avals).as_text()
+    line = next(line for line in relowered.splitlines() if "stablehlo.composite" in line)
+    attributes = original.split("composite_attributes = ")[1].split("}, decomposition")[0]
+    assert attributes in line and "version = 7" in line and '"test.odd_attributes"' in line, (original, line)
+    for a, b in zip(jax.jit(program.fn)(*args), f(*args)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_dictionary_attribute_keys_are_split_at_top_level():
+    from moe_lowering.hlo.importer import _dict_attr_names
+
+    text = ('{a = 1 : i32, "b.c" = "x, y = {z}", d = array<i64: 1, 2>, e = dense<[1, 2]> : tensor<2xi32>, '
+            'f = (i32) -> i32, g, h = {i = [1, 2]}}')
+    assert _dict_attr_names(text) == ["a", "b.c", "d", "e", "f", "g", "h"]
