@@ -24,6 +24,7 @@ closed_call_p = _core.closed_call_p
 remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 stop_gradient_p = _ad_util.stop_gradient_p
+name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
 
 
 def jaxpr_parts(closed):

@@ -237,6 +237,8 @@ def _register_rules() -> None:
         if primitive is not None:
             _ELEMENTWISE.add(primitive)
             _RULES.setdefault(primitive, _elementwise_rule)
+    for primitive in identity_annotations():
+        _RULES.setdefault(primitive, _annotation)
 
 
 def rules() -> dict:
@@ -319,6 +321,10 @@ class Analysis:
     params: list = field(default_factory=list)
     failures: list = field(default_factory=list)
     counted_anchors: tuple = ()
+    # A weight [E, d, f] with f == E (or d == E) leaves its expert axis to the data flow: the first
+    # candidate is tried, and, if no region follows, the last (see ``analyse``).
+    expert_axis_choice: int = 0
+    ambiguous_expert_axis: bool = False
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -386,7 +392,7 @@ def _is_zero(graph: JaxprGraph, atom) -> bool:
         eqn = graph.producer.get(atom)
         if eqn is None:
             return False
-        if eqn.primitive in (lax.broadcast_in_dim_p, lax.convert_element_type_p, lax.reshape_p):
+        if eqn.primitive in (lax.broadcast_in_dim_p, lax.convert_element_type_p, lax.reshape_p) + identity_annotations():
             atom = eqn.inputs[0]
         else:
             return False
@@ -723,6 +729,26 @@ def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
     if a.node != b.node:
         return FailedMatch("experts in the loop do not all compute the same program", eqn, "expert-program")
     return replace(a, experts=a.experts | b.experts, gate_values=a.gate_values + b.gate_values)
+
+
+@functools.cache
+def identity_annotations() -> tuple:
+    """Primitives that only annotate a value (a remat name, a sharding): the canonical program is
+    the same without them, so matching sees through them."""
+    return (_compat.name_p, _compat.sharding_constraint_p)
+
+
+def _annotation(an: Analysis, eqn: Eqn, abstracts):
+    """``checkpoint_name`` / ``with_sharding_constraint``: the value's meaning passes through. On expert
+    rows a remat name is kept (replayed on the sorted rows, so a remat policy still sees it); a
+    sharding of the dense rows does not apply to sorted rows and is dropped. On the layer's output
+    nothing passes through, so the annotation stays outside the region and applies to its result."""
+    value = abstracts[0]
+    if isinstance(value, Combined):
+        return None
+    if isinstance(value, Rows) and eqn.primitive is _compat.name_p:
+        return replace(value, node=Elementwise(eqn.primitive, _params_tuple(eqn), (value.node,)))
+    return value
 
 
 @rule(lax.reduce_and_p)
@@ -1070,11 +1096,11 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             return None
         free = [d for d in range(3) if d != wc[0]]
         expert_dims = [d for d in free if w.shape[d] == E]
-        if len(expert_dims) != 1:
-            if len(expert_dims) > 1:
-                return FailedMatch("an expert weight whose two free axes both have the expert count", eqn)
+        if not expert_dims:
             return None
-        e_dim = expert_dims[0]
+        if len(expert_dims) > 1:  # both free axes count E: try one; the data flow rejects the wrong one
+            an.ambiguous_expert_axis = True
+        e_dim = expert_dims[an.expert_axis_choice]
         n_dim = next(d for d in free if d != e_dim)
         w_roles = tuple(EXPERT if d == e_dim else ("K" if d == wc[0] else "N") for d in range(3))
         index = an.param(w, ParamKind.EXPERT_WEIGHT, w_roles)
@@ -1227,6 +1253,12 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
         analysis = Analysis(graph, anchor)
         analysis.run()
         results = _regions_of(analysis, anchors)
+        if analysis.ambiguous_expert_axis and not any(isinstance(r, MoeRegion) for r in results):
+            retry = Analysis(graph, anchor, expert_axis_choice=-1)
+            retry.run()
+            retried = _regions_of(retry, anchors)
+            if any(isinstance(r, MoeRegion) for r in retried):
+                analysis, results = retry, retried
         found = [r for r in results if isinstance(r, MoeRegion)]
         failures = [r for r in results if isinstance(r, FailedMatch)]
         found = [r for r in found if r.output not in claimed]

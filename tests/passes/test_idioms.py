@@ -1,0 +1,119 @@
+"""Idioms of real frameworks' dense MoE code that the matcher sees through, with negatives beside them.
+
+MaxText names activations for remat (``checkpoint_name``) and constrains shardings of activations
+and of index iotas; Qwen3-Next and SonicMoE's 30B shape have as many experts as the expert width,
+so which axis of a weight counts experts must follow from the data flow, not from sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from moe_lowering import explain, moe_optimize
+
+from test_soundness import declined_because, rewritten_exactly
+
+
+def _params(key, d=8, f=16, num_experts=4):
+    k = jax.random.split(key, 4)
+    return {
+        "router": jax.random.normal(k[0], (d, num_experts)),
+        "w_gate": jax.random.normal(k[1], (num_experts, d, f)) / np.sqrt(d),
+        "w_up": jax.random.normal(k[2], (num_experts, d, f)) / np.sqrt(d),
+        "w_down": jax.random.normal(k[3], (num_experts, f, d)) / np.sqrt(f),
+    }
+
+
+def _mixtral(annotate=lambda value, name: value, k=2):
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), k)
+        weights = weights / weights.sum(-1, keepdims=True)
+        iota = annotate(jnp.arange(num_experts), "iota")
+        gate = ((index[..., None] == iota).astype(x.dtype) * weights[..., None]).sum(-2)
+        hidden = annotate(jax.nn.silu(jnp.einsum("td,edf->tef", x, params["w_gate"])), "gate")
+        hidden = hidden * annotate(jnp.einsum("td,edf->tef", x, params["w_up"]), "up")
+        out = annotate(jnp.einsum("tef,efd->ted", hidden, params["w_down"]), "expert_out")
+        return annotate(jnp.einsum("te,ted->td", gate, out), "output")
+
+    return layer
+
+
+def _checkpoint_name(value, name):
+    return checkpoint_name(value, name)
+
+
+def _sharding_constraint(value, name):
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P(*([None] * value.ndim))
+    return jax.lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("annotate", [_checkpoint_name, _sharding_constraint], ids=["checkpoint_name", "sharding"])
+def test_annotations_are_transparent(annotate):
+    params, x = _params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (16, 8))
+    assert rewritten_exactly(_mixtral(annotate), params, x)
+
+
+def test_remat_names_are_kept_on_the_sparse_rows():
+    """A remat policy that saves the named activations still finds the names in the rewrite."""
+    params, x = _params(jax.random.key(2)), jax.random.normal(jax.random.key(3), (16, 8))
+    rewritten = moe_optimize(_mixtral(_checkpoint_name), strict=True)
+    text = str(jax.make_jaxpr(rewritten)(params, x))
+    assert "name=gate" in text and "name=up" in text
+    policy = jax.checkpoint_policies.save_only_these_names("gate", "up")
+    loss = lambda fn: lambda p, x: jnp.sum(jax.checkpoint(fn, policy=policy)(p, x) ** 2)  # noqa: E731
+    expected = jax.grad(loss(_mixtral(_checkpoint_name)))(params, x)
+    got = jax.jit(jax.grad(loss(rewritten)))(params, x)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sharding_constraint_on_the_output_stays_on_the_output():
+    params, x = _params(jax.random.key(4)), jax.random.normal(jax.random.key(5), (16, 8))
+    rewritten = moe_optimize(_mixtral(_sharding_constraint), strict=True)
+    text = str(jax.make_jaxpr(rewritten)(params, x))
+    assert "sharding_constraint" in text
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 4), (4, 4, 8), (4, 4, 4)], ids=["E=d", "E=f", "E=d=f"])
+def test_expert_axis_from_the_data_flow_when_sizes_coincide(shape):
+    """E equal to d or f: the expert axis is the one the routing meets, whatever the sizes."""
+    d, f, num_experts = shape
+    params = _params(jax.random.key(6), d=d, f=f, num_experts=num_experts)
+    x = jax.random.normal(jax.random.key(7), (16, d))
+    assert rewritten_exactly(_mixtral(), params, x)
+
+
+def test_expert_axis_last_in_the_weight_when_sizes_coincide():
+    """Weights stored [d, f, E] with f == E: the last axis is the one the gate meets."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        gate = (jax.nn.one_hot(index, 4) * weights[..., None]).sum(-2)
+        hidden = jax.nn.relu(jnp.einsum("td,dfe->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    key = jax.random.split(jax.random.key(8), 3)
+    params = {"router": jax.random.normal(key[0], (8, 4)), "w_up": jax.random.normal(key[1], (8, 4, 4)),
+              "w_down": jax.random.normal(key[2], (4, 4, 8))}
+    assert rewritten_exactly(layer, params, jax.random.normal(jax.random.key(9), (16, 8)))
+
+
+def test_a_batched_matmul_whose_free_axes_both_count_experts_but_nothing_routes_declines():
+    """Negative: the ambiguity is resolved by the routing, so an unrouted ensemble stays dense."""
+
+    def ensemble(params, x):
+        _, index = lax.top_k(x @ params["router"], 2)
+        hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("tef,efd->td", hidden, params["w_down"]) + index.sum()
+
+    params = _params(jax.random.key(10), d=4, f=4, num_experts=4)
+    report = explain(ensemble, params, jax.random.normal(jax.random.key(11), (16, 4)))
+    assert not report.regions, str(report)
