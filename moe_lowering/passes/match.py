@@ -366,7 +366,7 @@ class Analysis:
         return self.values.get(atom) if isinstance(atom, Value) else None
 
     def fail(self, reason: str, eqn: Eqn | None) -> None:
-        log.debug("moe_lowering: near miss at eqn %s: %s", eqn.index if eqn else "?", reason)
+        log.debug("moe_lowering: near miss at %s: %s", eqn.where() if eqn else "?", reason)
         self.failures.append(FailedMatch(reason, eqn))
 
     def param(self, source, kind: ParamKind, roles: Roles) -> int:
@@ -1363,6 +1363,9 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
             return FailedMatch(
                 "cannot prove that the combine tensor's derivative vanishes outside the dispatched slots (write it as "
                 "a 0/1 slot mask times the gate)", graph.producer.get(combined.combine[0]), "combine-derivative-in-slots")
+    elif top_k >= an.num_experts:
+        return FailedMatch(f"every token goes to all {an.num_experts} expert(s) (k = E): the sorted layer would do "
+                           "the dense layer's work plus a sort, so it is left dense", an.anchor.eqn)
     elif not _gate_values_complete(combined, an.num_experts):
         return FailedMatch("the routing weights are not one value per expert layer", graph.producer[output],
                            "gate-values")

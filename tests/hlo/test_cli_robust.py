@@ -387,8 +387,11 @@ def test_output_to_a_fifo_is_written_directly(mixtral_text, tmp_path, capsys):
     try:
         assert _run([source, "-o", fifo, "--report", tmp_path / "r.json", "-q"], capsys)[0] == 0
     finally:
-        if reader.is_alive():  # the CLI never opened the FIFO: unblock the reader
-            with open(fifo, "wb"):
+        reader.join(5)
+        if reader.is_alive():  # the CLI never opened the FIFO: unblock the reader, never blocking here
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader left after all
                 pass
         reader.join(10)
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # still the FIFO, not a file renamed over it

@@ -117,3 +117,9 @@ def test_a_batched_matmul_whose_free_axes_both_count_experts_but_nothing_routes_
     params = _params(jax.random.key(10), d=4, f=4, num_experts=4)
     report = explain(ensemble, params, jax.random.normal(jax.random.key(11), (16, 4)))
     assert not report.regions, str(report)
+
+
+@pytest.mark.parametrize("num_experts, k", [(1, 1), (4, 4)], ids=["E=1", "k=E"])
+def test_nothing_to_save_declines_with_a_reason(num_experts, k):
+    params = _params(jax.random.key(12), num_experts=num_experts)
+    declined_because(_mixtral(k=k), params, jax.random.normal(jax.random.key(13), (16, 8)), "(k = E)")
