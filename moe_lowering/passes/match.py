@@ -354,7 +354,12 @@ class Analysis:
             if any(isinstance(a, (Rows, Combined)) for a in abstracts):
                 self.fail(f"`{eqn.primitive}` is applied to expert activations and is not understood", eqn)
             return
-        result = fn(self, eqn, abstracts)
+        try:
+            result = fn(self, eqn, abstracts)
+        except Exception as error:  # a matcher bug must not break the user's program: decline, loudly
+            log.warning("moe_lowering: matcher error at %s (`%s`), declining this routing: %r", eqn.where(),
+                        eqn.primitive, error)
+            result = FailedMatch(f"internal matcher error on `{eqn.primitive}`: {error!r}", eqn)
         if isinstance(result, FailedMatch):
             self.fail(result.reason, result.eqn or eqn)
         elif isinstance(result, tuple):
@@ -770,7 +775,7 @@ def _iota(an: Analysis, eqn: Eqn, abstracts):
 @rule(lax.broadcast_in_dim_p)
 def _broadcast(an: Analysis, eqn: Eqn, abstracts):
     value = abstracts[0]
-    if value is None:
+    if not hasattr(value, "roles"):  # nothing known, or a half-built index normalisation
         return None
     out_shape = eqn.outputs[0].shape
     in_shape = eqn.inputs[0].shape
@@ -827,6 +832,8 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
     value = abstracts[0]
     axes = tuple(eqn.params["axes"])
     if value is None:
+        return None
+    if not hasattr(value, "roles"):
         return None
     summed = {value.roles[a] for a in axes} - {ONE}
     kept = tuple(r for i, r in enumerate(value.roles) if i not in axes)
