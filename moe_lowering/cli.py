@@ -1,8 +1,15 @@
-"""``moe-rewrite``: rewrite the dense MoE layers of StableHLO/HLO modules into sorted grouped-GEMM MoE."""
+"""``moe-rewrite``: rewrite the dense MoE layers of StableHLO/HLO modules into sorted grouped-GEMM MoE.
+
+Also ``python -m moe_lowering``. Progress and diagnostics go through :mod:`logging` (logger
+``moe_lowering.cli``, under ``moe_lowering``): the summary at INFO, per-module detail of a dump
+directory and the importer's and matcher's messages at DEBUG (``-v``), warnings and the one-line
+errors always; ``-q`` keeps warnings and errors only.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -10,12 +17,13 @@ import shutil
 import stat
 import sys
 import tempfile
-import traceback
+
+PROG = "moe-rewrite"
 
 DESCRIPTION = """\
-Find dense-reference Mixture-of-Experts layers in a compiled JAX program and rewrite them to
-the sorted, dropless grouped-GEMM MoE -- the same recognition and rewrite as the
-@moe_optimize decorator, for programs you only have as IR.
+Rewrite the dense Mixture-of-Experts layers of a compiled JAX program into the sorted,
+dropless grouped-GEMM MoE: the recognition and rewrite of the @moe_optimize decorator, for
+programs you only have as IR.
 
 INPUT is one of:
   * StableHLO text       jax.jit(f).lower(...).as_text(), or a JAX IR dump (*.mlir)
@@ -25,27 +33,37 @@ INPUT is one of:
 """
 
 EPILOG = """\
+stderr:
+  For one module: each MoE region found (where, sizes, FLOPs before and after) and each routing
+  decision that was not rewritten, with the reason. For a dump directory: one line per
+  rewritten module and one line for the others (per-module detail with -v). A region's place is
+  the module's own source location -- file:line:column (function), from StableHLO loc(...) or
+  the metadata of an XLA dump, else the op name -- or "(no location in the module)"; lower with
+  .as_text(debug_info=True) to keep locations in StableHLO text.
+
 outputs:
   -o and --report are checked before any work and written together at the end: each to a
   temporary file beside it, renamed into place once all are written, with the mode a plain
   write gives (0666 less the umask; a file being replaced keeps its mode). On an error none is
   written (none replaced). In a dump directory, a module that cannot be read, is invalid or uses
-  an unsupported construct is copied unchanged; the report's "skipped" says why.
+  an unsupported construct is copied unchanged (a warning, and the report's "skipped", say why).
 
 exit status:
-  0  rewritten, or nothing to rewrite (the module is written unchanged; the report says which)
-  1  --verify found the rewritten module disagreeing with the original, or could not compile
-     and run it (outputs are written; the summary says why)
-  2  unreadable or invalid input (also input that crashes jaxlib's parser: it is parsed in a
-     child process), an unsupported construct, an unwritable output or a bad option
-     (one line on stderr, nothing written)
-  3  internal error: a bug in moe-rewrite (one line on stderr; rerun with -v for the
-     traceback; nothing written)
+  0    rewritten, or nothing to rewrite (the module is written unchanged; the report says which)
+  1    --verify found the rewritten module disagreeing with the original, or could not compile
+       and run it (outputs are written; the summary says why)
+  2    unreadable or invalid input (also input that crashes jaxlib's parser: it is parsed in a
+       child process), an unsupported construct, an unwritable output, a bad option or a
+       --backend that cannot run here (one line on stderr, nothing written)
+  3    internal error: a bug in moe-rewrite (one line on stderr; rerun with -v for the
+       traceback; nothing written)
+  130  interrupted (nothing written)
 
 examples:
   moe-rewrite model.mlir -o model.moe.mlir --report regions.json --verify
   moe-rewrite dump/module_0001.jit_step.before_optimizations.txt --emit hlo -o step.txt
   moe-rewrite dump/ -o dump_rewritten/
+  python -m moe_lowering model.mlir -o model.moe.mlir     # the same tool
 """
 
 log = logging.getLogger("moe_lowering.cli")
@@ -55,9 +73,28 @@ class CliError(Exception):
     """A user-facing failure: printed as one line, exit 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def version_string() -> str:
+    """``moe-rewrite (moe_lowering) 0.1.0, jax X, jaxlib Y`` -- without importing jax."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("moe_lowering")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        import moe_lowering
+
+        version = getattr(moe_lowering, "__version__", "unknown")
+    parts = [f"{PROG} (moe_lowering) {version}"]
+    for dependency in ("jax", "jaxlib"):
+        try:
+            parts.append(f"{dependency} {metadata.version(dependency)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dependency} not installed")
+    return ", ".join(parts)
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="moe-rewrite", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("input", metavar="INPUT", help="StableHLO text, MLIR bytecode, HLO text, or a dump directory")
     parser.add_argument(
@@ -69,7 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="output format (default: HLO text for HLO input, StableHLO text otherwise; "
         "an unchanged module is copied byte for byte unless --emit is given)",
     )
-    parser.add_argument("--report", metavar="PATH", help='write a JSON report {"regions": [...], "near_misses": [...], "modules": [...]}')
+    parser.add_argument(
+        "--report", metavar="PATH",
+        help='also write a JSON report {"regions": [...], "near_misses": [...], "modules": [...]}: '
+        "each region's location, sizes and FLOPs, each near miss's reason, each module's outcome",
+    )
     parser.add_argument(
         "--verify", action="store_true",
         help="compile original and rewritten modules on the local backend, run both on random "
@@ -79,46 +120,100 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend", default="auto", choices=("auto", "xla", "triton"),
         help="grouped-GEMM kernels for the rewritten MoE (auto: Triton on a CUDA GPU, else XLA)",
     )
-    parser.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
-    parser.add_argument(
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no summary (log level WARNING)")
+    loudness.add_argument(
         "-v", "--verbose", action="store_true",
-        help="log what the importer and matcher do; print the traceback of an internal error",
+        help="also per-module detail, what the importer and matcher do, and the traceback of an "
+        "internal error (log level DEBUG; the default is INFO)",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print the version (and jax's) and exit")
     return parser
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: looked up only when asked for."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_string() + "\n")
+        parser.exit(0)
 
 
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line too (``moe-rewrite: error: ...``), exit 2."""
 
     def error(self, message):
-        self.exit(2, f"moe-rewrite: error: {message} (see moe-rewrite --help)\n")
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="moe-rewrite: %(message)s")
+class _Formatter(logging.Formatter):
+    """The summary (INFO from this module) as is; anything else ``moe-rewrite: <level>: ...``.
+
+    A record's ``label`` (``extra={"label": ...}``) replaces the level word; an empty one drops it.
+    """
+
+    def format(self, record):
+        text = super().format(record)
+        if record.levelno == logging.INFO and record.name == log.name:
+            return text
+        label = getattr(record, "label", record.levelname.lower())
+        source = f"{record.name}: " if record.levelno < logging.WARNING and record.name != log.name else ""
+        return f"{PROG}: {label + ': ' if label else ''}{source}{text}"
+
+
+@contextlib.contextmanager
+def _console_logging(args):
+    """``moe_lowering``'s records to stderr for one run: -q WARNING, default INFO, -v DEBUG.
+
+    The package logger stops propagating meanwhile (a host application's root handlers would
+    print everything twice); levels, handlers and propagation are restored afterwards.
+    """
+    package = logging.getLogger("moe_lowering")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter("%(message)s"))
+    saved = package.level, package.propagate, log.level
+    package.addHandler(handler)
+    package.propagate = False
+    package.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    log.setLevel(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO)
     try:
-        return _run(args)
-    except CliError as err:
-        print(f"moe-rewrite: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("moe-rewrite: interrupted; nothing written", file=sys.stderr)
-        return 130
-    except Exception as err:  # a bug in the importer or the rewrite, not in the input
-        if args.verbose:
-            traceback.print_exc()
-        first_line = (str(err).strip().splitlines() or [""])[0]
-        hint = "" if args.verbose else " (rerun with -v for the traceback)"
-        print(f"moe-rewrite: internal error: {type(err).__name__}: {first_line}{hint}", file=sys.stderr)
-        return 3
+        yield
+    finally:
+        package.removeHandler(handler)
+        package.setLevel(saved[0])
+        package.propagate = saved[1]
+        log.setLevel(saved[2])
+
+
+def main(argv=None, prog: str = PROG) -> int:
+    """Run ``moe-rewrite`` on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    with _console_logging(args):
+        try:
+            return _run(args)
+        except CliError as err:
+            log.error("%s", err)
+            return 2
+        except KeyboardInterrupt:
+            log.error("interrupted; nothing written", extra={"label": ""})
+            return 130
+        except Exception as err:  # a bug in the importer or the rewrite, not in the input
+            log.debug("the internal error's traceback:", exc_info=True)
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            hint = "" if args.verbose else " (rerun with -v for the traceback)"
+            log.error("%s: %s%s", type(err).__name__, first_line, hint, extra={"label": "internal error"})
+            return 3
 
 
 def _run(args) -> int:
     from moe_lowering.hlo.importer import UnsupportedModuleError
     from moe_lowering.hlo.reader import ModuleReadError, dump_modules
 
-    if os.path.isdir(args.input):
+    directory = os.path.isdir(args.input)
+    if directory:
         if not args.output or args.output == "-":
             raise CliError(f"{args.input} is a directory: give -o OUTPUT_DIR")
         if os.path.exists(args.output) and not os.path.isdir(args.output):
@@ -134,12 +229,15 @@ def _run(args) -> int:
     else:
         inputs, outputs, skip_unsupported = [args.input], [args.output], False
     targets = _check_targets(outputs + ([args.report] if args.report else []))  # before any work: fail fast
+    _check_backend(args.backend)
 
     from moe_lowering.hlo.isolated import Worker
 
     results = []
     with Worker() as worker:  # untrusted bytes meet jaxlib's native code there, not here
-        for path in inputs:
+        for number, path in enumerate(inputs, 1):
+            if directory:
+                log.debug("[%d/%d] %s", number, len(inputs), path)
             try:
                 results.append(_rewrite_one(path, args, worker))
             except (ModuleReadError, UnsupportedModuleError) as err:
@@ -154,11 +252,60 @@ def _run(args) -> int:
         payloads.append(json.dumps(_report_json(results), indent=2).encode() + b"\n")
     shown = outputs + ([args.report] if args.report else [])
     _write_all(list(zip(targets, shown, payloads)))
-    if not args.quiet:
-        for outcome in results:
-            print(outcome.summary(), file=sys.stderr)
+    _log_summary(results, directory)
     failed = [o for o in results if o.verify is not None and not o.verify.ok]
     return 1 if failed else 0
+
+
+def _check_backend(name: str) -> None:
+    """``--backend triton`` where it cannot run is a bad option (exit 2), found before any work."""
+    if name == "auto":
+        return
+    from moe_lowering.kernels import BackendUnavailable, get_backend
+
+    try:
+        get_backend(name)
+    except BackendUnavailable as err:
+        raise CliError(f"--backend {name}: {' '.join(str(err).split())}") from None
+
+
+def _log_summary(results, directory: bool) -> None:
+    """One module: its full summary. A directory: a line per rewritten module (or failed
+    verification), one line for all the others; every module's full summary at DEBUG."""
+    if not directory:
+        for outcome in results:
+            log.info("%s", outcome.summary())
+        return
+    unchanged = []
+    for outcome in results:
+        log.debug("%s", outcome.summary())
+        if outcome.changed or outcome.verify is not None:
+            log.info("%s", outcome.one_line())
+        else:
+            unchanged.append(outcome)
+    if unchanged:
+        log.info("%s", _unchanged_line(unchanged))
+
+
+def _unchanged_line(outcomes) -> str:
+    """``15 modules without a MoE layer copied unchanged`` (with what else kept them unchanged)."""
+    unread = sum(o.reason is not None for o in outcomes)
+    near = sum(o.reason is None and bool(o.near_misses) for o in outcomes)
+    plain = len(outcomes) - unread - near
+    kinds = []
+    if plain:
+        kinds.append(f"{plain} without a MoE layer")
+    if near:
+        kinds.append(f"{near} whose routing did not match a MoE layer (-v or --report says why)")
+    if unread:
+        kinds.append(f"{unread} that could not be rewritten (warned above)")
+    if len(kinds) == 1 and plain:
+        return f"{_count(plain, 'module')} without a MoE layer copied unchanged"
+    return f"{_count(len(outcomes), 'module')} copied unchanged: {', '.join(kinds)}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 class _Outcome:
@@ -175,6 +322,18 @@ class _Outcome:
         if self.verify is not None:
             lines.append(f"  verify: {'ok' if self.verify.ok else 'MISMATCH'}: {self.verify.detail}")
         return "\n".join(lines)
+
+    def one_line(self) -> str:
+        """``path: rewritten: 2 MoE regions at model.py:42:7 (moe); verify: ok: ...``, one line."""
+        places = list(dict.fromkeys(r["location"] for r in self.regions))  # a scan repeats one place
+        shown = ", ".join(places[:3]) + (f", and {len(places) - 3} more" if len(places) > 3 else "")
+        line = f"{self.path}: {'rewritten' if self.changed else 'unchanged'}"
+        if self.regions:
+            line += f": {_count(len(self.regions), 'MoE region')} at {shown}"
+        if self.verify is not None:
+            verdict = "ok" if self.verify.ok else "MISMATCH"
+            line += f"; verify: {verdict}: {' '.join(str(self.verify.detail).split())}"
+        return line
 
 
 def _rewrite_one(path: str, args, worker) -> _Outcome:

@@ -14,6 +14,10 @@ decomposition is interpreted like any function). Constants Python cannot read th
 bindings (complex ones raise ``TypeError`` there) are read from their printed form, or re-emitted
 as printed through :data:`stablehlo_verbatim_p`. Region-carrying ops the importer does not know
 raise :class:`UnsupportedModuleError`.
+
+Each op is interpreted under its own source location (:mod:`moe_lowering.hlo.locations`), so the
+traced eqns -- and ``explain``'s report -- name the user's ``file:line`` or op name from the
+module's ``loc(...)`` (or an XLA dump's metadata), not this file.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import functools
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import jax
@@ -36,6 +40,8 @@ from jax.interpreters import mlir as jax_mlir
 from jax._src.interpreters import mlir as jax_mlir_internal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
+
+from moe_lowering.hlo.locations import Locations
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +59,9 @@ class ImportedProgram:
     in_avals: tuple  # jax.ShapeDtypeStruct per entry argument
     out_avals: tuple
     needs_x64: bool
+    # The module's op locations, as JAX records them on the traced eqns (see ``locations``);
+    # ``locations.relabel(report)`` prints the ones a Python frame cannot say.
+    locations: Locations = field(default_factory=Locations, compare=False)
 
 
 _ELEMENT_TYPES = {
@@ -440,6 +449,7 @@ class _Interpreter:
                 self.functions[ir.StringAttr(op.attributes["sym_name"]).value] = op
         self._call_cache: dict[str, Callable] = {}
         self._jit_cache: dict[str, Callable] = {}
+        self.locations = Locations()
 
     # -- functions and blocks ---------------------------------------------------------------
 
@@ -470,7 +480,8 @@ class _Interpreter:
             op = op.operation
             if op.name in ("func.return", "stablehlo.return", "mhlo.return"):
                 return [_materialize(env[v]) for v in op.operands]
-            results = self.eval_op(op, env)
+            with self.locations.context(op):  # the eqns it traces name the op's source location
+                results = self.eval_op(op, env)
             if len(results) != len(op.results):
                 raise UnsupportedModuleError(f"{op.name}: produced {len(results)} values for {len(op.results)} results")
             for result, value in zip(op.results, results):
@@ -1162,15 +1173,17 @@ def import_module(module: ir.Module, *, entry: str = "main", keep_calls: bool = 
     in_avals = tuple(_aval(t) for t in func_type.inputs)
     out_avals = tuple(_aval(t) for t in func_type.results)
     body = interpreter.function(entry)
+    default_location = interpreter.locations.default
 
     def fn(*args):
-        return body(*args)
+        with default_location():  # for ops without a location of their own
+            return body(*args)
 
     fn.__name__ = fn.__qualname__ = _module_name(module)
     needs_x64 = any(str(a.dtype) in ("float64", "int64", "uint64", "complex128") for a in in_avals + out_avals) or (
         any(t in str(module.operation) for t in ("xi64>", "xf64>", "xui64>", "<i64>", "<f64>", "<ui64>"))
     )
-    return ImportedProgram(entry, fn, in_avals, out_avals, needs_x64)
+    return ImportedProgram(entry, fn, in_avals, out_avals, needs_x64, interpreter.locations)
 
 
 def _module_name(module: ir.Module) -> str:

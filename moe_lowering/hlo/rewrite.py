@@ -47,6 +47,7 @@ def rewrite_module(module: ir.Module, context: ir.Context, *, backend: str = "au
     with _compat.enable_x64(program.needs_x64):
         closed = jax.make_jaxpr(program.fn)(*program.in_avals)
         run, report = optimize_jaxpr(closed, backend=backend)
+        report = program.locations.relabel(report)  # op names and "(no location in the module)"
         if not report.regions:
             return RewriteResult(None, report, program)
 
