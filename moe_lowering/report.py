@@ -103,7 +103,7 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
     if capacity is None and capacity_factor is not None:
         capacity = max(1, math.ceil(capacity_factor * T * k / E))
     dtype = np.dtype(region.output.dtype)
-    dense_rows = T * E
+    dense_rows = T * k if region.style == "gathered weights" else T * E  # the former gathers T*k weights
     routed_rows = T * k if region.capacity is None else min(T * k, E * region.capacity)
     per_row_flops = 0
     widest = 0
@@ -126,7 +126,8 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         dtype=str(dtype),
         dense_flops=int(dense_rows * per_row_flops) if region.capacity is None else int(E * region.capacity * per_row_flops),
         rewritten_flops=int(routed_rows * per_row_flops),
-        dense_peak_intermediate_bytes=int(dense_rows * widest * dtype.itemsize) if region.capacity is None
+        dense_peak_intermediate_bytes=int(_gathered_weight_bytes(region, dtype)) if region.style == "gathered weights"
+        else int(dense_rows * widest * dtype.itemsize) if region.capacity is None
         else int(E * region.capacity * widest * dtype.itemsize),
         rewritten_peak_intermediate_bytes=int(T * k * widest * dtype.itemsize),
         expert_body=region.program.describe(),
@@ -134,6 +135,12 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         parallel_layout=parallel_layout,
         device_checks=device_checks(region.style),
     )
+
+
+def _gathered_weight_bytes(region, dtype) -> int:
+    """The largest per-token weight copy ``[T, k, K, N]`` the gathered-weights style materialises."""
+    sizes = [math.prod(_dims(region.params[m.weight])[1:]) for m in region.program.matmuls()]
+    return region.num_tokens * region.top_k * max(sizes) * dtype.itemsize
 
 
 def _dims(param):

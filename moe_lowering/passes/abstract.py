@@ -107,6 +107,19 @@ class GateValue:
 
 
 @dataclass(frozen=True)
+class GatheredWeight:
+    """``take(param, idx, axis=expert_axis)``: a weight (or bias) gathered per routed (token, choice).
+
+    ``roles`` per output dim: the index's token and ``k`` roles, or ``p<i>`` for the output dim that
+    is the param's dim ``i`` (EasyDeL's reference path: ``W[E, d, f][idx] -> [T, k, d, f]``).
+    """
+
+    source: Any
+    expert_axis: int
+    roles: Roles
+
+
+@dataclass(frozen=True)
 class ExpertParamSlice:
     """``param[e]`` for a static expert ``e``: the per-expert loop's weight or bias slice."""
 
@@ -134,6 +147,7 @@ class Rows:
     gate: Gate | None = None
     dispatch: Any = None  # slot space: the [t.., E, C] dispatch tensor
     gate_value: GateValue | None = None  # set with ``gate``: the value that was multiplied in
+    style: str = ""  # how the dense program computed them, where the space does not say it
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ PROVEN = "proven"
 CHECKED = "checked on device"
 READ = "read from the program"
 
-TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop")
+TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights")
 CAPACITY = ("capacity",)
 ALL_STYLES = TOP_K_STYLES + CAPACITY
 

@@ -52,6 +52,7 @@ from moe_lowering.passes.abstract import (
     Factor,
     Gate,
     GateValue,
+    GatheredWeight,
     Iota,
     NegativeIndexCheck,
     PackedIndices,
@@ -655,6 +656,11 @@ def _elementwise_node(an: Analysis, eqn: Eqn, abstracts, rows: Rows):
             if rows.expert != abstract.expert:
                 return FailedMatch("an expert's bias is used with another expert's activations", eqn)
             operands.append(ParamRef(_slice_param(an, abstract, rows, out, eqn)))
+        elif isinstance(abstract, GatheredWeight):
+            bias = _gathered_bias(an, abstract, rows)
+            if bias is None:
+                return FailedMatch("a per-token gathered expert tensor does not line up with the expert rows", eqn)
+            operands.append(ParamRef(bias))
         elif abstract is not None:
             return FailedMatch(f"`{eqn.primitive}` combines expert activations with a routing value", eqn)
         elif isinstance(atom, Const) and _is_scalar(atom):
@@ -681,6 +687,22 @@ def _elementwise_node(an: Analysis, eqn: Eqn, abstracts, rows: Rows):
                 kind = ParamKind.CONSTANT
             operands.append(ParamRef(an.param(source, kind, roles)))
     return Elementwise(eqn.primitive, _params_tuple(eqn), tuple(operands))
+
+
+def _gathered_bias(an: Analysis, gathered: GatheredWeight, rows: Rows) -> int | None:
+    """``b[E, F][idx]`` added to chosen rows: the row's expert's bias (its token and choice axes must be
+    the rows' own, its one other axis their features)."""
+    if rows.space != "choice" or len(gathered.roles) != len(rows.roles):
+        return None
+    features = {}
+    for g_role, r_role in zip(gathered.roles, rows.roles):
+        if g_role.startswith("p") and r_role == FEATURE:
+            features[int(g_role[1:])] = FEATURE
+        elif g_role != r_role:
+            return None
+    if len(features) != 1:
+        return None
+    return _gathered_param(an, gathered, ParamKind.PER_EXPERT, features)
 
 
 def _slice_param(an: Analysis, slice_: ExpertParamSlice, rows: Rows, out, eqn, atom=None) -> int:
@@ -856,7 +878,7 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
 
 
 def _style(rows: Rows) -> str:
-    return {"dense": "one-hot gate", "choice": "gather combine", "single": "per-expert loop", "slot": "capacity"}[
+    return rows.style or {"dense": "one-hot gate", "choice": "gather combine", "single": "per-expert loop", "slot": "capacity"}[
         rows.space
     ]
 
@@ -986,6 +1008,8 @@ def _scatter(an: Analysis, eqn: Eqn, abstracts):
 def _gather(an: Analysis, eqn: Eqn, abstracts):
     """``take_along_axis(expert_out[T, E, D], idx[..., None], axis=1)``: pick the chosen experts."""
     rows, index = abstracts[0], abstracts[1]
+    if rows is None and isinstance(index, ExpertIndex):
+        return _gathered_weight(an, eqn, index)
     if not isinstance(rows, Rows):
         return None
     if rows.space != "dense" or rows.gate is not None or not isinstance(index, ExpertIndex):
@@ -1010,6 +1034,69 @@ def _gather(an: Analysis, eqn: Eqn, abstracts):
     for d in range(out_rank):
         roles.append(rows.roles[next(o)] if d in offset_dims else next(b))
     return Rows(tuple(roles), rows.node, "choice", rows.tokens)
+
+
+def _gathered_weight(an: Analysis, eqn: Eqn, index: ExpertIndex):
+    """``jnp.take(W, idx, axis=a)`` of a plain weight along an axis of E: whole slices, no batching."""
+    dnums = eqn.params["dimension_numbers"]
+    operand = eqn.inputs[0]
+    if tuple(getattr(dnums, "operand_batching_dims", ())) or len(dnums.start_index_map) != 1:
+        return None
+    axis = dnums.start_index_map[0]
+    if tuple(dnums.collapsed_slice_dims) != (axis,) or operand.shape[axis] != an.num_experts:
+        return None
+    slice_sizes = eqn.params["slice_sizes"]
+    if any(slice_sizes[d] != operand.shape[d] for d in range(len(operand.shape)) if d != axis):
+        return None
+    if not index.roles or index.roles[-1] != ONE:  # the index vector dim, of size 1
+        return None
+    batch_roles = iter(index.roles[:-1])
+    kept = iter(d for d in range(len(operand.shape)) if d != axis)
+    offset_dims = tuple(dnums.offset_dims)
+    roles = tuple(f"p{next(kept)}" if d in offset_dims else next(batch_roles) for d in range(len(eqn.outputs[0].shape)))
+    return GatheredWeight(operand, axis, roles)
+
+
+def _gathered_param(an: Analysis, gathered: GatheredWeight, kind: ParamKind, role_of_param_dim: dict) -> int:
+    """The gathered weight's source as a program input: its E axis, and ``role_of_param_dim``."""
+    roles = [ONE] * len(gathered.source.shape)
+    roles[gathered.expert_axis] = EXPERT if kind is ParamKind.PER_EXPERT else "E"
+    for dim, role in role_of_param_dim.items():
+        roles[dim] = role
+    return an.param(gathered.source, kind, tuple(roles))
+
+
+def _gathered_matmul(an: Analysis, eqn, x_roles, gathered: GatheredWeight, xc, wc, xb, wb, pet, swap):
+    """``rows [t.., (k,) K] . W[idx] [t.., k, K, N]`` batched over (token, choice): each routed row times
+    its own expert's weight, i.e. an expert projection in the choice space. ``None`` if it is not that."""
+    if len(xc) != 1 or len(wc) != 1 or x_roles[xc[0]] != FEATURE:
+        return None
+    k_role = gathered.roles[wc[0]]
+    if not k_role.startswith("p"):
+        return None
+    if sorted(x_roles[i] for i in xb) != sorted(gathered.roles[i] for i in wb):
+        return None
+    if any(x_roles[i] != gathered.roles[j] for i, j in zip(xb, wb)):
+        return None
+    w_free = [d for d in range(len(gathered.roles)) if d not in wc and d not in wb]
+    x_free = [d for d in range(len(x_roles)) if d not in xc and d not in xb]
+    tokens = token_roles(len(an.token_shape))
+    batch_roles = {x_roles[i] for i in xb}
+    routed = set(tokens) | {CHOICE}
+    free_roles = [gathered.roles[d] for d in w_free]
+    # every token axis and the choice axis batched, or the choice free on the weight (x without k)
+    if not set(tokens) <= batch_roles or (CHOICE not in batch_roles and free_roles.count(CHOICE) != 1):
+        return None
+    n_dims = [d for d in w_free if gathered.roles[d].startswith("p")]
+    if len(n_dims) != 1 or x_free or len(w_free) != len(n_dims) + (CHOICE not in batch_roles):
+        return None
+    k_dim, n_dim = int(k_role[1:]), int(gathered.roles[n_dims[0]][1:])
+    index = _gathered_param(an, gathered, ParamKind.EXPERT_WEIGHT, {k_dim: "K", n_dim: "N"})
+    out_w_roles = tuple(FEATURE if r.startswith("p") else r for r in gathered.roles)
+    roles = _dot_out_roles(x_roles, out_w_roles, xc, wc, xb, wb, swap)
+    if sorted(r for r in roles if r != FEATURE) != sorted(routed) or roles.count(FEATURE) != 1:
+        return None
+    return roles, index
 
 
 @rule(_compat.custom_jvp_call_p)
@@ -1113,7 +1200,25 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         index = an.param(w, ParamKind.EXPERT_WEIGHT, w_roles)
         node = ExpertMatmul(RowInput(), index, pet)
         roles = out_roles(tokens + (FEATURE,), tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
-        return Rows(roles, node, "dense", x)
+        return Rows(roles, node, "dense", _token_source(an.graph, x))
+
+    # tokens [t.., D] . W[idx] [t.., k, D, F] over D, batched over tokens -> chosen rows [t.., k, F]
+    if ax is None and isinstance(aw, GatheredWeight) and x.shape[:-1] == token_shape:
+        found = _gathered_matmul(an, eqn, tokens + (FEATURE,), aw, xc, wc, xb, wb, pet, swap)
+        if found is None:
+            return FailedMatch("the tokens meet per-token gathered expert weights in a way that is not a projection", eqn)
+        roles, index = found
+        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "choice", _token_source(an.graph, x),
+                    style="gathered weights")
+
+    # chosen rows [t.., k, F] . W[idx] [t.., k, F, N] batched over (token, choice) -> chosen rows
+    if isinstance(ax, Rows) and isinstance(aw, GatheredWeight) and ax.space == "choice":
+        found = None if ax.gate is not None else _gathered_matmul(an, eqn, ax.roles, aw, xc, wc, xb, wb, pet, swap)
+        if found is None:
+            return FailedMatch("chosen expert rows meet per-token gathered expert weights in a way that is not a "
+                               "projection of each row by its own expert", eqn)
+        roles, index = found
+        return replace(ax, roles=roles, node=ExpertMatmul(ax.node, index, pet))
 
     # tokens [t.., D] @ W[e] [D, F] -> one expert's rows [t.., F]
     if ax is None and isinstance(aw, ExpertParamSlice) and not xb and x.shape[:-1] == token_shape and len(w.shape) == 2:
@@ -1121,7 +1226,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             return None
         index = _slice_weight(an, aw, wc[0])
         roles = out_roles(tokens + (FEATURE,), (FEATURE, FEATURE), xc, wc, xb, wb, swap)
-        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "single", x, expert=aw.expert)
+        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "single", _token_source(an.graph, x), expert=aw.expert)
 
     # dispatch [t.., E, C] contracted with tokens [t.., D] -> slot rows [E, C, D]
     if ax is None and aw is None and not xb and len(w.shape) == n_tok + 1 and w.shape[:-1] == token_shape:
@@ -1198,7 +1303,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             source, f_roles = _plain_roles(an.graph, x, x_roles, x.shape)
             roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
             gate = Gate(tuple(r for r in aw.roles if r not in (FEATURE,)), (Factor(source, f_roles),))
-            return Combined(roles, aw.node, aw.tokens, gate, style="gather combine",
+            return Combined(roles, aw.node, aw.tokens, gate, style=_style(aw),
                             gate_values=(GateValue(source, f_roles),))
         return None
 
@@ -1213,6 +1318,32 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
             return Combined(roles, aw.node, aw.tokens, None, combine=(x, x_roles), dispatch=aw.dispatch, style="capacity")
     return None
+
+
+def _token_source(graph: JaxprGraph, tokens):
+    """The value ``tokens`` is a view of: seen through squeezes, reshapes and broadcasts that only add or
+    drop unit axes (keeping the feature axis last) and through annotations, so that two projections of
+    ``x[:, None, :]`` squeezed twice read the same tokens. Same elements, same order: the rewrite
+    reshapes whichever it reads to ``[T, d]``."""
+    while isinstance(tokens, Value):
+        eqn = graph.producer.get(tokens)
+        if eqn is None:
+            break
+        source = eqn.inputs[0]
+        if eqn.primitive in identity_annotations():
+            tokens = source
+            continue
+        if eqn.primitive not in (lax.squeeze_p, lax.reshape_p, lax.broadcast_in_dim_p) or not isinstance(source, Value):
+            break
+        if not source.shape or source.shape[-1] != tokens.shape[-1] or math.prod(source.shape) != math.prod(tokens.shape):
+            break
+        if eqn.primitive is lax.broadcast_in_dim_p and list(eqn.params["broadcast_dimensions"]) != sorted(
+                eqn.params["broadcast_dimensions"]):
+            break
+        if _unit_reshape(source.shape, tokens.shape) is None:
+            break
+        tokens = source
+    return tokens
 
 
 def _dot_align(roles: Roles, own_c, other_c, own_b, other_b, other_rank) -> Roles:

@@ -619,6 +619,36 @@ def build_gather_combine(sizes: Sizes = Sizes()) -> ZooModel:
     )
 
 
+def _gathered_weights_fn(k: int):
+    def gathered_weights(params, x):
+        """EasyDeL's reference path: each token's k experts' weights gathered, ``[T, k, d, f]``, and
+        per-(token, choice) products, biases gathered the same way, a weighted sum over k."""
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        w_gate = jnp.take(params["w_gate"], idx, axis=0)  # [T, k, d, f]
+        w_up = jnp.take(params["w_up"], idx, axis=0)
+        w_down = jnp.take(params["w_down"], idx, axis=0)  # [T, k, f, d]
+        hidden = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, w_gate)) * jnp.einsum("td,tkdf->tkf", x, w_up)
+        out = jnp.einsum("tkf,tkfd->tkd", hidden, w_down) + jnp.take(params["b_down"], idx, axis=0)
+        return jnp.sum(out * weights.astype(x.dtype)[..., None], axis=1)
+
+    return gathered_weights
+
+
+def _gathered_weights_params(sizes):
+    return {**_mixtral_params(sizes), "b_down": _bias((sizes.E, sizes.d))}
+
+
+def build_gathered_weights(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="gathered_weights", fn=_gathered_weights_fn(sizes.k),
+        make_params=_params_maker(sizes, _gathered_weights_params), make_inputs=_token_inputs(sizes),
+        expected_regions=1, style="gathered", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+        builder=build_gathered_weights,
+        notes="per-token gathered expert weights jnp.take(W, idx, axis=0) -> [T, k, d, f] (T*k*d*f memory), "
+              "einsum('td,tkdf->tkf'), a gathered bias, sum over k of out * w.",
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Several layers: two layers in one function, and a scan over stacked layers.
 
@@ -834,6 +864,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "gshard_top2": build_gshard_top2,
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,
+    "gathered_weights": build_gathered_weights,
     "two_layers": build_two_layers,
     "scan_layers": build_scan_layers,
     **({"flax_moe": build_flax_moe} if nn is not None else {}),

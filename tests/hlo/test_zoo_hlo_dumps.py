@@ -15,6 +15,9 @@ VERIFIED = ("mlp_gelu", "gather_combine", "scan_layers")  # HLO-route shapes tha
 
 @pytest.mark.parametrize("name", list(ZOO))
 def test_hlo_dump_of_every_zoo_model(name, tmp_path):
+    if name == "gathered_weights":
+        pytest.xfail("jnp.take's fill mode lowers to a clamped gather and a select on the bounds, which the "
+                     "matcher does not read yet (tests/golden/test_golden.py IMPORT_GAPS)")
     source = tmp_path / f"module_0001.jit_{name}.before_optimizations.txt"
     source.write_text(examples.zoo_module_text(name, "hlo"))
     out, report = tmp_path / "out.mlir", tmp_path / "report.json"

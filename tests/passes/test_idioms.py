@@ -123,3 +123,31 @@ def test_a_batched_matmul_whose_free_axes_both_count_experts_but_nothing_routes_
 def test_nothing_to_save_declines_with_a_reason(num_experts, k):
     params = _params(jax.random.key(12), num_experts=num_experts)
     declined_because(_mixtral(k=k), params, jax.random.normal(jax.random.key(13), (16, 8)), "(k = E)")
+
+
+def _gathered(index_of=lambda index: index, tokens_of=lambda x: x):
+    """EasyDeL's reference path (zoo ``gathered_weights``), with hooks for the negatives."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        w_up = jnp.take(params["w_up"], index_of(index), axis=0)
+        w_down = jnp.take(params["w_down"], index_of(index), axis=0)
+        hidden = jax.nn.gelu(jnp.einsum("td,tkdf->tkf", tokens_of(x), w_up))
+        return jnp.sum(jnp.einsum("tkf,tkfd->tkd", hidden, w_down) * weights[..., None], axis=1)
+
+    return layer
+
+
+def test_gathered_expert_weights_are_rewritten():
+    params, x = _params(jax.random.key(14)), jax.random.normal(jax.random.key(15), (16, 8))
+    assert rewritten_exactly(_gathered(), params, x)
+
+
+@pytest.mark.parametrize("index_of, tokens_of", [
+    (lambda index: index[:, ::-1], lambda x: x),  # weights of the other choice: not the rows' own expert
+    (lambda index: (index + 1) % 4, lambda x: x),  # shifted experts
+    (lambda index: index, lambda x: jnp.roll(x, 1, axis=0)),  # another token's row
+], ids=["choices-swapped", "experts-shifted", "tokens-rolled"])
+def test_gathered_weights_that_do_not_line_up_decline_or_stay_exact(index_of, tokens_of):
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    rewritten_exactly(_gathered(index_of, tokens_of), params, x)
