@@ -17,7 +17,7 @@ import os
 import sys
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+    sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)))
     from moe_lowering.testing.mutate import main
 
     sys.exit(main())

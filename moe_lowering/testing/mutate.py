@@ -466,12 +466,10 @@ def _slice_candidates(eqn: Eqn) -> list[str]:
     found = []
     if name == "slice":
         shape = eqn.inputs[0].shape
-        strides = eqn.params["strides"] or (1,) * len(shape)
         for d, (start, limit) in enumerate(zip(eqn.params["start_indices"], eqn.params["limit_indices"])):
             for delta in (+1, -1):
                 if start + delta >= 0 and limit + delta <= shape[d] and (start, limit) != (0, shape[d]):
                     found.append(f"slice,dim{d}{delta:+d}")
-        del strides
     elif name == "dynamic_slice":
         shape = eqn.inputs[0].shape
         for d, size in enumerate(eqn.params["slice_sizes"]):

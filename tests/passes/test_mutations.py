@@ -8,7 +8,7 @@ equal the mutant's own dense evaluation (outputs and gradients w.r.t. every para
 relative error <= 1e-5 in norm, NaNs in the same places), or the pass must rewrite nothing.
 
 One test per (zoo model, mutation kind), each checking ``MOE_MUTANTS_PER_KIND`` mutants (3 by
-default: about 550 mutants in all); ``MOE_MUTATION_SEED`` picks other ones. A failure names every
+default: about 600 mutants in all); ``MOE_MUTATION_SEED`` picks other ones. A failure names every
 failing mutant, the mutation, the regions rewritten and the errors; reproduce one with
 
     python -m moe_lowering.testing.mutate --id '<mutant id>'
@@ -21,6 +21,7 @@ import os
 import jax
 import pytest
 
+from moe_lowering import explain, moe_optimize
 from moe_lowering.testing import mutate
 from moe_lowering.testing.zoo import POSITIVE
 
@@ -86,3 +87,14 @@ def test_routing_sites_are_reachable():
     cumsum = next(s for s in mutate.model_context("switch").sites if str(s.eqn.primitive) == "cumsum")
     assert "cumsum->cumsum_rev" in mutate.KINDS["replace_op"].at(cumsum)
     assert any(m.path[:1] == (0,) and len(m.path) == 2 for m, _ in mutate.candidates("scan_layers", "int_shift"))
+
+
+def test_mutant_fn_goes_through_moe_optimize():
+    """``Mutant.fn(params, x)`` is a plain JAX function: ``moe_optimize`` (jitted) rewrites it like
+    ``optimize_jaxpr`` does for the oracle, and agrees with it."""
+    mutant = next(m for m in mutate.sample("mixtral", "scale", 10, SEED)
+                  if mutate.check_mutant(m, DATA_SEED).status == "exact")
+    params, x = mutant.args(DATA_SEED)
+    assert len(explain(mutant.fn, params, x).regions) == 1
+    rewritten = jax.jit(moe_optimize(mutant.fn, strict=True))(params, x)
+    assert mutate.relative_error(mutant.fn(params, x), rewritten) < mutate.TOLERANCE
