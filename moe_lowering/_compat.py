@@ -99,3 +99,34 @@ def jit_options(jitted) -> dict:
         if any(type(l).__name__ != "UnspecifiedValue" for l in leaves):
             options[name] = tu.tree_unflatten(getattr(info, f"{name}_treedef"), leaves)
     return options
+
+
+# --------------------------------------------------------------------------- primitive definitions
+# What ``moe_lowering.primitives`` needs to define JAX primitives with JVP, transpose and batching
+# rules (the way ``lax.ragged_dot`` is built). These names are the same in 0.10.2 and 0.11.x; they
+# live here so that a later JAX moving them needs one change.
+
+from jax._src.interpreters import ad as _ad  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+from jax._src.interpreters import mlir as _mlir  # noqa: E402
+
+Primitive = jex_core.Primitive
+ShapedArray = _core.ShapedArray
+Zero = _ad.Zero  # a symbolic zero tangent or cotangent
+instantiate_zeros = _ad.instantiate_zeros
+is_undefined_primal = _ad.is_undefined_primal  # the linear operand of a transpose rule
+primitive_jvps = _ad.primitive_jvps
+primitive_transposes = _ad.primitive_transposes
+primitive_batchers = _batching.primitive_batchers
+
+
+def zero_tangent(value):
+    """The symbolic zero tangent of ``value``."""
+    return Zero(jax.typeof(value).to_tangent_aval())
+
+
+def register_lowering(primitive, impl, multiple_results: bool) -> None:
+    """Lowers ``primitive`` by tracing ``impl`` (jnp code or kernel calls) on every platform, inline
+    at each use (not cached into one shared function per signature), as the code it replaced was."""
+    _mlir.register_lowering(primitive, _mlir.lower_fun(impl, multiple_results=multiple_results), cacheable=False)
+

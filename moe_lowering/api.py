@@ -122,9 +122,12 @@ def _check_capacity(capacity_factor) -> None:
 
 
 def _split_static(args, kwargs):
-    """Array leaves are traced; anything else (strings, None, callables) is baked in as static."""
+    """Array leaves (and ``jax.ShapeDtypeStruct``, an array known by its type) are traced; anything
+    else is baked in as static: Python ``int``/``float``/``bool``/``complex`` numbers (concrete in
+    the undecorated function, so ``lax.top_k(x, k)`` and ``if train:`` work), strings, None,
+    callables. NumPy scalars count as arrays, as under ``jax.jit``."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [isinstance(l, (jax.Array, np.ndarray, np.generic, int, float, complex, bool)) for l in leaves]
+    dynamic = [isinstance(l, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) for l in leaves]
     return leaves, tree, dynamic
 
 
@@ -239,21 +242,32 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
 
 def _call_signature(leaves, tree, dynamic):
     """What an eager call's rewrite depends on (``_split_static``'s split of its arguments): the
-    argument tree, each traced leaf's type and sharding, each static leaf's value. ``None`` under
-    an outer trace or for unhashable statics."""
+    argument tree, each traced leaf's type and sharding, each static leaf's value (a Python
+    number's too: ``f(p, x, 2)`` and ``f(p, x, 3)`` are two programs). ``None`` under an outer
+    trace, for ``ShapeDtypeStruct`` arguments, or for unhashable statics."""
     key = [tree]
     for leaf, is_dynamic in zip(leaves, dynamic):
-        if isinstance(leaf, jax.core.Tracer):
+        if isinstance(leaf, (jax.core.Tracer, jax.ShapeDtypeStruct)):
             return None
         if is_dynamic:
             key.append((jax.typeof(leaf), getattr(leaf, "sharding", None)))
         else:
-            key.append((type(leaf), leaf))
+            key.append(_static_key(leaf))
     try:
         hash(tuple(key))
     except TypeError:
         return None
     return tuple(key)
+
+
+def _static_key(value):
+    """A static leaf's cache key: its type and value; floats by their bits (``nan`` equals itself,
+    ``-0.0`` differs from ``0.0``), so a key means one traced program."""
+    if isinstance(value, float):
+        return type(value), value.hex()
+    if isinstance(value, complex):
+        return type(value), value.real.hex(), value.imag.hex()
+    return type(value), value
 
 
 def _input_shardings(args, kwargs, declared) -> tuple:

@@ -4,9 +4,11 @@ Token copies are sorted by expert (stable), gathered into contiguous groups, pus
 expert program with grouped GEMMs, and scattered back with the routing weights applied. Group
 sizes are computed on device; nothing here synchronises with the host.
 
-Each step is a ``jax.custom_vjp`` whose backward is again a permutation or a grouped GEMM:
-autodiff of ``lax.ragged_dot`` lowers the weight gradient to a dense dot over all groups, so the
-backward is written out instead of derived.
+Each step is a primitive (:mod:`moe_lowering.primitives`) whose transpose is again a permutation
+or a grouped GEMM: autodiff of ``lax.ragged_dot`` lowers the weight gradient to a dense dot over
+all groups, so the backward is written out instead of derived. Being primitives with JVP rules
+(not ``custom_vjp`` functions), they also take forward-mode autodiff: ``jax.jvp``, ``jacfwd``,
+``hessian``, ``linearize``. ``swiglu_rows`` (the expert-parallel path only) stays a ``custom_vjp``.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from moe_lowering import primitives
 from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate
 from moe_lowering.kernels import get_backend
-from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 
@@ -56,7 +58,9 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     num_rows = flat.shape[0]
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    if num_rows * (num_experts + 1) <= COUNTING_SORT_MAX_PAIRS:
+    if num_rows == 0:  # no tokens: nothing to sort (the counting sort reads the last row's counts)
+        order = inverse = rows
+    elif num_rows * (num_experts + 1) <= COUNTING_SORT_MAX_PAIRS:
         inverse = _counting_sort_positions(flat, num_experts + 1).astype(jnp.int32)
         order = jnp.zeros((num_rows,), jnp.int32).at[inverse].set(rows, unique_indices=True)
     else:
@@ -67,53 +71,19 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
     return SortedRouting(order, inverse, order // top_k, flat[order], group_sizes)
 
 
-@jax.custom_vjp
 def permute(tokens, routing: SortedRouting):
-    """``rows[r] = tokens[token_of_row[r]]``: one copy of each token per chosen expert."""
-    return jnp.take(tokens, routing.token_of_row, axis=0)
+    """``rows[r] = tokens[token_of_row[r]]``: one copy of each token per chosen expert.
+
+    Its transpose adds each token's copies (accumulated in float32 or wider): ``permute`` and
+    ``combine`` transpose into each other (:mod:`moe_lowering.primitives`)."""
+    return primitives.permute(tokens, routing.token_of_row, routing.inverse)
 
 
-def _permute_fwd(tokens, routing):
-    return permute(tokens, routing), routing
-
-
-def _permute_bwd(routing, d_rows):
-    d_copies = jnp.take(d_rows, routing.inverse, axis=0)  # [T, k, D]
-    return d_copies.sum(axis=1, dtype=jnp.float32).astype(d_rows.dtype), None
-
-
-permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-def _combine_impl(rows, weights, inverse):
-    copies = jnp.take(rows, inverse, axis=0)  # [T, k, D]
-    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), copies.astype(jnp.float32))
-
-
-@jax.custom_vjp
 def combine(rows, weights, routing: SortedRouting):
-    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32."""
-    return _combine_impl(rows, weights, routing.inverse).astype(rows.dtype)
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32 (or wider)."""
+    return primitives.combine(rows, weights, routing.inverse, routing.token_of_row, routing.order)
 
 
-def _combine_fwd(rows, weights, routing):
-    return combine(rows, weights, routing), (rows, weights, routing)
-
-
-def _combine_bwd(residuals, d_out):
-    rows, weights, routing = residuals
-    d_out32 = d_out.astype(jnp.float32)
-    copies = jnp.take(rows, routing.inverse, axis=0)
-    d_weights = jnp.einsum("td,tkd->tk", d_out32, copies.astype(jnp.float32)).astype(weights.dtype)
-    row_weights = weights.reshape(-1)[routing.order].astype(jnp.float32)
-    d_rows = jnp.take(d_out32, routing.token_of_row, axis=0) * row_weights[:, None]
-    return d_rows.astype(rows.dtype), d_weights, None
-
-
-combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
                    zero_outside: bool = True, expected_rows: int | None = None):
     """``lhs[r] @ rhs[group(r)]`` for rows sorted by group; backward is two more grouped products.
@@ -121,41 +91,23 @@ def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: i
     Rows outside the groups are zero, or unspecified with ``zero_outside=False`` (for callers that
     never read them, e.g. the unused tail of a receive buffer sized for the worst case).
     ``expected_rows``: how many rows such a buffer's groups should hold (the kernels' tile shape
-    is picked for them); ``None``: all of ``lhs``."""
-    return get_backend(backend).gmm(
-        lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
-        zero_outside=zero_outside, expected_rows=expected_rows,
-    )
-
-
-def _grouped_matmul_fwd(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
-                        expected_rows):
-    out = grouped_matmul(lhs, rhs, group_sizes, backend, group_offset, preferred_element_type, zero_outside,
-                         expected_rows)
-    return out, (lhs, rhs, group_sizes)
-
-
-def _grouped_matmul_bwd(backend, group_offset, preferred_element_type, zero_outside, expected_rows, residuals, d_out):
-    lhs, rhs, group_sizes = residuals
-    return (*grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset, expected_rows), None)
+    is picked for them); ``None``: all of ``lhs``. A primitive (:mod:`moe_lowering.primitives`):
+    its transpose is ``gmm`` with transposed weights (rows) and ``tgmm`` (weights), never XLA's
+    ``ragged_dot`` autodiff; forward mode differentiates it into itself."""
+    return primitives.gmm(lhs, rhs, group_sizes, get_backend(backend), group_offset=group_offset,
+                          preferred_element_type=preferred_element_type, zero_outside=zero_outside,
+                          expected_rows=expected_rows)
 
 
 def grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend: str = "auto", group_offset: int = 0,
                               expected_rows: int | None = None):
     """``(d_lhs, d_rhs)`` of ``grouped_matmul(lhs, rhs, group_sizes)`` for the output cotangent ``d_out``."""
     kernels = get_backend(backend)
-    d_lhs = kernels.gmm(
-        d_out, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=lhs.dtype,
-        expected_rows=expected_rows,
-    )
-    d_rhs = kernels.tgmm(
-        lhs, d_out, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset, preferred_element_type=rhs.dtype,
-        expected_rows=expected_rows,
-    )
+    d_lhs = primitives.gmm(d_out, rhs, group_sizes, kernels, group_offset=group_offset, transpose_rhs=True,
+                           preferred_element_type=lhs.dtype, expected_rows=expected_rows)
+    d_rhs = primitives.tgmm(lhs, d_out, group_sizes, kernels, num_groups=rhs.shape[0], group_offset=group_offset,
+                            preferred_element_type=rhs.dtype, expected_rows=expected_rows)
     return d_lhs, d_rhs
-
-
-grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
@@ -173,57 +125,14 @@ def expert_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: in
                           expected_rows)
 
 
-class PairResiduals(NamedTuple):
-    """What ``grouped_matmul_pair``'s backward keeps: the operands of both products."""
-
-    lhs: jax.Array  # [M, K] rows, shared
-    rhs_a: jax.Array  # [G, K, N]
-    rhs_b: jax.Array  # [G, K, N]
-    group_sizes: jax.Array
-
-
-def _gmm_pair(backend: str):
-    """The backend's pair of products of the same rows, or two of its ``gmm`` calls where it has none."""
-    kernels = get_backend(backend)
-    if kernels.gmm_pair is not None:
-        return kernels.gmm_pair
-
-    def two_products(lhs, rhs_a, rhs_b, group_sizes, **options):
-        return tuple(kernels.gmm(lhs, rhs, group_sizes, **options) for rhs in (rhs_a, rhs_b))
-
-    return two_products
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
                         preferred_element_type=None, zero_outside: bool = True, expected_rows: int | None = None):
     """``(grouped_matmul(lhs, rhs_a, ...), grouped_matmul(lhs, rhs_b, ...))`` through the backend's
-    ``gmm_pair`` (one tail launch for both on the Triton kernels); the backward is the two
-    products' own, their ``lhs`` cotangents added in float32."""
-    return _gmm_pair(backend)(lhs, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
-                              preferred_element_type=preferred_element_type, zero_outside=zero_outside,
-                              expected_rows=expected_rows)
-
-
-def _grouped_matmul_pair_fwd(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
-                             zero_outside, expected_rows):
-    outs = grouped_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend, group_offset, preferred_element_type,
-                               zero_outside, expected_rows)
-    return outs, PairResiduals(lhs, rhs_a, rhs_b, group_sizes)
-
-
-def _grouped_matmul_pair_bwd(backend, group_offset, preferred_element_type, zero_outside, expected_rows,
-                             residuals: PairResiduals, d_outs):
-    lhs, rhs_a, rhs_b, group_sizes = residuals
-    (d_lhs_a, d_rhs_a), (d_lhs_b, d_rhs_b) = (
-        grouped_matmul_cotangents(lhs, rhs, group_sizes, d_out, backend, group_offset, expected_rows)
-        for rhs, d_out in zip((rhs_a, rhs_b), d_outs)
-    )
-    d_lhs = (d_lhs_a.astype(jnp.float32) + d_lhs_b.astype(jnp.float32)).astype(lhs.dtype)
-    return d_lhs, d_rhs_a, d_rhs_b, None
-
-
-grouped_matmul_pair.defvjp(_grouped_matmul_pair_fwd, _grouped_matmul_pair_bwd)
+    ``gmm_pair`` (one tail launch for both on the Triton kernels; two ``gmm`` calls where it has
+    none); the backward is the two products' own, their ``lhs`` cotangents added in float32."""
+    return primitives.gmm_pair(lhs, rhs_a, rhs_b, group_sizes, get_backend(backend), group_offset=group_offset,
+                               preferred_element_type=preferred_element_type, zero_outside=zero_outside,
+                               expected_rows=expected_rows)
 
 
 def expert_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", group_offset: int = 0,
@@ -239,60 +148,17 @@ def expert_matmul_pair(lhs, rhs_a, rhs_b, group_sizes, backend: str = "auto", gr
                  for rhs in (rhs_a, rhs_b))
 
 
-class SwigluResiduals(NamedTuple):
-    """What the fused SwiGLU product's backward keeps: its operands and both pre-activations."""
-
-    lhs: jax.Array  # [M, K] rows
-    gate_rhs: jax.Array  # [G, K, N]
-    up_rhs: jax.Array  # [G, K, N]
-    group_sizes: jax.Array
-    gate: jax.Array  # [M, N] lhs @ gate_rhs, in the output type
-    up: jax.Array  # [M, N] lhs @ up_rhs
-
-
-def _swiglu_kernel(backend: str):
-    """The backend's fused kernel, or the jnp reference where the backend has none (e.g. CPU tests)."""
-    return get_backend(backend).swiglu_gmm or swiglu_gmm_reference
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, backend: str = "auto", group_offset: int = 0,
                           preferred_element_type=None):
     """``silu(lhs[r] @ gate[g]) * (lhs[r] @ up[g])`` in one grouped pass; backward on ``gmm``/``tgmm``.
 
+    The backend's fused kernel, or the jnp reference where the backend has none (e.g. CPU tests).
     The forward under differentiation also writes the two ``[M, N]`` pre-activations for the
     backward: recomputing them instead (two more grouped products) measured 18-35% slower
     forward+backward on an H200 and saved no peak memory (``benchmarks/NOTES.md``).
     """
-    return _swiglu_kernel(backend)(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                   preferred_element_type=preferred_element_type)
-
-
-def _grouped_swiglu_matmul_fwd(lhs, gate_rhs, up_rhs, group_sizes, backend, group_offset, preferred_element_type):
-    out, gate, up = _swiglu_kernel(backend)(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                            preferred_element_type=preferred_element_type, with_preactivations=True)
-    return out, SwigluResiduals(lhs, gate_rhs, up_rhs, group_sizes, gate, up)
-
-
-def _grouped_swiglu_matmul_bwd(backend, group_offset, preferred_element_type, residuals: SwigluResiduals, d_out):
-    lhs, gate_rhs, up_rhs, group_sizes, gate, up = residuals
-    kernels = get_backend(backend)
-    d_gate, d_up = swiglu_grads(d_out, gate, up)
-    d_lhs_parts = [
-        kernels.gmm(d, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True,
-                    preferred_element_type=lhs.dtype)
-        for d, rhs in ((d_gate, gate_rhs), (d_up, up_rhs))
-    ]
-    d_lhs = (d_lhs_parts[0].astype(jnp.float32) + d_lhs_parts[1].astype(jnp.float32)).astype(lhs.dtype)
-    d_gate_rhs, d_up_rhs = (
-        kernels.tgmm(lhs, d, group_sizes, num_groups=rhs.shape[0], group_offset=group_offset,
-                     preferred_element_type=rhs.dtype)
-        for d, rhs in ((d_gate, gate_rhs), (d_up, up_rhs))
-    )
-    return d_lhs, d_gate_rhs, d_up_rhs, None
-
-
-grouped_swiglu_matmul.defvjp(_grouped_swiglu_matmul_fwd, _grouped_swiglu_matmul_bwd)
+    return primitives.swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, get_backend(backend), group_offset=group_offset,
+                                 preferred_element_type=preferred_element_type)
 
 
 class SwigluRowsResiduals(NamedTuple):

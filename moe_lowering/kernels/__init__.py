@@ -48,6 +48,9 @@ class KernelBackend:
     swiglu_rows_grads: Callable | None = None
     gmm_pair: Callable | None = None
 
+    def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
+        return f"KernelBackend({self.name!r})"
+
 
 _BACKEND_MODULES = {
     "xla": "moe_lowering.kernels.xla_backend",

@@ -42,8 +42,10 @@ def swiglu_gmm_reference(
 
 
 def swiglu_grads(d_out, gate, up):
-    """``(d_gate, d_up)`` of ``silu(gate) * up`` in float32, rounded to the pre-activations' type."""
-    d_out, gate32, up32 = (v.astype(jnp.float32) for v in (d_out, gate, up))
+    """``(d_gate, d_up)`` of ``silu(gate) * up`` in float32 (float64 for float64 operands), rounded
+    to the pre-activations' type."""
+    acc = jnp.promote_types(jnp.float32, jnp.result_type(d_out.dtype, gate.dtype, up.dtype))
+    d_out, gate32, up32 = (v.astype(acc) for v in (d_out, gate, up))
     sigmoid = jax.nn.sigmoid(gate32)
     d_up = d_out * gate32 * sigmoid
     d_gate = d_out * up32 * sigmoid * (1.0 + gate32 * (1.0 - sigmoid))

@@ -1,0 +1,551 @@
+"""The sparse MoE's linear and bilinear pieces as JAX primitives: differentiable in both modes.
+
+``jax.custom_vjp`` gives reverse mode only: ``jax.jvp``, ``jacfwd``, ``hessian`` and ``linearize``
+refuse it. So the pieces are primitives, built the way ``lax.ragged_dot`` is:
+
+* the implementation is the existing code: the backend's kernels (``gmm``, ``tgmm``, ``gmm_pair``,
+  ``swiglu_gmm``) or the jnp permutations, lowered by tracing it (``mlir.lower_fun``), so a
+  forward pass compiles to what it compiled to before;
+* a JVP rule: a bilinear piece differentiates into itself (``gmm(dx, w) + gmm(x, dw)``); the fused
+  SwiGLU product into its pre-activations' tangents and ``swiglu_tangent``;
+* a transpose rule that is the hand-written backward: ``gmm`` in its rows transposes to ``gmm``
+  with transposed weights, in its weights to ``tgmm``; ``permute`` and ``unpermute`` transpose
+  into each other, ``combine`` into ``spread`` (rows) and ``combine_weights_ct`` (weights), and
+  these three into one another; ``swiglu_tangent`` into ``swiglu_grads``. So ``jax.grad`` runs
+  exactly the kernels the former ``custom_vjp`` backward ran, with the same options, and the set
+  is closed under differentiation and transposition (any order, forward or reverse);
+* batching: every primitive carries ``batch``, one tuple per enclosing ``vmap`` (outermost
+  first) telling which operands have that axis in front. The implementation ``vmap``s the
+  unbatched code (XLA batching for jnp and the XLA tile loop, ``sequential_vmap`` for the Triton
+  kernels: what ``vmap`` of the ``custom_vjp`` ran), and transposes and tangents of a batched
+  primitive are again batched primitives, summed over the axes their operand lacks.
+
+Each primitive takes the ``KernelBackend`` object itself as a parameter (hashable), so the
+backward uses the kernels the forward was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+
+from moe_lowering import _compat
+from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
+
+Zero = _compat.Zero
+ALL = "all"  # in ``_levels``: an operand batched at every level (a cotangent of a batched output)
+
+
+def accumulation_dtype(*dtypes):
+    """The wider of float32 and the operands' type: bf16 and f32 accumulate in f32, f64 in f64."""
+    return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
+
+
+# --------------------------------------------------------------------------- batching levels
+
+
+def _call_batched(fn, batch, *args):
+    """``fn`` on ``args`` where ``args[i]`` has one leading axis per level with ``level[i]``."""
+    for level in reversed(batch):
+        fn = jax.vmap(fn, in_axes=tuple(0 if batched else None for batched in level))
+    return fn(*args)
+
+
+def _levels(batch, *sources):
+    """The ``batch`` of a derived primitive whose operand ``j`` is operand ``sources[j]`` of this
+    one (an index) or ``ALL`` (a value with every level's axis: a cotangent, a tangent output)."""
+    return tuple(tuple(True if s is ALL else level[s] for s in sources) for level in batch)
+
+
+def _batch_ndim(batch, i) -> int:
+    return sum(1 for level in batch if level[i])
+
+
+def _sum_unbatched(x, batch, i):
+    """``x`` (every level's axis in front) summed over the levels operand ``i`` does not have."""
+    axes = tuple(j for j, level in enumerate(batch) if not level[i])
+    return x.sum(axis=axes) if axes else x
+
+
+def _core_shape(aval, batch, i):
+    return tuple(aval.shape[_batch_ndim(batch, i):])
+
+
+def _sum(terms, like):
+    """The sum of the non-zero tangent ``terms`` (a symbolic zero like ``like`` where none)."""
+    terms = [t for t in terms if t is not None and type(t) is not Zero]
+    if not terms:
+        return _compat.zero_tangent(like)
+    return functools.reduce(operator.add, terms)
+
+
+def _nonzero(t) -> bool:
+    return type(t) is not Zero
+
+
+# --------------------------------------------------------------------------- definition
+
+
+def _define(name, impl, shape_rule, *, multiple_results=False, jvp=None, transpose=None):
+    """A primitive running ``impl(*operands, **params)`` (unbatched operands), whose outputs
+    ``shape_rule(*operand_avals, **params)`` describes as ``[(shape, dtype), ...]``. ``jvp`` is a
+    JVP rule, or ``"linear"`` / ``"bilinear"`` (in the first one / two operands, the rest indices)."""
+    primitive = _compat.Primitive(name)
+    primitive.multiple_results = multiple_results
+
+    def run(*operands, batch, **params):
+        out = _call_batched(functools.partial(impl, **params), batch, *operands)
+        return list(out) if multiple_results else out
+
+    def abstract_eval(*avals, batch, **params):
+        sizes, core = {}, []
+        for i, aval in enumerate(avals):
+            leading = iter(aval.shape)
+            for j, level in enumerate(batch):
+                if level[i]:
+                    sizes[j] = next(leading)
+            core.append(_compat.ShapedArray(_core_shape(aval, batch, i), aval.dtype))
+        prefix = tuple(sizes[j] for j in range(len(batch)))
+        outs = [_compat.ShapedArray(prefix + tuple(shape), dtype) for shape, dtype in shape_rule(*core, **params)]
+        return outs if multiple_results else outs[0]
+
+    def batch_rule(operands, dims, *, batch, **params):
+        level = tuple(d is not None for d in dims)
+        operands = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims)]
+        out = primitive.bind(*operands, batch=(level,) + tuple(batch), **params)
+        return out, ([0] * len(out) if multiple_results else 0)
+
+    primitive.def_impl(run)
+    primitive.def_abstract_eval(abstract_eval)
+    _compat.register_lowering(primitive, run, multiple_results)
+    _compat.primitive_batchers[primitive] = batch_rule
+    if isinstance(jvp, str):
+        jvp = {"linear": _linear_jvp, "bilinear": _bilinear_jvp}[jvp](primitive)
+    if jvp is not None:
+        _compat.primitive_jvps[primitive] = jvp
+    if transpose is not None:
+        _compat.primitive_transposes[primitive] = transpose
+    return primitive
+
+
+def _bilinear_jvp(primitive):
+    """JVP of a primitive bilinear in its first two operands (the rest integer indices)."""
+
+    def jvp(primals, tangents, **params):
+        a, b, *rest = primals
+        out = primitive.bind(*primals, **params)
+        terms = [primitive.bind(tangents[0], b, *rest, **params) if _nonzero(tangents[0]) else None,
+                 primitive.bind(a, tangents[1], *rest, **params) if _nonzero(tangents[1]) else None]
+        return out, _sum(terms, out)
+
+    return jvp
+
+
+def _linear_jvp(primitive):
+    """JVP of a primitive linear in its first operand (the rest integer indices)."""
+
+    def jvp(primals, tangents, **params):
+        out = primitive.bind(*primals, **params)
+        if not _nonzero(tangents[0]):
+            return out, _compat.zero_tangent(out)
+        return out, primitive.bind(tangents[0], *primals[1:], **params)
+
+    return jvp
+
+
+# --------------------------------------------------------------------------- grouped products
+
+
+def _out_dtype(preferred_element_type, *dtypes):
+    return jnp.dtype(preferred_element_type or jnp.result_type(*dtypes))
+
+
+def _gmm_impl(lhs, rhs, group_sizes, *, kernels, group_offset, transpose_rhs, preferred_element_type, zero_outside,
+              expected_rows):
+    return kernels.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                       preferred_element_type=preferred_element_type, zero_outside=zero_outside,
+                       expected_rows=expected_rows)
+
+
+def _gmm_shape(lhs, rhs, group_sizes, *, transpose_rhs, preferred_element_type, **_):
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    return [((lhs.shape[0], n), _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype))]
+
+
+def _gmm_transpose(ct, lhs, rhs, group_sizes, *, kernels, group_offset, transpose_rhs, preferred_element_type,
+                   zero_outside, expected_rows, batch):
+    del preferred_element_type, zero_outside  # the backward reads only the groups' rows
+    if not _nonzero(ct):
+        return [None, None, None]
+    if _compat.is_undefined_primal(lhs):  # d_lhs = d_out @ rhs^T: gmm with the weights transposed
+        d_lhs = gmm_p.bind(ct, rhs, group_sizes, kernels=kernels, group_offset=group_offset,
+                           transpose_rhs=not transpose_rhs, preferred_element_type=lhs.aval.dtype, zero_outside=True,
+                           expected_rows=expected_rows, batch=_levels(batch, ALL, 1, 2))
+        return [_sum_unbatched(d_lhs, batch, 0), None, None]
+    # d_rhs[g] = lhs_g^T @ d_out_g (or its transpose for transposed weights): tgmm
+    operands, sources = ((ct, lhs), (ALL, 0)) if transpose_rhs else ((lhs, ct), (0, ALL))
+    d_rhs = tgmm_p.bind(*operands, group_sizes, kernels=kernels, num_groups=_core_shape(rhs.aval, batch, 1)[0],
+                        group_offset=group_offset, preferred_element_type=rhs.aval.dtype, expected_rows=expected_rows,
+                        batch=_levels(batch, *sources, 2))
+    return [None, _sum_unbatched(d_rhs, batch, 1), None]
+
+
+def _tgmm_impl(lhs, grad, group_sizes, *, kernels, num_groups, group_offset, preferred_element_type, expected_rows):
+    return kernels.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
+                        preferred_element_type=preferred_element_type, expected_rows=expected_rows)
+
+
+def _tgmm_shape(lhs, grad, group_sizes, *, num_groups, preferred_element_type, **_):
+    return [((num_groups, lhs.shape[1], grad.shape[1]), _out_dtype(preferred_element_type, lhs.dtype, grad.dtype))]
+
+
+def _tgmm_transpose(ct, lhs, grad, group_sizes, *, kernels, num_groups, group_offset, preferred_element_type,
+                    expected_rows, batch):
+    del num_groups, preferred_element_type
+    if not _nonzero(ct):
+        return [None, None, None]
+    options = dict(kernels=kernels, group_offset=group_offset, zero_outside=True, expected_rows=expected_rows)
+    if _compat.is_undefined_primal(lhs):  # d_lhs[r] = grad[r] @ ct[g]^T
+        d_lhs = gmm_p.bind(grad, ct, group_sizes, transpose_rhs=True, preferred_element_type=lhs.aval.dtype,
+                           batch=_levels(batch, 1, ALL, 2), **options)
+        return [_sum_unbatched(d_lhs, batch, 0), None, None]
+    d_grad = gmm_p.bind(lhs, ct, group_sizes, transpose_rhs=False, preferred_element_type=grad.aval.dtype,
+                        batch=_levels(batch, 0, ALL, 2), **options)  # d_grad[r] = lhs[r] @ ct[g]
+    return [None, _sum_unbatched(d_grad, batch, 1), None]
+
+
+def _gmm_pair_impl(lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type, zero_outside,
+                   expected_rows):
+    options = dict(group_offset=group_offset, preferred_element_type=preferred_element_type,
+                   zero_outside=zero_outside, expected_rows=expected_rows)
+    if kernels.gmm_pair is not None:
+        return tuple(kernels.gmm_pair(lhs, rhs_a, rhs_b, group_sizes, **options))
+    return tuple(kernels.gmm(lhs, rhs, group_sizes, **options) for rhs in (rhs_a, rhs_b))
+
+
+def _gmm_pair_shape(lhs, rhs_a, rhs_b, group_sizes, *, preferred_element_type, **_):
+    return [((lhs.shape[0], rhs.shape[2]), _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype))
+            for rhs in (rhs_a, rhs_b)]
+
+
+def _gmm_pair_jvp(primals, tangents, *, kernels, group_offset, preferred_element_type, zero_outside, expected_rows,
+                  batch):
+    lhs, rhs_a, rhs_b, group_sizes = primals
+    options = dict(kernels=kernels, group_offset=group_offset, preferred_element_type=preferred_element_type,
+                   zero_outside=zero_outside, expected_rows=expected_rows)
+    outs = gmm_pair_p.bind(*primals, batch=batch, **options)
+    terms_a, terms_b = [], []
+    if _nonzero(tangents[0]):
+        t_a, t_b = gmm_pair_p.bind(tangents[0], rhs_a, rhs_b, group_sizes, batch=batch, **options)
+        terms_a.append(t_a)
+        terms_b.append(t_b)
+    for terms, index in ((terms_a, 1), (terms_b, 2)):
+        if _nonzero(tangents[index]):
+            terms.append(gmm_p.bind(lhs, tangents[index], group_sizes, transpose_rhs=False,
+                                    batch=_levels(batch, 0, index, 3), **options))
+    return outs, [_sum(terms_a, outs[0]), _sum(terms_b, outs[1])]
+
+
+def _gmm_pair_transpose(cts, lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type,
+                        zero_outside, expected_rows, batch):
+    del preferred_element_type, zero_outside
+    options = dict(kernels=kernels, group_offset=group_offset, expected_rows=expected_rows)
+    pairs = [(ct, rhs, index) for ct, rhs, index in zip(cts, (rhs_a, rhs_b), (1, 2)) if _nonzero(ct)]
+    if _compat.is_undefined_primal(lhs):  # both products' d_lhs, added in float32 (or wider)
+        parts = [gmm_p.bind(ct, rhs, group_sizes, transpose_rhs=True, preferred_element_type=lhs.aval.dtype,
+                            zero_outside=True, batch=_levels(batch, ALL, index, 3), **options)
+                 for ct, rhs, index in pairs]
+        if not parts:
+            return [None] * 4
+        acc = accumulation_dtype(lhs.aval.dtype)
+        d_lhs = parts[0] if len(parts) == 1 else (parts[0].astype(acc) + parts[1].astype(acc)).astype(lhs.aval.dtype)
+        return [_sum_unbatched(d_lhs, batch, 0), None, None, None]
+    out = [None] * 4
+    for ct, rhs, index in pairs:
+        if _compat.is_undefined_primal(rhs):
+            d_rhs = tgmm_p.bind(lhs, ct, group_sizes, num_groups=_core_shape(rhs.aval, batch, index)[0],
+                                preferred_element_type=rhs.aval.dtype, batch=_levels(batch, 0, ALL, 3), **options)
+            out[index] = _sum_unbatched(d_rhs, batch, index)
+    return out
+
+
+gmm_p = _define("moe_gmm", _gmm_impl, _gmm_shape, jvp="bilinear", transpose=_gmm_transpose)
+tgmm_p = _define("moe_tgmm", _tgmm_impl, _tgmm_shape, jvp="bilinear", transpose=_tgmm_transpose)
+gmm_pair_p = _define("moe_gmm_pair", _gmm_pair_impl, _gmm_pair_shape, multiple_results=True, jvp=_gmm_pair_jvp,
+                     transpose=_gmm_pair_transpose)
+
+
+# --------------------------------------------------------------------------- fused SwiGLU product
+
+
+def _swiglu_gmm_impl(lhs, gate_rhs, up_rhs, group_sizes, *, kernels, group_offset, preferred_element_type,
+                     with_preactivations):
+    kernel = kernels.swiglu_gmm or swiglu_gmm_reference
+    options = dict(group_offset=group_offset, preferred_element_type=preferred_element_type)
+    if with_preactivations:
+        return tuple(kernel(lhs, gate_rhs, up_rhs, group_sizes, with_preactivations=True, **options))
+    return (kernel(lhs, gate_rhs, up_rhs, group_sizes, **options),)
+
+
+def _swiglu_gmm_shape(lhs, gate_rhs, up_rhs, group_sizes, *, preferred_element_type, with_preactivations, **_):
+    out = ((lhs.shape[0], gate_rhs.shape[2]),
+           _out_dtype(preferred_element_type, lhs.dtype, gate_rhs.dtype, up_rhs.dtype))
+    return [out] * (3 if with_preactivations else 1)
+
+
+def _swiglu_gmm_jvp(primals, tangents, *, kernels, group_offset, preferred_element_type, with_preactivations, batch):
+    """``silu(g) * u`` with ``g = lhs @ Wg``, ``u = lhs @ Wu``: the forward also returns both
+    pre-activations (as the ``custom_vjp`` forward did, for the backward), their tangents are
+    grouped products, and ``swiglu_tangent`` combines them."""
+    lhs, gate_rhs, up_rhs, group_sizes = primals
+    out, gate, up = swiglu_gmm_p.bind(*primals, kernels=kernels, group_offset=group_offset,
+                                      preferred_element_type=preferred_element_type, with_preactivations=True,
+                                      batch=batch)
+    primal_outs = [out, gate, up] if with_preactivations else [out]
+    if not any(_nonzero(t) for t in tangents[:3]):
+        return primal_outs, [_compat.zero_tangent(v) for v in primal_outs]
+    options = dict(kernels=kernels, group_offset=group_offset, preferred_element_type=out.dtype, zero_outside=True,
+                   expected_rows=None)
+    gate_terms, up_terms = [], []
+    if _nonzero(tangents[0]):
+        t_gate, t_up = gmm_pair_p.bind(tangents[0], gate_rhs, up_rhs, group_sizes, batch=batch, **options)
+        gate_terms.append(t_gate)
+        up_terms.append(t_up)
+    for terms, index in ((gate_terms, 1), (up_terms, 2)):
+        if _nonzero(tangents[index]):
+            terms.append(gmm_p.bind(lhs, tangents[index], group_sizes, transpose_rhs=False,
+                                    batch=_levels(batch, 0, index, 3), **options))
+    gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
+    up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
+    out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
+    return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
+
+
+def _swiglu_tangent_impl(gate_dot, up_dot, gate, up):
+    """The tangent of ``silu(gate) * up``, in float32 (or wider), rounded to ``gate``'s type."""
+    acc = accumulation_dtype(gate.dtype)
+    g, u = gate.astype(acc), up.astype(acc)
+    sigmoid = jax.nn.sigmoid(g)
+    d_gate = u * sigmoid * (1.0 + g * (1.0 - sigmoid))
+    return (gate_dot.astype(acc) * d_gate + up_dot.astype(acc) * (g * sigmoid)).astype(gate.dtype)
+
+
+def _swiglu_tangent_shape(gate_dot, up_dot, gate, up):
+    return [(gate.shape, gate.dtype)]
+
+
+def _swiglu_tangent_jvp(primals, tangents, *, batch):
+    out = swiglu_tangent_p.bind(*primals, batch=batch)
+    terms = []
+    if _nonzero(tangents[0]) or _nonzero(tangents[1]):
+        linear = [_compat.instantiate_zeros(t) for t in tangents[:2]]
+        terms.append(swiglu_tangent_p.bind(*linear, *primals[2:], batch=batch))
+    if _nonzero(tangents[2]) or _nonzero(tangents[3]):  # through the pre-activations: plain jnp
+
+        def through_preactivations(gate_dot, up_dot, gate, up, t_gate, t_up):
+            return jax.jvp(functools.partial(_swiglu_tangent_impl, gate_dot, up_dot), (gate, up), (t_gate, t_up))[1]
+
+        moved = [_compat.instantiate_zeros(t) for t in tangents[2:]]
+        terms.append(_call_batched(through_preactivations, _levels(batch, 0, 1, 2, 3, 2, 3), *primals, *moved))
+    return out, _sum(terms, out)
+
+
+def _swiglu_tangent_transpose(ct, gate_dot, up_dot, gate, up, *, batch):
+    """The former ``custom_vjp`` backward's elementwise step: ``swiglu_grads``."""
+    if not _nonzero(ct):
+        return [None] * 4
+    d_gate, d_up = _call_batched(swiglu_grads, _levels(batch, ALL, 2, 3), ct, gate, up)
+    return [_sum_unbatched(d_gate, batch, 0) if _compat.is_undefined_primal(gate_dot) else None,
+            _sum_unbatched(d_up, batch, 1) if _compat.is_undefined_primal(up_dot) else None, None, None]
+
+
+swiglu_gmm_p = _define("moe_swiglu_gmm", _swiglu_gmm_impl, _swiglu_gmm_shape, multiple_results=True,
+                       jvp=_swiglu_gmm_jvp)
+swiglu_tangent_p = _define("moe_swiglu_tangent", _swiglu_tangent_impl, _swiglu_tangent_shape,
+                           jvp=_swiglu_tangent_jvp, transpose=_swiglu_tangent_transpose)
+
+
+# --------------------------------------------------------------------------- permutations
+# ``token_of_row [N]``, ``inverse [T, k]`` ((token, choice) -> row) and ``order [N]`` (row ->
+# token * k + choice) describe the sort; every row is one (token, choice) copy.
+
+
+def _take_rows(values, index):
+    """``values[index]`` along axis 0: ``index``'s shape, then ``values``' trailing dims (``jnp.take``
+    drops the index's dims when ``values`` is empty: no tokens)."""
+    if values.shape[0] == 0 or index.size == 0:
+        return jnp.zeros(index.shape + values.shape[1:], values.dtype)
+    return jnp.take(values, index, axis=0)
+
+
+def _permute_impl(tokens, token_of_row, inverse):
+    return _take_rows(tokens, token_of_row)
+
+
+def _permute_shape(tokens, token_of_row, inverse):
+    return [((token_of_row.shape[0], *tokens.shape[1:]), tokens.dtype)]
+
+
+def _permute_transpose(ct, tokens, token_of_row, inverse, *, batch):
+    if not _nonzero(ct):
+        return [None] * 3
+    d_tokens = unpermute_p.bind(ct, token_of_row, inverse, dtype=tokens.aval.dtype, batch=_levels(batch, ALL, 1, 2))
+    return [_sum_unbatched(d_tokens, batch, 0), None, None]
+
+
+def _unpermute_impl(rows, token_of_row, inverse, *, dtype):
+    """``out[t] = sum_j rows[inverse[t, j]]``: the copies of each token added up."""
+    copies = _take_rows(rows, inverse)  # [T, k, D]
+    return copies.sum(axis=1, dtype=accumulation_dtype(rows.dtype)).astype(dtype)
+
+
+def _unpermute_shape(rows, token_of_row, inverse, *, dtype):
+    return [((inverse.shape[0], *rows.shape[1:]), jnp.dtype(dtype))]
+
+
+def _unpermute_transpose(ct, rows, token_of_row, inverse, *, dtype, batch):
+    del dtype
+    if not _nonzero(ct):
+        return [None] * 3
+    d_rows = permute_p.bind(ct, token_of_row, inverse, batch=_levels(batch, ALL, 1, 2)).astype(rows.aval.dtype)
+    return [_sum_unbatched(d_rows, batch, 0), None, None]
+
+
+permute_p = _define("moe_permute", _permute_impl, _permute_shape, jvp="linear", transpose=_permute_transpose)
+unpermute_p = _define("moe_unpermute", _unpermute_impl, _unpermute_shape, jvp="linear",
+                      transpose=_unpermute_transpose)
+
+
+# ``combine(rows, weights)``, ``spread(x, weights)`` and ``combine_weights_ct(x, rows)`` are bilinear
+# and transpose into one another; operands ``(a, b, inverse, token_of_row, order)``.
+
+
+def _combine_impl(rows, weights, inverse, token_of_row, order, *, dtype):
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32 (or wider)."""
+    acc = accumulation_dtype(rows.dtype, weights.dtype)
+    copies = _take_rows(rows, inverse)  # [T, k, D]
+    return jnp.einsum("tk,tkd->td", weights.astype(acc), copies.astype(acc)).astype(dtype)
+
+
+def _spread_impl(x, weights, inverse, token_of_row, order, *, dtype):
+    """``out[r] = x[token_of_row[r]] * weights[copy r]``: ``combine``'s cotangent in its rows."""
+    acc = accumulation_dtype(x.dtype, weights.dtype)
+    row_weights = weights.reshape(-1)[order].astype(acc)
+    return (_take_rows(x.astype(acc), token_of_row) * row_weights[:, None]).astype(dtype)
+
+
+def _combine_weights_ct_impl(x, rows, inverse, token_of_row, order, *, dtype):
+    """``out[t, j] = x[t] . rows[inverse[t, j]]``: ``combine``'s cotangent in its weights."""
+    acc = accumulation_dtype(x.dtype, rows.dtype)
+    copies = _take_rows(rows, inverse)
+    return jnp.einsum("td,tkd->tk", x.astype(acc), copies.astype(acc)).astype(dtype)
+
+
+def _combine_shape(rows, weights, inverse, token_of_row, order, *, dtype):
+    return [((inverse.shape[0], rows.shape[1]), jnp.dtype(dtype))]
+
+
+def _spread_shape(x, weights, inverse, token_of_row, order, *, dtype):
+    return [((token_of_row.shape[0], x.shape[1]), jnp.dtype(dtype))]
+
+
+def _combine_weights_ct_shape(x, rows, inverse, token_of_row, order, *, dtype):
+    return [(inverse.shape, jnp.dtype(dtype))]
+
+
+# (primitive, which operand is linear) -> (the transpose's primitive, its two operands: the
+# cotangent and the other operand, by name)
+_COMBINE_TRANSPOSES = {
+    ("combine", 0): ("spread", ("ct", 1)),  # d_rows = spread(ct, weights)
+    ("combine", 1): ("combine_weights_ct", ("ct", 0)),  # d_weights = combine_weights_ct(ct, rows)
+    ("spread", 0): ("combine", ("ct", 1)),  # d_x = combine(ct, weights)
+    ("spread", 1): ("combine_weights_ct", (0, "ct")),  # d_weights = combine_weights_ct(x, ct)
+    ("combine_weights_ct", 0): ("combine", (1, "ct")),  # d_x = combine(rows, ct)
+    ("combine_weights_ct", 1): ("spread", (0, "ct")),  # d_rows = spread(x, ct)
+}
+
+
+def _combine_family_transpose(name):
+    def transpose(ct, a, b, inverse, token_of_row, order, *, dtype, batch):
+        del dtype
+        if not _nonzero(ct):
+            return [None] * 5
+        linear = 0 if _compat.is_undefined_primal(a) else 1
+        target, sources = _COMBINE_TRANSPOSES[(name, linear)]
+        operands = [ct if s == "ct" else (a, b)[s] for s in sources]
+        levels = _levels(batch, *(ALL if s == "ct" else s for s in sources), 2, 3, 4)
+        undefined = (a, b)[linear]
+        out = _COMBINE_FAMILY[target].bind(*operands, inverse, token_of_row, order, dtype=undefined.aval.dtype,
+                                           batch=levels)
+        cts = [None] * 5
+        cts[linear] = _sum_unbatched(out, batch, linear)
+        return cts
+
+    return transpose
+
+
+_COMBINE_FAMILY = {}
+for _name, _impl, _shape in (("combine", _combine_impl, _combine_shape), ("spread", _spread_impl, _spread_shape),
+                             ("combine_weights_ct", _combine_weights_ct_impl, _combine_weights_ct_shape)):
+    _COMBINE_FAMILY[_name] = _define(f"moe_{_name}", _impl, _shape, jvp="bilinear",
+                                     transpose=_combine_family_transpose(_name))
+combine_p, spread_p, combine_weights_ct_p = (_COMBINE_FAMILY[n] for n in ("combine", "spread", "combine_weights_ct"))
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _offset(group_offset) -> int:
+    return operator.index(group_offset)  # a static int, as the custom_vjp's nondiff argument was
+
+
+def _dtype_or_none(dtype):
+    return None if dtype is None else jnp.dtype(dtype)
+
+
+def gmm(lhs, rhs, group_sizes, kernels, *, group_offset=0, transpose_rhs=False, preferred_element_type=None,
+        zero_outside=True, expected_rows=None):
+    """``kernels.gmm`` (``lhs[r] @ rhs[group(r)]``) as a differentiable primitive."""
+    return gmm_p.bind(lhs, rhs, group_sizes, kernels=kernels, group_offset=_offset(group_offset),
+                      transpose_rhs=bool(transpose_rhs), preferred_element_type=_dtype_or_none(preferred_element_type),
+                      zero_outside=bool(zero_outside), expected_rows=expected_rows, batch=())
+
+
+def tgmm(lhs, grad, group_sizes, kernels, *, num_groups, group_offset=0, preferred_element_type=None,
+         expected_rows=None):
+    """``kernels.tgmm`` (``lhs_g^T @ grad_g`` per group) as a differentiable primitive."""
+    return tgmm_p.bind(lhs, grad, group_sizes, kernels=kernels, num_groups=int(num_groups),
+                       group_offset=_offset(group_offset),
+                       preferred_element_type=_dtype_or_none(preferred_element_type), expected_rows=expected_rows,
+                       batch=())
+
+
+def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, kernels, *, group_offset=0, preferred_element_type=None,
+             zero_outside=True, expected_rows=None):
+    """``(gmm(lhs, rhs_a), gmm(lhs, rhs_b))`` through ``kernels.gmm_pair`` where the backend has it;
+    the rows' cotangents of both products are added in float32 (or wider)."""
+    return tuple(gmm_pair_p.bind(lhs, rhs_a, rhs_b, group_sizes, kernels=kernels, group_offset=_offset(group_offset),
+                                 preferred_element_type=_dtype_or_none(preferred_element_type),
+                                 zero_outside=bool(zero_outside), expected_rows=expected_rows, batch=()))
+
+
+def swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, kernels, *, group_offset=0, preferred_element_type=None):
+    """``silu(lhs @ gate[g]) * (lhs @ up[g])`` through ``kernels.swiglu_gmm`` (or the jnp reference)."""
+    (out,) = swiglu_gmm_p.bind(lhs, gate_rhs, up_rhs, group_sizes, kernels=kernels, group_offset=_offset(group_offset),
+                               preferred_element_type=_dtype_or_none(preferred_element_type),
+                               with_preactivations=False, batch=())
+    return out
+
+
+def permute(tokens, token_of_row, inverse):
+    """``rows[r] = tokens[token_of_row[r]]``; transposes to adding each token's copies."""
+    return permute_p.bind(tokens, token_of_row, inverse, batch=())
+
+
+def combine(rows, weights, inverse, token_of_row, order):
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]`` in ``rows``' type, accumulated in
+    float32 (or wider)."""
+    return combine_p.bind(rows, weights, inverse, token_of_row, order, dtype=jnp.dtype(rows.dtype), batch=())
