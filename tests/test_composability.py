@@ -397,15 +397,10 @@ def test_permute_and_combine_accumulate_float64():
 # --------------------------------------------------------------------------- no tokens
 
 
-# With no tokens the matcher (passes/) still finds these; deepseek_v3, gpt_oss and hf_loop it does
-# not (their routing or expert sums degenerate at T=0), so those run unchanged; the results agree
-# either way. switch and gshard_top2 are found, then passes/rewrite.py's ``_slot_tensor`` reshapes
-# [0, E, 0] with -1.
-_SLOT_TENSOR_RESHAPE = pytest.mark.xfail(strict=True, reason="passes/rewrite.py _slot_tensor: reshape of [0, E, 0] "
-                                                              "with -1")
-ZERO_TOKEN_MODELS = ["mixtral", "mixtral_bsd", "gather_combine", "mlp_relu_bias", "scan_layers",
-                     pytest.param("switch", marks=_SLOT_TENSOR_RESHAPE),
-                     pytest.param("gshard_top2", marks=_SLOT_TENSOR_RESHAPE)]
+# With no tokens the matcher still finds these; deepseek_v3, gpt_oss and hf_loop it does not (their
+# routing or expert sums degenerate at T=0), so those run unchanged; the results agree either way.
+ZERO_TOKEN_MODELS = ["mixtral", "mixtral_bsd", "gather_combine", "mlp_relu_bias", "scan_layers", "switch",
+                     "gshard_top2"]
 
 
 @pytest.mark.parametrize("name", ZERO_TOKEN_MODELS + ["deepseek_v3", "hf_loop", "gpt_oss"])

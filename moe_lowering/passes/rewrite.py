@@ -362,7 +362,7 @@ def _slot_tensor(region: MoeRegion, read, which):
     value, roles = which
     order = token_roles(len(region.anchor.token_shape)) + (EXPERT, SLOT)
     tensor, _ = _canonical(read(value), roles, order)
-    return tensor.reshape(-1, region.num_experts, tensor.shape[-1])
+    return tensor.reshape(region.num_tokens, region.num_experts, tensor.shape[-1])
 
 
 def _kept(region: MoeRegion, read):
