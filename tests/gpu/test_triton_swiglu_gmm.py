@@ -8,6 +8,8 @@ without the stored pre-activations, and the gradients of ``grouped_swiglu_matmul
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -115,8 +117,9 @@ def test_swiglu_gmm_matches_reference(case, dtype, config, with_preactivations):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", ["empty-groups", "group-offset-window"])
 def test_grouped_swiglu_matmul_gradients_match_reference(case, dtype, monkeypatch):
-    """The custom_vjp on the Triton kernels (the backend does not offer the fused kernel: forced here)."""
-    monkeypatch.setattr(sparse_moe, "_swiglu_kernel", lambda backend: tsw.swiglu_gmm)
+    """The primitive's rules on the Triton kernels (the backend does not offer the fused kernel: forced here)."""
+    triton_backend = dataclasses.replace(get_backend("triton"), swiglu_gmm=tsw.swiglu_gmm)
+    monkeypatch.setattr(sparse_moe, "get_backend", lambda name: triton_backend)
     lhs, gate, up, cotangent, sizes, offset = _operands(case, dtype)
     group_sizes = np.asarray(sizes)
 

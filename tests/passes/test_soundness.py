@@ -198,9 +198,12 @@ def test_index_cast_that_keeps_values_is_rewritten(dtype):
     lambda g: (g * 127).astype(jnp.int8).astype(jnp.float32) / 127,
     lambda g: g.astype(jnp.bfloat16).astype(jnp.float32),
 ], ids=["int8-fake-quantised", "bf16-round-trip"])
-def test_gate_the_program_rounds_is_used_as_rounded(quantiser):
+def test_gate_the_program_rounds_is_used_as_rounded(quantiser, request):
     """The replacement reads the program's own gate at the chosen experts, rounding included, and
     its gradient (zero through the int8 cast) too."""
+    if "bf16" in request.node.callspec.id and jax.default_backend() != "cpu":
+        pytest.skip("XLA:GPU's xla_allow_excess_precision may drop the dense reference's own f32 -> bf16 -> f32 "
+                    "round trip, so the reference is not the program's rounding there")
     assert rewritten_exactly(_top2(gate_quantiser=quantiser), _params(jax.random.key(12)), _tokens(jax.random.key(13)))
 
 
