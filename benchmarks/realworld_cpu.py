@@ -28,9 +28,7 @@ import json
 import logging
 import os
 import platform
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -43,6 +41,7 @@ sys.path.insert(0, str(ROOT / "tests" / "realworld"))
 from rw_check import near_miss_reason  # noqa: E402
 from rw_layers import EASYDEL_CASES, MAXTEXT_CASES, easydel_layer, maxtext_layer  # noqa: E402
 
+import moe_layer  # noqa: E402  (its timing helper, as sonic.py uses it)
 from moe_lowering import NoMoeFoundWarning, explain, moe_optimize  # noqa: E402
 
 log = logging.getLogger("realworld_cpu")
@@ -57,13 +56,7 @@ def build(name: str, batch: int, seq: int, d_model: int, d_ff: int):
 
 
 def _time_ms(compiled, args, reps: int) -> float:
-    jax.block_until_ready(compiled(*args))  # warm
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return moe_layer._time_ms(compiled, args, reps, warmup=1)
 
 
 def _fwd_bwd(fn):

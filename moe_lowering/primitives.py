@@ -237,6 +237,13 @@ def _gmm_pair_jvp(primals, tangents, *, kernels, group_offset, preferred_element
     options = dict(kernels=kernels, group_offset=group_offset, preferred_element_type=preferred_element_type,
                    zero_outside=zero_outside, expected_rows=expected_rows)
     outs = gmm_pair_p.bind(*primals, batch=batch, **options)
+    terms_a, terms_b = _pair_tangent_terms(lhs, rhs_a, rhs_b, group_sizes, tangents, batch, options)
+    return outs, [_sum(terms_a, outs[0]), _sum(terms_b, outs[1])]
+
+
+def _pair_tangent_terms(lhs, rhs_a, rhs_b, group_sizes, tangents, batch, options):
+    """The tangents of ``(lhs @ rhs_a, lhs @ rhs_b)`` as lists of terms: one pair product of the rows'
+    tangent, and a product of the rows with each weight's tangent."""
     terms_a, terms_b = [], []
     if _nonzero(tangents[0]):
         t_a, t_b = gmm_pair_p.bind(tangents[0], rhs_a, rhs_b, group_sizes, batch=batch, **options)
@@ -246,7 +253,7 @@ def _gmm_pair_jvp(primals, tangents, *, kernels, group_offset, preferred_element
         if _nonzero(tangents[index]):
             terms.append(gmm_p.bind(lhs, tangents[index], group_sizes, transpose_rhs=False,
                                     batch=_levels(batch, 0, index, 3), **options))
-    return outs, [_sum(terms_a, outs[0]), _sum(terms_b, outs[1])]
+    return terms_a, terms_b
 
 
 def _gmm_pair_transpose(cts, lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type,
@@ -309,15 +316,7 @@ def _swiglu_gmm_jvp(primals, tangents, *, kernels, group_offset, preferred_eleme
         return primal_outs, [_compat.zero_tangent(v) for v in primal_outs]
     options = dict(kernels=kernels, group_offset=group_offset, preferred_element_type=out.dtype, zero_outside=True,
                    expected_rows=None)
-    gate_terms, up_terms = [], []
-    if _nonzero(tangents[0]):
-        t_gate, t_up = gmm_pair_p.bind(tangents[0], gate_rhs, up_rhs, group_sizes, batch=batch, **options)
-        gate_terms.append(t_gate)
-        up_terms.append(t_up)
-    for terms, index in ((gate_terms, 1), (up_terms, 2)):
-        if _nonzero(tangents[index]):
-            terms.append(gmm_p.bind(lhs, tangents[index], group_sizes, transpose_rhs=False,
-                                    batch=_levels(batch, 0, index, 3), **options))
+    gate_terms, up_terms = _pair_tangent_terms(lhs, gate_rhs, up_rhs, group_sizes, tangents, batch, options)
     gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
     up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
     out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
