@@ -89,7 +89,8 @@ def _why_not(report: ExplainReport) -> str:
     if report.near_misses:
         miss = report.near_misses[0]
         return f"routing {miss.routing}: {miss.reason}"
-    return "the program has no routing (top_k, argmax or argsort over an expert axis)"
+    return ("no routing decision (top_k, argmax or argsort over an expert axis) whose indices reach an expert "
+            "computation: there is none, or its indices only pre-select for another or are unused")
 
 
 def _not_found_message(report: ExplainReport) -> str:

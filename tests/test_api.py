@@ -103,3 +103,19 @@ def test_eager_calls_trace_once_per_signature():
     assert traces == [x.shape, shorter.shape]  # a new shape is a new signature
     jax.jit(layer)(params, x)
     assert len(traces) == 3  # under an outer jit the rewrite traces with it, uncached
+
+
+def test_strict_message_for_a_top_k_that_routes_nothing():
+    """A top_k whose indices are unused is not 'no routing': the message says what is missing."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+
+    from moe_lowering import MoeNotFoundError, moe_optimize
+
+    def scores_only(x):
+        values, _ = jax.lax.top_k(x, 2)
+        return values.sum()
+
+    with pytest.raises(MoeNotFoundError, match="whose indices reach an expert computation"):
+        moe_optimize(scores_only, strict=True)(jnp.ones((4, 8)))
