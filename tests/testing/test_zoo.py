@@ -119,6 +119,10 @@ def swiglu_expert(p, e, x_t):
     return (silu(x_t @ p["w_gate"][e]) * (x_t @ p["w_up"][e])) @ p["w_down"][e]
 
 
+def swiglu_bias_expert(p, e, x_t):
+    return swiglu_expert(p, e, x_t) + p["b_down"][e]
+
+
 def fused_swiglu_expert(p, e, x_t):
     gate, up = np.split(x_t @ p["w_gate_up"][e], 2)
     return (silu(gate) * up) @ p["w_down"][e]
@@ -238,6 +242,7 @@ REFERENCES = {
     "gshard_top2": capacity_reference(gelu_tanh),
     "hf_loop": mixtral_reference,
     "gather_combine": mixtral_reference,
+    "gathered_weights": lambda p, x, m: mixtral_reference(p, x, m, swiglu_bias_expert),
     "two_layers": two_layers_reference,
     "scan_layers": scan_layers_reference,
     "flax_moe": mixtral_reference,
