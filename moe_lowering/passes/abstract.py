@@ -163,3 +163,4 @@ class Combined:
     dispatch: Any = None
     style: str = ""
     gate_values: tuple[GateValue, ...] = ()  # the routing weights as computed (one per expert in the loop style)
+    slot_groups: tuple = ()  # slot space: token axes batched through dispatch and combine, each group with its own slots

@@ -17,7 +17,7 @@ CHECKED = "checked on device"
 READ = "read from the program"
 
 TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights")
-CAPACITY = ("capacity",)
+CAPACITY = ("capacity", "grouped capacity")
 ALL_STYLES = TOP_K_STYLES + CAPACITY
 
 
@@ -78,16 +78,23 @@ ASSUMPTIONS = (
         "the combine tensor's derivative is zero outside the slots its non-differentiable masks mark",
         PROVEN,
         "combine is a product of a non-differentiable mask and the gate, a sum of such, or a select against "
-        "zero by such a mask"),
+        "zero by such a mask, seen through casts, annotations and slices"),
     Assumption(
         "dispatch-is-0-1", CAPACITY, "every dispatch entry is 0 or 1", CHECKED,
         "any(dispatch not in {0, 1})"),
     Assumption(
-        "one-token-per-slot", CAPACITY, "no (expert, slot) receives two tokens", CHECKED,
-        "any(sum over tokens of (dispatch != 0) > 1)"),
+        "one-token-per-slot", CAPACITY, "no (expert, slot) receives two tokens (of one group, where token "
+        "axes batched through dispatch and combine give each group its own slots)", CHECKED,
+        "any(sum over each group's tokens of (dispatch != 0) > 1)"),
     Assumption(
         "at-most-k-experts", CAPACITY, "each token reaches at most the routing's k experts", CHECKED,
         "any(experts reached per token > k)"),
+    Assumption(
+        "empty-slots-finite", CAPACITY,
+        "an expert with an empty slot gives finite values on it (the dense layer multiplies that slot's "
+        "output by 0 for every token, and 0 * inf is NaN)", CHECKED,
+        "the expert program on one zero row per expert (its products of zero rows are zero without reading "
+        "the weights, which are assumed finite), for the experts that have an empty slot"),
     Assumption(
         "combine-within-dispatch", CAPACITY,
         "combine (and each mask its derivative lives in) is zero wherever the token was not dispatched",

@@ -141,6 +141,7 @@ class MoeRegion:
     top_k: int = 1
     gate_values: tuple[GateValue, ...] = ()  # top-k styles: the routing weights as the program computes them
     combine_masks: tuple = ()  # capacity style: non-differentiable values outside whose support combine's derivative is 0
+    slot_groups: tuple = ()  # capacity style: token axes whose every index has its own [E, C] slots
 
     @property
     def num_experts(self) -> int:
@@ -1228,10 +1229,11 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         roles = out_roles(tokens + (FEATURE,), (FEATURE, FEATURE), xc, wc, xb, wb, swap)
         return Rows(roles, ExpertMatmul(RowInput(), index, pet), "single", _token_source(an.graph, x), expert=aw.expert)
 
-    # dispatch [t.., E, C] contracted with tokens [t.., D] -> slot rows [E, C, D]
-    if ax is None and aw is None and not xb and len(w.shape) == n_tok + 1 and w.shape[:-1] == token_shape:
-        if len(x.shape) == n_tok + 2 and wc == tuple(range(n_tok)) and an.depends_on_anchor(x):
-            x_roles = _slot_roles(x, xc, E)
+    # dispatch [t.., E, C] contracted with tokens [t.., D] over the token axes -> slot rows [E, C, D];
+    # token axes batched instead are groups with slots of their own ('BSM,BSEC->EBCM': [E, B, C, D])
+    if ax is None and aw is None and len(w.shape) == n_tok + 1 and w.shape[:-1] == token_shape:
+        if len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
+            x_roles = _dispatch_roles(x, xc, wc, xb, wb, tokens, E)
             if x_roles is None:
                 return None
             roles = out_roles(x_roles, tokens + (FEATURE,), xc, wc, xb, wb, swap)
@@ -1307,16 +1309,19 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
                             gate_values=(GateValue(source, f_roles),))
         return None
 
-    # combine [t.., E, C] . slot rows [E, C, F] over (E, C) -> combined
+    # combine [t.., E, C] . slot rows [E, C, F] over (E, C), batched over the rows' groups -> combined
     if ax is None and isinstance(aw, Rows) and aw.space == "slot" and len(wc) == 2:
         if {aw.roles[i] for i in wc} == {EXPERT, SLOT} and len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
-            x_roles = _slot_roles(x, xc, E, token_first=True)
-            if x_roles is None or x.shape[: n_tok] != token_shape:
+            groups = tuple(r for r in aw.roles if is_token(r))
+            if sorted(aw.roles[i] for i in wb) != sorted(groups) or not all(is_token(aw.roles[i]) for i in wb):
+                return FailedMatch("the combine does not keep the dispatch's token groups apart (each group's "
+                                   "slots must meet only that group's tokens)", eqn)
+            x_roles = _combine_roles(x, xc, wc, xb, wb, aw.roles, tokens, token_shape)
+            if x_roles is None:
                 return None
-            if [x_roles[i] for i in xc] != [aw.roles[i] for i in wc]:
-                return FailedMatch("the combine tensor's expert and slot axes do not match the dispatch", eqn)
             roles = out_roles(x_roles, aw.roles, xc, wc, xb, wb, swap)
-            return Combined(roles, aw.node, aw.tokens, None, combine=(x, x_roles), dispatch=aw.dispatch, style="capacity")
+            return Combined(roles, aw.node, aw.tokens, None, combine=(x, x_roles), dispatch=aw.dispatch,
+                            style="grouped capacity" if groups else "capacity", slot_groups=tuple(sorted(groups)))
     return None
 
 
@@ -1354,19 +1359,42 @@ def _dot_align(roles: Roles, own_c, other_c, own_b, other_b, other_rank) -> Role
     return tuple(out)
 
 
-def _slot_roles(x, xc, num_experts, token_first=False) -> Roles | None:
-    """Roles of a ``[t.., E, C]`` dispatch or combine tensor (token dims are the contracted ones)."""
-    rest = [d for d in range(len(x.shape)) if d not in xc] if not token_first else list(range(len(x.shape) - 2, len(x.shape)))
-    if len(rest) != 2 or x.shape[rest[0]] != num_experts:
+def _dispatch_roles(x, xc, wc, xb, wb, tokens: Roles, num_experts: int) -> Roles | None:
+    """Roles of a ``[t.., E, C]`` dispatch tensor, each token axis named by the tokens' axis it meets in
+    the dot (contracted, or batched as a group): never by position, so ``'sbec,bsd->ecd'`` reads the
+    right tokens. The two axes left are the experts (of size E) and the slots."""
+    if not wc or sorted(wc + wb) != list(range(len(tokens))):
         return None
-    roles = [None] * len(x.shape)
-    roles[rest[0]] = EXPERT
-    roles[rest[1]] = SLOT
-    t = 0
-    for d in range(len(x.shape)):
-        if roles[d] is None:
-            roles[d] = f"t{t}"
-            t += 1
+    roles: list = [None] * len(x.shape)
+    for mine, theirs in zip(xc + xb, wc + wb):
+        roles[mine] = tokens[theirs]
+    rest = [d for d in range(len(x.shape)) if roles[d] is None]
+    if len(rest) != 2:
+        return None
+    e_dim = next((d for d in rest if x.shape[d] == num_experts), None)
+    if e_dim is None:
+        return None
+    for d in rest:
+        roles[d] = EXPERT if d == e_dim else SLOT
+    return tuple(roles)
+
+
+def _combine_roles(x, xc, wc, xb, wb, rows_roles: Roles, tokens: Roles, token_shape) -> Roles | None:
+    """Roles of a ``[t.., E, C]`` combine tensor: expert, slot and group axes from the slot rows they
+    meet; its other token axes, in order, name the output's tokens. That naming needs no proof: the
+    device check compares combine with dispatch entry by entry under it (``combine-within-dispatch``),
+    so a token whose combine weights sit in another token's slots takes the dense fallback."""
+    roles: list = [None] * len(x.shape)
+    for mine, theirs in zip(xc + xb, wc + wb):
+        roles[mine] = rows_roles[theirs]
+    free = [r for r in tokens if r not in roles]
+    rest = [d for d in range(len(x.shape)) if roles[d] is None]
+    if len(rest) != len(free):
+        return None
+    for d, r in zip(rest, free):
+        roles[d] = r
+    if any(x.shape[d] != token_shape[tokens.index(r)] for d, r in enumerate(roles) if is_token(r)):
+        return None
     return tuple(roles)
 
 
@@ -1496,6 +1524,9 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
             return FailedMatch(
                 "the dispatch tensor has a derivative (a soft or straight-through dispatch); the sparse rewrite "
                 "moves token rows by index and would drop it", graph.producer.get(dispatch), "dispatch-has-no-derivative")
+        if any(p.kind is ParamKind.PER_TOKEN for p in params):
+            return FailedMatch("a per-token value inside the experts of a capacity layer (an empty slot has no token "
+                               "to read it for)", graph.producer.get(output), "expert-program")
         combine_masks = _tangent_masks(graph, combined.combine[0])
         if combine_masks is None:
             return FailedMatch(
@@ -1523,6 +1554,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         top_k=top_k,
         gate_values=combined.gate_values,
         combine_masks=combine_masks,
+        slot_groups=combined.slot_groups,
     )
 
 
@@ -1585,6 +1617,16 @@ def _tangent_free(graph: JaxprGraph, atom) -> bool:
     return memo.get(atom, True) if isinstance(atom, Value) else True
 
 
+@dataclass(frozen=True)
+class SlicedMask:
+    """A combine mask that is a static slice of a program value: ``one_hot(pos, C + 1)[..., 1:]``."""
+
+    value: Any
+    start: tuple
+    limit: tuple
+    strides: tuple | None
+
+
 def _tangent_masks(graph: JaxprGraph, atom, depth: int = 0):
     """Values without a derivative, each shaped like ``atom`` (or a scalar), such that ``atom``'s
     derivative is zero wherever they all are zero; ``()`` if it has none; ``None`` if not proven.
@@ -1604,8 +1646,14 @@ def _tangent_masks(graph: JaxprGraph, atom, depth: int = 0):
     if prim in (lax.add_p, lax.sub_p):
         parts = [_tangent_masks(graph, a, depth + 1) for a in inputs]
         return None if any(p is None for p in parts) else tuple(m for p in parts for m in p)
-    if prim in (lax.neg_p, lax.convert_element_type_p, lax.reduce_precision_p, lax.copy_p):
+    if prim in (lax.neg_p, lax.convert_element_type_p, lax.reduce_precision_p, lax.copy_p) + identity_annotations():
         return _tangent_masks(graph, inputs[0], depth + 1)
+    if prim is lax.slice_p:
+        masks = _tangent_masks(graph, inputs[0], depth + 1)
+        if masks is None or any(isinstance(m, SlicedMask) or m.shape not in ((), inputs[0].shape) for m in masks):
+            return None
+        cut = (tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"]), eqn.params["strides"])
+        return tuple(SlicedMask(m, *cut) if m.shape else m for m in masks)
     if prim is lax.select_n_p and len(inputs) == 3:
         predicate, on_false, on_true = inputs
         if _tangent_free(graph, on_false) and _is_zero(graph, on_false) and predicate.shape == atom.shape:

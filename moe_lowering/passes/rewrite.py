@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_lowering import _compat
-from moe_lowering.expert_program import ParamKind
+from moe_lowering.expert_program import ParamKind, RowContext, evaluate
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, is_token, token_roles
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
-from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
+from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, SlicedMask, analyse
 
 log = logging.getLogger(__name__)
 
@@ -365,6 +365,25 @@ def _slot_tensor(region: MoeRegion, read, which):
     return tensor.reshape(region.num_tokens, region.num_experts, tensor.shape[-1])
 
 
+def _grouped_slot_tensor(region: MoeRegion, tensor):
+    """A ``[T, E, C]`` slot tensor as ``[G, T / G, E, C]``: the tokens of each slot group together
+    (``G = 1`` when every token shares the slots)."""
+    token_shape = tuple(region.anchor.token_shape)
+    tokens = token_roles(len(token_shape))
+    order = list(region.slot_groups) + [r for r in tokens if r not in region.slot_groups]
+    per_token = tensor.reshape(token_shape + tensor.shape[1:])
+    per_token = jnp.transpose(per_token, [tokens.index(r) for r in order] + [len(tokens), len(tokens) + 1])
+    groups = math.prod(token_shape[tokens.index(r)] for r in region.slot_groups)
+    return per_token.reshape((groups, -1) + tensor.shape[1:])
+
+
+def _read_mask(mask, read):
+    """A combine mask's value: a program value, or a slice of one (``one_hot(pos, C + 1)[..., 1:]``)."""
+    if isinstance(mask, SlicedMask):
+        return lax.slice(jnp.asarray(read(mask.value)), mask.start, mask.limit, mask.strides)
+    return read(mask)
+
+
 def _kept(region: MoeRegion, read):
     """``[T, E]``: which experts the dispatch tensor sends each token to."""
     return jnp.any(_slot_tensor(region, read, region.dispatch) != 0, axis=-1)
@@ -375,19 +394,57 @@ def _capacity_assumptions_fail(region: MoeRegion, read):
 
     The sparse layer sends each token once to each expert whose slots it occupies and weighs the
     result by the token's combine entries there. That is the reference when the dispatch tensor is
-    0/1, no slot holds two tokens, every token occupies at most ``top_k`` experts, and combine (and
-    what its derivative depends on: ``region.combine_masks``) is zero outside the dispatched slots.
+    0/1, no slot holds two tokens (of one slot group), every token occupies at most ``top_k``
+    experts, and combine (and what its derivative depends on: ``region.combine_masks``) is zero
+    outside the dispatched slots.
     """
     dispatch = _slot_tensor(region, read, region.dispatch)
     occupied = dispatch != 0
     fails = jnp.any(occupied & (dispatch != 1))
-    fails |= jnp.any(jnp.sum(occupied, axis=0) > 1)
+    fails |= jnp.any(jnp.sum(_grouped_slot_tensor(region, occupied.astype(jnp.int32)), axis=1) > 1)
     fails |= jnp.any(jnp.sum(jnp.any(occupied, axis=-1), axis=-1) > region.top_k)
     combine_atom, roles = region.combine
-    for value in (combine_atom,) + tuple(region.combine_masks):
-        full = jnp.broadcast_to(jnp.asarray(read(value)), combine_atom.shape)
-        fails |= jnp.any((_slot_tensor(region, lambda _: full, (value, roles)) != 0) & ~occupied)
-    return fails
+    for mask in (combine_atom,) + tuple(region.combine_masks):
+        full = jnp.broadcast_to(jnp.asarray(_read_mask(mask, read)), combine_atom.shape)
+        fails |= jnp.any((_slot_tensor(region, lambda _: full, (combine_atom, roles)) != 0) & ~occupied)
+    has_empty_slot = jnp.any(jnp.sum(_grouped_slot_tensor(region, occupied.astype(jnp.int32)), axis=1) == 0,
+                             axis=(0, 2))
+    return fails | jnp.any(has_empty_slot & ~_expert_output_finite_at_zero(region, read))
+
+
+def _expert_output_finite_at_zero(region: MoeRegion, read):
+    """``[E]``: whether each expert's program, and its derivative, is finite on a zero row: what an
+    empty slot holds.
+
+    The dense layer computes every slot and multiplies the empty ones' outputs by zero combine
+    entries, and their derivatives by zero cotangents; where the program or its derivative is not
+    finite there (``x / norm(x)``, ``c / x**3``), ``0 * inf`` makes every token's output, or the
+    gradients, NaN. A product of an all-zero row is zero without reading the weight (assumed
+    finite), so this costs a few elementwise ops per expert unless biases make the row non-zero.
+    """
+    num_experts = region.num_experts
+    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
+    params = [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
+    dtype = jnp.result_type(read(region.tokens))
+    experts = jnp.arange(num_experts, dtype=jnp.int32)
+
+    def one_row_per_expert(lhs, rhs, group_sizes, group_offset, preferred_element_type):
+        out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+        out_shape = (lhs.shape[0], rhs.shape[-1])
+
+        def zero_product():  # 0 where lhs is finite, and a NaN cotangent still reaches lhs
+            return jnp.broadcast_to((jnp.sum(lhs, axis=-1, keepdims=True) * 0).astype(out_dtype), out_shape)
+
+        return lax.cond(jnp.any(lhs != 0),
+                        lambda: jnp.einsum("ek,ekn->en", lhs, rhs, preferred_element_type=out_dtype), zero_product)
+
+    def program_on(rows):
+        context = RowContext(rows, jnp.ones((num_experts,), jnp.int32), experts, jnp.zeros((num_experts,), jnp.int32))
+        return evaluate(region.program, params, context, one_row_per_expert)
+
+    out, pullback = jax.vjp(program_on, jnp.zeros((num_experts, region.d_model), dtype))
+    (d_rows,) = pullback(jnp.zeros_like(out))
+    return jnp.all(jnp.isfinite(out), axis=-1) & jnp.all(jnp.isfinite(d_rows), axis=-1)
 
 
 def _capacity_choices(region: MoeRegion, read):

@@ -567,6 +567,57 @@ def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float 
     )
 
 
+def grouped_expert_capacity(group_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """MaxText's per-group capacity: ``int(max(ceil(S * k / E) * capacity_factor, capacity_factor))``."""
+    return int(max(math.ceil(group_tokens * top_k / num_experts) * capacity_factor, capacity_factor))
+
+
+def _grouped_capacity_fn(k: int, capacity_factor: float):
+    def grouped_capacity(params, x):
+        """MaxText's dense path with ``capacity_factor`` (``RoutedMoE.generate_masks`` / ``dense_matmul``):
+        each batch row is a group with its own ``C`` slots per expert; positions count the row's
+        (token, choice) pairs in flattened ``[S * k]`` order (a ``[B, S, k, E]`` mask reshaped to
+        ``[B, S * k, E]``, cumsum'd, reshaped back); ``one_hot(position, C + 1)[..., 1:]`` drops
+        position 0 (not routed or over capacity); dispatch is ``combine.astype(bool)``.
+        """
+        batch, seq, _ = x.shape
+        num_experts = params["router"].shape[-1]
+        capacity = grouped_expert_capacity(seq, num_experts, k, capacity_factor)
+        top_weights, idx = _softmax_topk_renormalise(x @ params["router"], k)  # [B, S, k]
+        expert_mask = jax.nn.one_hot(idx, num_experts, dtype=jnp.int32)  # [B, S, k, E]
+        weights = jnp.sum(expert_mask * top_weights[..., None], axis=2).astype(x.dtype)  # [B, S, E]
+        mask_fused = expert_mask.reshape(batch, seq * k, num_experts)
+        count_fused = jnp.cumsum(mask_fused, axis=1)
+        count = count_fused.reshape(batch, seq, k, num_experts)
+        kept = jnp.sum(expert_mask * (count <= capacity), axis=2)  # [B, S, E]
+        weights = weights * kept
+        position = jnp.sum((mask_fused * count_fused).reshape(batch, seq, k, num_experts), axis=2) * kept
+        slots = jax.nn.one_hot(position, capacity + 1, dtype=jnp.int32)
+        combine = (weights[..., None] * slots)[..., 1:]  # [B, S, E, C]
+        dispatch = combine.astype(bool)
+        expert_inputs = jnp.einsum("BSM,BSEC->EBCM", x, dispatch)
+        hidden = jax.nn.silu(jnp.einsum("EBCM,EMH->EBCH", expert_inputs, params["w_gate"])) * jnp.einsum(
+            "EBCM,EMH->EBCH", expert_inputs, params["w_up"])
+        expert_outputs = jnp.einsum("EBCH,EHM->EBCM", hidden, params["w_down"])
+        return jnp.einsum("EBCM,BSEC->BSM", expert_outputs, combine)
+
+    return grouped_capacity
+
+
+def build_grouped_capacity(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
+    group_tokens = sizes.T // sizes.B
+    return ZooModel(
+        name="grouped_capacity", fn=_grouped_capacity_fn(sizes.k, capacity_factor),
+        make_params=_params_maker(sizes, _mixtral_params), make_inputs=_bsd_inputs(sizes), expected_regions=1,
+        style="capacity", top_k=sizes.k, num_experts=sizes.E,
+        capacity=grouped_expert_capacity(group_tokens, sizes.E, sizes.k, capacity_factor), sizes=sizes,
+        hyper=(("capacity_factor", capacity_factor),), builder=build_grouped_capacity,
+        notes="MaxText's capacity path: per-batch-row capacity, positions over flattened (token, choice) order, "
+              "one_hot(pos, C + 1)[..., 1:], einsum('BSM,BSEC->EBCM') / einsum('EBCM,BSEC->BSM') with the batch "
+              "row a dot_general batch axis, SwiGLU experts.",
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face loop and gather-combine styles.
 
@@ -861,6 +912,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "gpt_oss": build_gpt_oss,
     "deepseek_v3": build_deepseek_v3,
     "switch": build_switch,
+    "grouped_capacity": build_grouped_capacity,
     "gshard_top2": build_gshard_top2,
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,

@@ -181,6 +181,34 @@ def _deepseek_hyper(model):
     return {"n_group": h["n_group"], "topk_group": h["topk_group"], "scale": h["routed_scaling_factor"]}
 
 
+def route_grouped_capacity(logits, k, capacity):
+    """MaxText's per-row capacity: each batch row queues its (token, choice) pairs in flattened
+    token-major order; an expert keeps the first ``capacity`` of its row's copies."""
+    routes = []
+    dropped = 0
+    for row in logits:
+        chosen = [route_softmax_renormalise(token_logits, k) for token_logits in row]
+        queue_length = {}
+        for token_routes in chosen:
+            kept = []
+            for expert, weight in token_routes:
+                queue_length[expert] = queue_length.get(expert, 0) + 1
+                if queue_length[expert] <= capacity:
+                    kept.append((expert, weight))
+                else:
+                    dropped += 1
+            routes.append(kept)
+    return routes, dropped
+
+
+def grouped_capacity_reference(p, x, model):
+    batch, seq, d = x.shape
+    capacity = zoo.grouped_expert_capacity(seq, p["router"].shape[-1], model.top_k,
+                                           model.hyperparams["capacity_factor"])
+    routes, _ = route_grouped_capacity(x @ p["router"], model.top_k, capacity)
+    return moe_loop(x.reshape(-1, d), routes, swiglu_expert, p).reshape(x.shape)
+
+
 def capacity_reference(activation):
     def reference(p, x, model):
         num_experts = p["router"].shape[-1]
@@ -240,6 +268,7 @@ REFERENCES = {
     "deepseek_v3": deepseek_reference,
     "switch": capacity_reference(relu),
     "gshard_top2": capacity_reference(gelu_tanh),
+    "grouped_capacity": grouped_capacity_reference,
     "hf_loop": mixtral_reference,
     "gather_combine": mixtral_reference,
     "gathered_weights": lambda p, x, m: mixtral_reference(p, x, m, swiglu_bias_expert),
@@ -358,6 +387,20 @@ def test_capacity_models_drop_tokens_as_documented(name):
     assert f"{dropped} of {x.shape[0] * model.top_k}" in model.notes
     roomy = model.sized(capacity_factor=float(model.num_experts))
     assert route_with_capacity(logits, model.top_k, roomy.capacity)[1] == 0
+
+
+def test_grouped_capacity_drops_per_batch_row():
+    """At the default sizes some copies are dropped, and a row's drops depend on that row alone."""
+    model = ZOO["grouped_capacity"]
+    params, x = as_float64(_args("grouped_capacity"))
+    logits = x @ params["router"]
+    _, dropped = route_grouped_capacity(logits, model.top_k, model.capacity)
+    assert dropped > 0
+    assert model.capacity == zoo.grouped_expert_capacity(x.shape[1], model.num_experts, model.top_k, 1.0)
+    one_row = [route_grouped_capacity(logits[b : b + 1], model.top_k, model.capacity)[0] for b in range(len(x))]
+    assert sum(one_row, []) == route_grouped_capacity(logits, model.top_k, model.capacity)[0]
+    pooled, _ = route_with_capacity(logits.reshape(-1, logits.shape[-1]), model.top_k, model.capacity * len(x))
+    assert pooled != route_grouped_capacity(logits, model.top_k, model.capacity)[0]
 
 
 def test_deepseek_bias_and_group_limit_change_the_selection():
