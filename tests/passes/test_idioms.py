@@ -151,3 +151,109 @@ def test_gathered_expert_weights_are_rewritten():
 def test_gathered_weights_that_do_not_line_up_decline_or_stay_exact(index_of, tokens_of):
     params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
     rewritten_exactly(_gathered(index_of, tokens_of), params, x)
+
+
+# --------------------------------------------------------------------------- grouped capacity
+
+
+def _grouped_switch(variant=None, batch=2, seq=8, slots=3):
+    """Top-1 with capacity per batch row, MaxText-style einsums over [B, S, E, C], and the variants
+    that look alike: a dispatch laid out [S, B, E, C], a combine that sums every group's slots."""
+
+    def layer(params, x):  # x [B, S, d]
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"], -1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)  # [B, S, E]
+        if variant == "positions_wrap":  # two tokens of a row can share a slot: the device check's case
+            position = (jnp.cumsum(mask, 1) * mask - 1) % slots
+        else:
+            position = jnp.cumsum(mask, 1) * mask - 1
+        keep = mask * (position < slots)
+        dispatch = jax.nn.one_hot(position, slots, dtype=x.dtype) * keep[..., None]  # [B, S, E, C]
+        combine = dispatch * (probs * mask).sum(-1)[..., None, None]
+        if variant == "dispatch_sbec":
+            rows = jnp.einsum("sbec,bsd->ebcd", jnp.transpose(dispatch, (1, 0, 2, 3)), x)
+        else:
+            rows = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
+        hidden = jax.nn.relu(jnp.einsum("ebcd,edf->ebcf", rows, params["w_up"]))
+        out = jnp.einsum("ebcf,efd->ebcd", hidden, params["w_down"])
+        if variant == "groups_mixed":  # every token reads every group's slot c: not a capacity layer
+            return jnp.einsum("bsec,excd->bsxd", combine, out).sum(2)
+        return jnp.einsum("bsec,ebcd->bsd", combine, out)
+
+    return layer
+
+
+def _grouped_args(batch=2, seq=8, d=8, f=16, num_experts=4):
+    k = jax.random.split(jax.random.key(3), 4)
+    params = {"router": jax.random.normal(k[0], (d, num_experts)),
+              "w_up": jax.random.normal(k[1], (num_experts, d, f)) / np.sqrt(d),
+              "w_down": jax.random.normal(k[2], (num_experts, f, d)) / np.sqrt(f)}
+    return params, jax.random.normal(k[3], (batch, seq, d))
+
+
+@pytest.mark.parametrize("variant", [None, "dispatch_sbec"])
+def test_grouped_capacity_is_rewritten_on_its_sparse_path(variant):
+    from moe_lowering.testing.device_checks import capacity_fallbacks
+
+    fn = _grouped_switch(variant)
+    params, x = _grouped_args()
+    assert rewritten_exactly(fn, params, x)
+    assert explain(fn, params, x).regions[0].style == "grouped capacity"
+    assert capacity_fallbacks(fn, params, x) == [False]
+
+
+def test_a_dispatch_whose_token_axes_are_transposed_reads_the_right_tokens():
+    """'sbec,bsd->ecd' with B == S: naming the dispatch's token axes by position swaps them."""
+
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"], -1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)
+        flat = mask.reshape(-1, num_experts)
+        position = (jnp.cumsum(flat, 0) * flat - 1).reshape(mask.shape)
+        dispatch = jax.nn.one_hot(position, 3, dtype=x.dtype) * (mask * (position < 3))[..., None]
+        dispatch_sb = jnp.transpose(dispatch, (1, 0, 2, 3))
+        combine_sb = dispatch_sb * jnp.transpose((probs * mask).sum(-1))[..., None, None]
+        rows = jnp.einsum("sbec,bsd->ecd", dispatch_sb, x)
+        out = jnp.einsum("ecf,efd->ecd", jax.nn.relu(jnp.einsum("ecd,edf->ecf", rows, params["w_up"])),
+                         params["w_down"])
+        return jnp.einsum("sbec,ecd->bsd", combine_sb, out)
+
+    params, x = _grouped_args(batch=3, seq=3)
+    assert rewritten_exactly(layer, params, x)
+
+
+def test_grouped_capacity_slots_shared_within_a_row_take_the_dense_fallback():
+    from moe_lowering.testing.device_checks import capacity_fallbacks
+
+    fn = _grouped_switch("positions_wrap", slots=2)
+    params, x = _grouped_args()
+    assert rewritten_exactly(fn, params, x)
+    assert capacity_fallbacks(fn, params, x) == [True]
+
+
+def test_a_combine_that_mixes_groups_declines():
+    params, x = _grouped_args()
+    declined_because(_grouped_switch("groups_mixed"), params, x, "does not keep the dispatch's token groups apart")
+
+
+def test_an_expert_body_not_finite_on_empty_slots_takes_the_dense_fallback():
+    """``h / |h|``: 0 / 0 on an empty slot's zero row, which the dense layer multiplies by 0 (NaN)."""
+    from moe_lowering.testing.device_checks import capacity_fallbacks
+
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"], -1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)
+        position = jnp.cumsum(mask, 1) * mask - 1
+        dispatch = jax.nn.one_hot(position, 8, dtype=x.dtype) * mask[..., None]
+        combine = dispatch * (probs * mask).sum(-1)[..., None, None]
+        hidden = jnp.einsum("ebcd,edf->ebcf", jnp.einsum("bsec,bsd->ebcd", dispatch, x), params["w_up"])
+        out = jnp.einsum("ebcf,efd->ebcd", hidden / jnp.abs(hidden), params["w_down"])
+        return jnp.einsum("bsec,ebcd->bsd", combine, out)
+
+    params, x = _grouped_args()
+    assert capacity_fallbacks(layer, params, x) == [True]
+    assert rewritten_exactly(layer, params, x, gradients=False)
+    assert np.isnan(np.asarray(moe_optimize(layer)(params, x))).all()

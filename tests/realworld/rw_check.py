@@ -1,7 +1,8 @@
 """The contract every real-world case is held to, and the xfail that stands in until it holds.
 
 ``check_rewritten_exactly(layer)``: ``explain`` finds exactly one MoE region in the layer, and
-``moe_optimize(layer.fn)`` matches the layer — output, and gradients with respect to every
+``moe_optimize(layer.fn)`` matches the layer (a capacity layer on its sparse path: its device
+checks pass on the test's data, so exactness does not come from the dense fallback) — output, and gradients with respect to every
 parameter and the input — within 1e-5 relative (float32), against the layer itself and against the
 framework's second implementation where it has one. While the matcher declines the layer, the test
 xfails with explain's near-miss reason, computed at run time: the day the matcher rewrites it, the
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from moe_lowering import explain, moe_optimize
+from moe_lowering.testing.device_checks import capacity_fallbacks
 
 RTOL = 1e-5  # relative, float32: elementwise, with the absolute floor at RTOL times the largest |expected|
 
@@ -64,6 +66,8 @@ def check_rewritten_exactly(layer, *, regions: int = 1) -> None:
         pytest.xfail(reason=f"{layer.name}: not rewritten yet: {near_miss_reason(report)}")
     assert len(report.regions) == regions, f"{layer.name}: expected {regions} MoE region(s), found:\n{report}"
 
+    assert not any(capacity_fallbacks(layer.fn, layer.params, layer.x)), (
+        f"{layer.name}: the capacity layer's device checks fail on the test's data, so the dense fallback runs")
     optimized = moe_optimize(layer.fn, strict=True)
     out, grads = outputs_and_grads(optimized, layer.params, layer.x)
     want_out, want_grads = outputs_and_grads(layer.fn, layer.params, layer.x)
