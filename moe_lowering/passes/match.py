@@ -835,11 +835,57 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
         return None
     mapping = _unit_reshape(eqn.inputs[0].shape, eqn.outputs[0].shape)
     if mapping is None:
+        if isinstance(value, Rows) and value.space == "slot" and value.gate is None:
+            roles = _slot_reshape_roles(value.roles, eqn.inputs[0].shape, eqn.outputs[0].shape)
+            if roles is not None:
+                return replace(value, roles=roles)
         if isinstance(value, (Rows, Combined)):
             return FailedMatch("a reshape merges or splits the axes of expert activations", eqn)
         return None
     roles = tuple(ONE if m is None else value.roles[m] for m in mapping)
     return replace(value, roles=roles)
+
+
+def _merged_role(parts) -> str:
+    """One axis of slot rows holding several (a token group's slots: ``[E, G, C, d] -> [E, G*C, d]``),
+    named with each part's role and size, row-major, so that a later split can restore them."""
+    return "(" + ",".join(f"{role}:{size}" for role, size in parts) + ")"
+
+
+def _merged_parts(role: str) -> list | None:
+    if not role.startswith("("):
+        return None
+    return [(name, int(size)) for name, size in (part.split(":") for part in role[1:-1].split(","))]
+
+
+def _slot_reshape_roles(roles: Roles, in_shape, out_shape) -> Roles | None:
+    """Roles after a reshape of slot rows that merges adjacent group and slot axes into one, or splits
+    such a merged axis back into exactly its parts; ``None`` for any other reshape (one that mixes
+    experts or features into other axes changes what the rows mean)."""
+    out: list = []
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        parts = _merged_parts(roles[i])
+        if parts and in_shape[i] != out_shape[j] and tuple(out_shape[j:j + len(parts)]) == tuple(n for _, n in parts):
+            out.extend(name for name, _ in parts)  # a merged axis split back into exactly its parts
+            i, j = i + 1, j + len(parts)
+            continue
+        if in_shape[i] == out_shape[j]:
+            out.append(roles[i])
+            i, j = i + 1, j + 1
+            continue
+        k, size = i, 1
+        while k < len(in_shape) and size < out_shape[j]:
+            size *= in_shape[k]
+            k += 1
+        merged = [(roles[d], in_shape[d]) for d in range(i, k)]
+        if size != out_shape[j] or k - i < 2 or not all(is_token(r) or r == SLOT for r, _ in merged):
+            return None
+        out.append(_merged_role(merged))
+        i, j = k, j + 1
+    if i != len(in_shape) or j != len(out_shape):
+        return None
+    return tuple(out)
 
 
 @rule(lax.transpose_p)

@@ -572,7 +572,7 @@ def grouped_expert_capacity(group_tokens: int, num_experts: int, top_k: int, cap
     return int(max(math.ceil(group_tokens * top_k / num_experts) * capacity_factor, capacity_factor))
 
 
-def _grouped_capacity_fn(k: int, capacity_factor: float):
+def _grouped_capacity_fn(k: int, capacity_factor: float, all_to_all_layout: bool = False):
     def grouped_capacity(params, x):
         """MaxText's dense path with ``capacity_factor`` (``RoutedMoE.generate_masks`` / ``dense_matmul``):
         each batch row is a group with its own ``C`` slots per expert; positions count the row's
@@ -595,6 +595,14 @@ def _grouped_capacity_fn(k: int, capacity_factor: float):
         slots = jax.nn.one_hot(position, capacity + 1, dtype=jnp.int32)
         combine = (weights[..., None] * slots)[..., 1:]  # [B, S, E, C]
         dispatch = combine.astype(bool)
+        if all_to_all_layout:  # what an all-to-all moves: [G, E, C, d] -> [E, G * C, d], and back
+            expert_inputs = jnp.einsum("BSM,BSEC->BECM", x, dispatch)
+            expert_inputs = jnp.transpose(expert_inputs, (1, 0, 2, 3)).reshape(num_experts, batch * capacity, -1)
+            hidden = jax.nn.silu(jnp.einsum("ERM,EMH->ERH", expert_inputs, params["w_gate"])) * jnp.einsum(
+                "ERM,EMH->ERH", expert_inputs, params["w_up"])
+            expert_outputs = jnp.einsum("ERH,EHM->ERM", hidden, params["w_down"])
+            expert_outputs = jnp.transpose(expert_outputs.reshape(num_experts, batch, capacity, -1), (1, 0, 2, 3))
+            return jnp.einsum("BECM,BSEC->BSM", expert_outputs, combine)
         expert_inputs = jnp.einsum("BSM,BSEC->EBCM", x, dispatch)
         hidden = jax.nn.silu(jnp.einsum("EBCM,EMH->EBCH", expert_inputs, params["w_gate"])) * jnp.einsum(
             "EBCM,EMH->EBCH", expert_inputs, params["w_up"])
@@ -602,6 +610,19 @@ def _grouped_capacity_fn(k: int, capacity_factor: float):
         return jnp.einsum("EBCM,BSEC->BSM", expert_outputs, combine)
 
     return grouped_capacity
+
+
+def build_grouped_capacity_a2a(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
+    group_tokens = sizes.T // sizes.B
+    return ZooModel(
+        name="grouped_capacity_a2a", fn=_grouped_capacity_fn(sizes.k, capacity_factor, all_to_all_layout=True),
+        make_params=_params_maker(sizes, _mixtral_params), make_inputs=_bsd_inputs(sizes), expected_regions=1,
+        style="capacity", top_k=sizes.k, num_experts=sizes.E,
+        capacity=grouped_expert_capacity(group_tokens, sizes.E, sizes.k, capacity_factor), sizes=sizes,
+        hyper=(("capacity_factor", capacity_factor),), builder=build_grouped_capacity_a2a,
+        notes="grouped_capacity with the expert rows laid out as an all-to-all moves them: [G, E, C, d] "
+              "transposed and reshaped to [E, G * C, d] for the expert products, and back before the combine.",
+    )
 
 
 def build_grouped_capacity(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
@@ -913,6 +934,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "deepseek_v3": build_deepseek_v3,
     "switch": build_switch,
     "grouped_capacity": build_grouped_capacity,
+    "grouped_capacity_a2a": build_grouped_capacity_a2a,
     "gshard_top2": build_gshard_top2,
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,

@@ -175,8 +175,13 @@ def _grouped_switch(variant=None, batch=2, seq=8, slots=3):
             rows = jnp.einsum("sbec,bsd->ebcd", jnp.transpose(dispatch, (1, 0, 2, 3)), x)
         else:
             rows = jnp.einsum("bsec,bsd->ebcd", dispatch, x)
-        hidden = jax.nn.relu(jnp.einsum("ebcd,edf->ebcf", rows, params["w_up"]))
-        out = jnp.einsum("ebcf,efd->ebcd", hidden, params["w_down"])
+        e, b, c, d = rows.shape
+        if variant == "all_to_all":  # [E, B, C, d] -> [E, B * C, d] and back: the same rows
+            rows = rows.reshape(e, b * c, d)
+        if variant == "slots_into_features":  # C and d traded: each row now mixes two tokens' features
+            rows = jnp.swapaxes(rows, 2, 3).reshape(e, b, c, d)
+        hidden = jax.nn.relu(jnp.einsum("e...d,edf->e...f", rows, params["w_up"]))
+        out = jnp.einsum("e...f,efd->e...d", hidden, params["w_down"]).reshape(e, b, c, d)
         if variant == "groups_mixed":  # every token reads every group's slot c: not a capacity layer
             return jnp.einsum("bsec,excd->bsxd", combine, out).sum(2)
         return jnp.einsum("bsec,ebcd->bsd", combine, out)
@@ -192,7 +197,7 @@ def _grouped_args(batch=2, seq=8, d=8, f=16, num_experts=4):
     return params, jax.random.normal(k[3], (batch, seq, d))
 
 
-@pytest.mark.parametrize("variant", [None, "dispatch_sbec"])
+@pytest.mark.parametrize("variant", [None, "dispatch_sbec", "all_to_all"])
 def test_grouped_capacity_is_rewritten_on_its_sparse_path(variant):
     from moe_lowering.testing.device_checks import capacity_fallbacks
 
@@ -231,6 +236,12 @@ def test_grouped_capacity_slots_shared_within_a_row_take_the_dense_fallback():
     params, x = _grouped_args()
     assert rewritten_exactly(fn, params, x)
     assert capacity_fallbacks(fn, params, x) == [True]
+
+
+def test_a_reshape_that_mixes_slots_with_features_declines():
+    params, x = _grouped_args(seq=8)
+    fn = _grouped_switch("slots_into_features", slots=8)
+    declined_because(fn, params, x, "neither an expert projection nor the combine")
 
 
 def test_a_combine_that_mixes_groups_declines():

@@ -269,6 +269,7 @@ REFERENCES = {
     "switch": capacity_reference(relu),
     "gshard_top2": capacity_reference(gelu_tanh),
     "grouped_capacity": grouped_capacity_reference,
+    "grouped_capacity_a2a": grouped_capacity_reference,
     "hf_loop": mixtral_reference,
     "gather_combine": mixtral_reference,
     "gathered_weights": lambda p, x, m: mixtral_reference(p, x, m, swiglu_bias_expert),
