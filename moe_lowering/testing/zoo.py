@@ -612,6 +612,42 @@ def _grouped_capacity_fn(k: int, capacity_factor: float, all_to_all_layout: bool
     return grouped_capacity
 
 
+def _batch_prioritized_fn(capacity_factor: float):
+    def batch_prioritized(params, x):
+        """V-MoE's batch-prioritised routing (top-1): tokens queue for their expert's capacity in order of
+        their router confidence, not their position: positions are a cumsum over the tokens sorted by
+        top-1 probability (descending), scattered back to token order."""
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        capacity = expert_capacity(num_tokens, num_experts, 1, capacity_factor)
+        probs = jax.nn.softmax(x @ params["router"], axis=-1)
+        gate, index = lax.top_k(probs, 1)
+        order = jnp.argsort(-gate[:, 0], stable=True)
+        mask = jax.nn.one_hot(index[:, 0], num_experts, dtype=jnp.int32)  # [T, E]
+        sorted_mask = mask[order]
+        sorted_position = jnp.cumsum(sorted_mask, axis=0) * sorted_mask - 1
+        position = jnp.zeros_like(sorted_position).at[order].set(sorted_position)
+        dispatch = jax.nn.one_hot(position, capacity, dtype=x.dtype) * (mask * (position < capacity))[..., None]
+        combine = dispatch * gate.astype(x.dtype)[:, :, None]
+        expert_inputs = jnp.einsum("tec,td->ecd", dispatch, x)
+        hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", expert_inputs, params["w_up"]), approximate=True)
+        return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", hidden, params["w_down"]))
+
+    return batch_prioritized
+
+
+def build_batch_prioritized(sizes: Sizes = Sizes(E=4, k=1), *, capacity_factor: float = 1.0) -> ZooModel:
+    if sizes.k != 1:
+        raise ValueError(f"batch_prioritized routes each token to one expert; got k={sizes.k}")
+    return ZooModel(
+        name="batch_prioritized", fn=_batch_prioritized_fn(capacity_factor),
+        make_params=_params_maker(sizes, _capacity_params), make_inputs=_token_inputs(sizes), expected_regions=1,
+        style="capacity", top_k=1, num_experts=sizes.E, capacity=expert_capacity(sizes.T, sizes.E, 1, capacity_factor),
+        sizes=sizes, hyper=(("capacity_factor", capacity_factor),), builder=build_batch_prioritized,
+        notes="V-MoE batch-prioritised routing: capacity filled in order of top-1 probability (argsort, cumsum, "
+              "scatter back), [T, E, C] einsums, GELU (tanh) experts.",
+    )
+
+
 def build_grouped_capacity_a2a(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
     group_tokens = sizes.T // sizes.B
     return ZooModel(
@@ -935,6 +971,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "switch": build_switch,
     "grouped_capacity": build_grouped_capacity,
     "grouped_capacity_a2a": build_grouped_capacity_a2a,
+    "batch_prioritized": build_batch_prioritized,
     "gshard_top2": build_gshard_top2,
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,

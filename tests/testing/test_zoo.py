@@ -201,6 +201,21 @@ def route_grouped_capacity(logits, k, capacity):
     return routes, dropped
 
 
+def batch_prioritized_reference(p, x, model):
+    """Tokens claim their expert's slots in order of top-1 probability, most confident first."""
+    capacity = math.ceil(model.hyperparams["capacity_factor"] * len(x) / p["router"].shape[-1])
+    probs = [softmax(row) for row in x @ p["router"]]
+    choice = [int(top(pr, 1)[0]) for pr in probs]
+    confidence = np.array([pr[c] for pr, c in zip(probs, choice)])
+    routes = [[] for _ in x]
+    queue_length = {}
+    for t in top(confidence, len(x)):
+        if queue_length.get(choice[t], 0) < capacity:
+            queue_length[choice[t]] = queue_length.get(choice[t], 0) + 1
+            routes[t].append((choice[t], probs[t][choice[t]]))
+    return moe_loop(x, routes, mlp_expert(gelu_tanh), p)
+
+
 def grouped_capacity_reference(p, x, model):
     batch, seq, d = x.shape
     capacity = zoo.grouped_expert_capacity(seq, p["router"].shape[-1], model.top_k,
@@ -270,6 +285,7 @@ REFERENCES = {
     "gshard_top2": capacity_reference(gelu_tanh),
     "grouped_capacity": grouped_capacity_reference,
     "grouped_capacity_a2a": grouped_capacity_reference,
+    "batch_prioritized": batch_prioritized_reference,
     "hf_loop": mixtral_reference,
     "gather_combine": mixtral_reference,
     "gathered_weights": lambda p, x, m: mixtral_reference(p, x, m, swiglu_bias_expert),
