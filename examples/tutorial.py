@@ -18,6 +18,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,6 +31,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from moe_lowering import __version__, explain, moe_optimize  # noqa: E402
 from moe_lowering.cli import main as moe_rewrite  # noqa: E402
+
+REPOSITORY = Path(__file__).resolve().parents[1]
 
 # Tokens are [batch, seq, d_model]: 8 x 64 = 512 tokens, 16 experts of width 128, top-2.
 BATCH, SEQ, D_MODEL, D_FF, NUM_EXPERTS, TOP_K = 8, 64, 64, 128, 16, 2
@@ -97,7 +100,7 @@ def relative_error(reference, value):
 
 
 def check_against(reference_forward, rewritten_forward, params, x, tolerance):
-    """Largest relative error of the output and of every parameter gradient, asserted under ``tolerance``."""
+    """Relative errors of the output and of every parameter gradient, each asserted under ``tolerance``."""
     errors = {"output": relative_error(reference_forward(params, x), rewritten_forward(params, x))}
     reference_grads = jax.grad(loss(reference_forward))(params, x)
     grads = jax.jit(jax.grad(loss(rewritten_forward)))(params, x)
@@ -107,7 +110,12 @@ def check_against(reference_forward, rewritten_forward, params, x, tolerance):
     for name, error in errors.items():
         print(f"  {name:40s} relative error {error:.1e}")
         assert error < tolerance, (name, error)
-    return max(errors.values())
+    return errors
+
+
+def in_repository(text):
+    """``text`` with this checkout's paths made relative to it, for the result file."""
+    return text.replace(f"{REPOSITORY}/", "")
 
 
 def median_ms(fn, *args, reps):
@@ -121,11 +129,23 @@ def median_ms(fn, *args, reps):
     return statistics.median(times)
 
 
+class LogRecords(logging.Handler):
+    """Keeps the ``moe_lowering`` log lines, for the result file."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the CPU timings as tutorial_cpu_<date>.json in this folder")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per measurement (median reported)")
     args = parser.parse_args()
+    started_wall, started_cpu = time.perf_counter(), time.process_time()
 
     # ----------------------------------------------------------------------- 1. the model
     model = MoE(D_MODEL, D_FF, NUM_EXPERTS, TOP_K, rngs=nnx.Rngs(0))
@@ -141,12 +161,13 @@ def main():
     report = explain(forward, params, x)
     print(report)
     assert len(report.regions) == 1
+    record = {"explain": in_repository(str(report))}
 
     # ----------------------------------------------------------------------- 3. moe_optimize, checked
     print("\n== 3. moe_optimize: outputs and gradients against the undecorated model")
     sparse_forward = moe_optimize(forward)
     print(" NNX:")
-    check_against(forward, sparse_forward, params, x, tolerance=1e-5)
+    record["errors_nnx"] = check_against(forward, sparse_forward, params, x, tolerance=1e-5)
 
     linen_model = LinenMoE(D_FF, NUM_EXPERTS, TOP_K)
     linen_params = jax.jit(linen_model.init)(jax.random.key(0), x)["params"]
@@ -156,7 +177,7 @@ def main():
 
     print(" Linen:")
     assert len(explain(linen_forward, linen_params, x).regions) == 1
-    check_against(linen_forward, moe_optimize(linen_forward), linen_params, x, tolerance=1e-5)
+    record["errors_linen"] = check_against(linen_forward, moe_optimize(linen_forward), linen_params, x, tolerance=1e-5)
 
     # ----------------------------------------------------------------------- 4. CPU timings
     print(f"\n== 4. CPU timings (median of {args.reps}, ms)")
@@ -167,6 +188,7 @@ def main():
         "fwdbwd_dense_ms": median_ms(grad_of(forward), params, x, reps=args.reps),
         "fwdbwd_moe_optimize_ms": median_ms(grad_of(sparse_forward), params, x, reps=args.reps),
     }
+    load_average = os.getloadavg()[0]  # other work on the machine slows the timings
     for name, ms in timings.items():
         print(f"  {name:28s} {ms:8.2f}")
     print(f"  forward {timings['forward_dense_ms'] / timings['forward_moe_optimize_ms']:.1f}x, "
@@ -186,18 +208,22 @@ def main():
     report = explain(sharded_forward, placed_params, placed_x)
     print(report)
     assert report.regions[0].parallel_layout.startswith("expert parallel over 'expert' (2 ranks x 8 experts)")
+    record["explain_sharded"] = in_repository(str(report))
     expert_parallel = moe_optimize(sharded_forward)
-    check_against(forward, lambda p, x: expert_parallel(*jax.device_put((p, x), (param_shardings, token_sharding))),
-                  params, x, tolerance=1e-5)
+    record["errors_sharded"] = check_against(
+        forward, lambda p, x: expert_parallel(*jax.device_put((p, x), (param_shardings, token_sharding))),
+        params, x, tolerance=1e-5)
 
     # ----------------------------------------------------------------------- 7. FP8 weight gathers
     print("\n== 7. FP8 weight gathers over 'fsdp'")
     fp8_gathers = moe_optimize(sharded_forward, weight_gather_quant="fp8_e4m3")
-    fp8_error = relative_error(forward(params, x), fp8_gathers(placed_params, placed_x))
+    compiled = fp8_gathers.lower(placed_params, placed_x).compile()
+    fp8_error = relative_error(forward(params, x), compiled(placed_params, placed_x))
     print(f"  output relative error with fp8_e4m3 gathers: {fp8_error:.1e}")
     assert 1e-4 < fp8_error < 0.1  # quantised, and close
-    compiled = fp8_gathers.lower(placed_params, placed_x).compile().as_text()
-    assert any("u8[" in line for line in compiled.splitlines() if "all-gather" in line)  # FP8 bytes travel
+    gathers = [line for line in compiled.as_text().splitlines() if "all-gather" in line]
+    assert any("u8[" in line for line in gathers)  # the weights travel as FP8 bytes
+    record["error_fp8_e4m3_gathers"] = fp8_error
 
     # ----------------------------------------------------------------------- 8. capacity_factor
     print("\n== 8. capacity_factor: opt-in token dropping")
@@ -206,21 +232,27 @@ def main():
     print(f"  capacity per expert: {region.capacity} token copies "
           f"(ceil(1.0 * {BATCH * SEQ} tokens * {TOP_K} / {NUM_EXPERTS}))")
     logging.basicConfig(format="%(message)s")
-    logging.getLogger("moe_lowering").setLevel(logging.INFO)
+    log_records = LogRecords()
+    package_logger = logging.getLogger("moe_lowering")
+    package_logger.addHandler(log_records)
+    package_logger.setLevel(logging.INFO)
     dropped_error = relative_error(forward(params, x), jax.jit(dropping)(params, x))
-    logging.getLogger("moe_lowering").setLevel(logging.WARNING)
+    package_logger.setLevel(logging.WARNING)
+    package_logger.removeHandler(log_records)
     print(f"  output relative error against the dropless layer: {dropped_error:.1e}")
     assert dropped_error > 1e-4
+    record.update(capacity=region.capacity, error_capacity_factor_1=dropped_error, log_capacity=log_records.lines)
 
     # ----------------------------------------------------------------------- 9. moe-rewrite on a dump
     print("\n== 9. moe-rewrite on the model's StableHLO")
     with tempfile.TemporaryDirectory() as folder:
         dump = Path(folder, "model.mlir")
-        dump.write_text(jax.jit(forward).lower(params, x).as_text())
+        dump.write_text(jax.jit(forward).lower(params, x).as_text(debug_info=True))  # with source locations
         status = moe_rewrite([str(dump), "-o", str(Path(folder, "model.moe.mlir")),
                               "--report", str(Path(folder, "regions.json")), "--verify"])
-        regions = json.loads(Path(folder, "regions.json").read_text())["regions"]
+        regions = json.loads(in_repository(Path(folder, "regions.json").read_text()))["regions"]
     assert status == 0 and len(regions) == 1, (status, regions)
+    record["moe_rewrite_regions"] = regions
 
     if args.out:
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -229,12 +261,16 @@ def main():
             "date": now.isoformat(timespec="seconds"),
             "jax": jax.__version__,
             "moe_lowering": __version__,
-            "command": "python examples/tutorial.py --out benchmarks/results",
+            "command": " ".join(["python", "examples/tutorial.py", *sys.argv[1:]]),
             "sizes": {"batch": BATCH, "seq": SEQ, "d_model": D_MODEL, "d_ff": D_FF,
                       "num_experts": NUM_EXPERTS, "top_k": TOP_K, "dtype": "float32"},
             "reps": args.reps,
+            "load_average_1min_after_timing": load_average,
             "timing": "median wall ms of a jitted call after one compiling call; fwdbwd = jax.grad of mean(out**2)",
             **timings,
+            **record,
+            "script_wall_s": time.perf_counter() - started_wall,
+            "script_cpu_s": time.process_time() - started_cpu,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"tutorial_cpu_{now.date().isoformat()}.json"

@@ -161,8 +161,8 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared),
                           options.get("capacity_factor"), options.get("exchange_transport", "auto"),
                           options.get("backend", "auto"))
-    log.info("moe_lowering: explain(%s): traced in %.2f s, matched in %.2f s: %d MoE region(s)", _name(target),
-             traced - started, time.perf_counter() - traced, len(report.regions))
+    log.info("moe_lowering: explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
+             _seconds(traced - started), _seconds(time.perf_counter() - traced), len(report.regions))
     return report
 
 
@@ -212,7 +212,7 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
                                      input_shardings=shardings, capacity_factor=capacity_factor,
                                      exchange_transport=exchange_transport)
-        timing = f"traced in {traced - started:.2f} s, matched in {time.perf_counter() - traced:.2f} s"
+        timing = f"traced in {_seconds(traced - started)}, matched in {_seconds(time.perf_counter() - traced)}"
         if report.regions:
             log.info("moe_lowering: rewrote %d MoE region(s) in %s (%s)", len(report.regions), _name(original), timing)
         else:
@@ -263,8 +263,8 @@ def _jit_logged(run, leaves, dynamic, original):
         lowered = jitted.lower(*(l for l, d in zip(leaves, dynamic) if d))
         lowered_at = time.perf_counter()
         lowered.compile()
-        log.info("moe_lowering: %s: rewritten program lowered in %.2f s, compiled in %.2f s", _name(original),
-                 lowered_at - started, time.perf_counter() - lowered_at)
+        log.info("moe_lowering: %s: rewritten program lowered in %s, compiled in %s", _name(original),
+                 _seconds(lowered_at - started), _seconds(time.perf_counter() - lowered_at))
     return jitted
 
 
@@ -321,6 +321,10 @@ def _input_shardings(args, kwargs, declared) -> tuple:
         chosen = sharding if isinstance(sharding, NamedSharding) else concrete
         out.append(chosen if isinstance(chosen, NamedSharding) else None)
     return tuple(out)
+
+
+def _seconds(duration: float) -> str:
+    return f"{duration:.3g} s"
 
 
 def _name(fn) -> str:
