@@ -1,8 +1,9 @@
-"""Every difference between the JAX versions we support (0.10.2 to 0.11.x), in one place.
+"""Every difference between the JAX versions we support (0.10.2 to 0.12.x), in one place.
 
 Between these versions ``ClosedJaxpr`` merged into ``Jaxpr`` (0.11: ``make_jaxpr`` returns a
-``Jaxpr`` that carries its consts), and core types live in ``jax.extend.core``. Primitives are
-looked up as objects here, so the passes identify them by identity, never by name.
+``Jaxpr`` that carries its consts), and core types live in ``jax.extend.core``. 0.12 (checked on
+0.12.0.1) needs nothing beyond 0.11's. Primitives are looked up as objects here, so the passes
+identify them by identity, never by name.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def jit_options(jitted) -> dict:
 
 # --------------------------------------------------------------------------- primitive definitions
 # What ``moe_lowering.primitives`` needs to define JAX primitives with JVP, transpose and batching
-# rules (the way ``lax.ragged_dot`` is built). These names are the same in 0.10.2 and 0.11.x; they
+# rules (the way ``lax.ragged_dot`` is built). These names are the same in 0.10.2 through 0.12.x; they
 # live here so that a later JAX moving them needs one change.
 
 from jax._src.interpreters import ad as _ad  # noqa: E402

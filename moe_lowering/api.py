@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import warnings
 
 import jax
@@ -151,13 +152,17 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     target = fn.__wrapped__ if _compat.is_jitted(fn) else fn
     options = getattr(target, "__moe_options__", {})
     target = getattr(target, "__moe_original__", target)
+    started = time.perf_counter()
     closed, _, _ = _trace(target, args, kwargs)
+    traced = time.perf_counter()
     declared = options.get("declared_shardings")
     if declared is None and _compat.is_jitted(fn):
         declared = _compat.jit_options(fn).get("in_shardings")
     report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared),
                           options.get("capacity_factor"), options.get("exchange_transport", "auto"),
                           options.get("backend", "auto"))
+    log.info("moe_lowering: explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
+             _seconds(traced - started), _seconds(time.perf_counter() - traced), len(report.regions))
     return report
 
 
@@ -199,14 +204,20 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     compiled_calls: dict = {}  # call signature -> (jitted rewritten program, output tree), for eager calls
 
     def rewrite(args, kwargs):
+        log.info("moe_lowering: tracing %s", _name(original))
+        started = time.perf_counter()
         closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
+        traced = time.perf_counter()
         shardings = _input_shardings(args, kwargs, declared)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
                                      input_shardings=shardings, capacity_factor=capacity_factor,
                                      exchange_transport=exchange_transport)
+        timing = f"traced in {_seconds(traced - started)}, matched in {_seconds(time.perf_counter() - traced)}"
         if report.regions:
-            log.info("moe_lowering: rewrote %d MoE region(s) in %s", len(report.regions), _name(original))
-        elif not warned:
+            log.info("moe_lowering: rewrote %d MoE region(s) in %s (%s)", len(report.regions), _name(original), timing)
+        else:
+            log.info("moe_lowering: no MoE region to rewrite in %s (%s)", _name(original), timing)
+        if not report.regions and not warned:
             warned.append(True)
             warnings.warn(
                 f"moe_optimize: no MoE region rewritten in {_name(original)}; running it unchanged. {_why_not(report)}",
@@ -225,7 +236,9 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         if signature not in compiled_calls:
             run, out_tree, _, rewritten_any = rewrite(args, kwargs)
             # Nothing rewritten: the user's function itself runs, eagerly as called, bit for bit.
-            compiled_calls[signature] = (jax.jit(run), out_tree) if rewritten_any else None
+            compiled_calls[signature] = None
+            if rewritten_any:
+                compiled_calls[signature] = (_jit_logged(run, leaves, dynamic, original), out_tree)
             log.debug("moe_lowering: %s traced for a new call signature (%d cached)", _name(original),
                       len(compiled_calls))
         if compiled_calls[signature] is None:
@@ -239,6 +252,20 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     if jitted:
         return jax.jit(rewritten, **_compat.jit_options(fn))
     return rewritten
+
+
+def _jit_logged(run, leaves, dynamic, original):
+    """``jax.jit(run)``; with INFO logging on, lowered and compiled here, so that the log says how long the
+    rewritten program took to trace and lower and XLA to compile it (the first call then reuses both)."""
+    jitted = jax.jit(run)
+    if log.isEnabledFor(logging.INFO):
+        started = time.perf_counter()
+        lowered = jitted.lower(*(l for l, d in zip(leaves, dynamic) if d))
+        lowered_at = time.perf_counter()
+        lowered.compile()
+        log.info("moe_lowering: %s: rewritten program lowered in %s, compiled in %s", _name(original),
+                 _seconds(lowered_at - started), _seconds(time.perf_counter() - lowered_at))
+    return jitted
 
 
 def _call_signature(leaves, tree, dynamic):
@@ -294,6 +321,10 @@ def _input_shardings(args, kwargs, declared) -> tuple:
         chosen = sharding if isinstance(sharding, NamedSharding) else concrete
         out.append(chosen if isinstance(chosen, NamedSharding) else None)
     return tuple(out)
+
+
+def _seconds(duration: float) -> str:
+    return f"{duration:.3g} s"
 
 
 def _name(fn) -> str:

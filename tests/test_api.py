@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 
 import jax
@@ -119,3 +121,36 @@ def test_strict_message_for_a_top_k_that_routes_nothing():
 
     with pytest.raises(MoeNotFoundError, match="whose indices reach an expert computation"):
         moe_optimize(scores_only, strict=True)(jnp.ones((4, 8)))
+
+
+def test_info_log_times_tracing_matching_lowering_and_compiling(caplog):
+    """A first call can trace and compile for a minute: at INFO the log says where that time went."""
+    model = ZOO["mixtral"]
+    params, x = model.args(jax.random.key(0))
+    name = re.escape(model.fn.__qualname__)
+    seconds = r"\d[\d.e+-]* s"
+    with caplog.at_level(logging.INFO, logger="moe_lowering"):
+        layer = moe_optimize(model.fn)
+        out = layer(params, x)
+        layer(params, x + 1.0)  # cached: logs nothing more
+        explain(model.fn, params, x)
+    messages = [r.getMessage() for r in caplog.records if r.name == "moe_lowering"]
+    expected = [
+        rf"moe_lowering: tracing {name}",
+        rf"moe_lowering: rewrote 1 MoE region\(s\) in {name} \(traced in {seconds}, matched in {seconds}\)",
+        rf"moe_lowering: {name}: rewritten program lowered in {seconds}, compiled in {seconds}",
+        rf"moe_lowering: explain\({name}\): traced in {seconds}, matched in {seconds}: 1 MoE region\(s\)",
+    ]
+    assert len(messages) == len(expected), messages
+    for pattern, message in zip(expected, messages):
+        assert re.fullmatch(pattern, message), (pattern, message)
+    assert jnp.allclose(out, model.fn(params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_info_log_when_nothing_is_rewritten(caplog):
+    with caplog.at_level(logging.INFO, logger="moe_lowering"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoMoeFoundWarning)
+        moe_optimize(lambda x: x * 2)(jnp.ones(3))
+    messages = [r.getMessage() for r in caplog.records if r.name == "moe_lowering"]
+    assert re.fullmatch(r"moe_lowering: no MoE region to rewrite in .*<lambda> \(traced in \d[\d.e+-]* s, "
+                        r"matched in \d[\d.e+-]* s\)", messages[-1]), messages
