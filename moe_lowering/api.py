@@ -13,7 +13,7 @@ import numpy as np
 from moe_lowering import _compat
 from moe_lowering.kernels import BACKEND_NAMES
 from moe_lowering.passes.rewrite import RewriteOptions, ScopeResult, analyse_program, make_rewritten, region_layout
-from moe_lowering.report import ExplainReport, NearMiss, region_report
+from moe_lowering.report import ExplainReport, NearMiss, already_sparse_message, region_report
 
 log = logging.getLogger("moe_lowering")
 
@@ -74,7 +74,34 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
                  failure.assumption or "")
         for _, anchor, failure in scope.all_near_misses()
     )
-    return ExplainReport(tuple(regions), misses)
+    return ExplainReport(tuple(regions), misses, _already_sparse(scope))
+
+
+def _already_sparse(scope: ScopeResult) -> tuple[str, ...]:
+    from moe_lowering.passes.match import sparse_moe_ops
+
+    found = [f"{e.primitive} at {e.where()}" for e in sparse_moe_ops(scope.graph)]
+    for eqn in scope.graph.eqns:  # scan, while and remat bodies
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += [f"{name} inside {eqn.primitive} at {eqn.where()}" for name in _sparse_names(inner)]
+    return tuple(found)
+
+
+def _sparse_names(jaxpr) -> list[str]:
+    from moe_lowering.passes.match import SPARSE_MOE_PRIMITIVES
+
+    names = []
+    for eqn in jaxpr.eqns:
+        name = str(eqn.primitive)
+        if name in SPARSE_MOE_PRIMITIVES or name.startswith("moe_"):
+            names.append(name)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                names += _sparse_names(inner)
+    return names
 
 
 def _scope_at(scope: ScopeResult, path: str) -> ScopeResult:
@@ -87,6 +114,8 @@ def _scope_at(scope: ScopeResult, path: str) -> ScopeResult:
 
 
 def _why_not(report: ExplainReport) -> str:
+    if report.already_sparse:
+        return already_sparse_message(report.already_sparse)
     if report.near_misses:
         miss = report.near_misses[0]
         return f"routing {miss.routing}: {miss.reason}"

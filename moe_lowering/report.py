@@ -78,17 +78,26 @@ class ExplainReport:
 
     regions: tuple[RegionReport, ...]
     near_misses: tuple[NearMiss, ...] = field(default=())
+    already_sparse: tuple[str, ...] = ()  # sparse MoE operations the program already runs, with locations
 
     def to_dict(self) -> dict:
-        return {"regions": [r.to_dict() for r in self.regions], "near_misses": [n.to_dict() for n in self.near_misses]}
+        return {"regions": [r.to_dict() for r in self.regions], "near_misses": [n.to_dict() for n in self.near_misses],
+                "already_sparse": list(self.already_sparse)}
 
     def __str__(self) -> str:
         lines = [f"moe_lowering: {len(self.regions)} MoE region(s) found"]
         lines += [r.summary() for r in self.regions]
+        if not self.regions and self.already_sparse:
+            lines.append(already_sparse_message(self.already_sparse))
         lines += [n.summary() for n in self.near_misses]
-        if not self.regions and not self.near_misses:
+        if not self.regions and not self.near_misses and not self.already_sparse:
             lines.append("no routing decision (top_k or argmax over an expert axis) in the traced program")
         return "\n".join(lines)
+
+
+def already_sparse_message(operations) -> str:
+    shown = ", ".join(operations[:3]) + (f" and {len(operations) - 3} more" if len(operations) > 3 else "")
+    return f"the program already runs a sparse MoE ({shown}): there is no dense layer to rewrite"
 
 
 def region_report(region, scope: str = "", parallel_layout: str | None = None,

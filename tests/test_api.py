@@ -154,3 +154,28 @@ def test_info_log_when_nothing_is_rewritten(caplog):
     messages = [r.getMessage() for r in caplog.records if r.name == "moe_lowering"]
     assert re.fullmatch(r"moe_lowering: no MoE region to rewrite in .*<lambda> \(traced in \d[\d.e+-]* s, "
                         r"matched in \d[\d.e+-]* s\)", messages[-1]), messages
+
+
+def test_explain_says_a_program_that_is_already_sparse_is_so():
+    """A layer written with ``ragged_dot`` over expert-sorted rows has nothing to rewrite, and says why."""
+    num_tokens, d, f, num_experts, k = 16, 8, 16, 4, 2
+
+    def sparse_layer(params, x):
+        weights, index = jax.lax.top_k(jax.nn.softmax(x @ params["router"]), k)
+        order = jnp.argsort(index.reshape(-1))
+        sizes = jnp.bincount(index.reshape(-1), length=num_experts)
+        rows = jnp.repeat(x, k, axis=0)[order]
+        out = jax.lax.ragged_dot(jax.nn.relu(jax.lax.ragged_dot(rows, params["w_up"], sizes)), params["w_down"], sizes)
+        out = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, k, d)
+        return (out * weights[..., None]).sum(1)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"router": jax.random.normal(keys[0], (d, num_experts)),
+              "w_up": jax.random.normal(keys[1], (num_experts, d, f)),
+              "w_down": jax.random.normal(keys[2], (num_experts, f, d))}
+    x = jax.random.normal(keys[3], (num_tokens, d))
+    report = explain(sparse_layer, params, x)
+    assert not report.regions and len(report.already_sparse) == 2
+    assert "already runs a sparse MoE (ragged_dot" in str(report)
+    with pytest.raises(MoeNotFoundError, match="already runs a sparse MoE"):
+        moe_optimize(sparse_layer, strict=True)(params, x)

@@ -1281,7 +1281,10 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         if len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
             x_roles = _dispatch_roles(x, xc, wc, xb, wb, tokens, E)
             if x_roles is None:
-                return None
+                return FailedMatch(
+                    f"a {list(x.shape)} tensor built from the routing meets the tokens {list(w.shape)} in a dot, but "
+                    "not as a dispatch [tokens.., E, C]: each token axis must be summed over (or batched, as a group "
+                    f"with its own slots) and the two axes left must be the E={E} experts and the slots", eqn)
             roles = out_roles(x_roles, tokens + (FEATURE,), xc, wc, xb, wb, swap)
             return Rows(roles, RowInput(), "slot", w, dispatch=(x, x_roles))
 
@@ -1479,7 +1482,26 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
         regions.extend(found)
         if not found and not _feeds_later_anchor(graph, anchor, anchors):
             near_misses.append((anchor, failures[0] if failures else _why_not(analysis)))
-    return regions, near_misses
+    counted = {id(a.eqn) for region in regions for a in _region_anchors(graph, region, anchors)}
+    return regions, [(a, f) for a, f in near_misses if id(a.eqn) not in counted]
+
+
+def _region_anchors(graph: JaxprGraph, region: MoeRegion, anchors) -> list[RoutingAnchor]:
+    """The routing decisions a region is built from: its anchor, and for a capacity layer every
+    decision its dispatch depends on (GShard's second argmax), none of which is a near miss."""
+    if region.dispatch is None:
+        return [region.anchor]
+    ancestors = graph.ancestors(region.dispatch[0])
+    return [region.anchor] + [a for a in anchors if a.indices in ancestors]
+
+
+SPARSE_MOE_PRIMITIVES = frozenset({"ragged_dot", "ragged_dot_general", "ragged_all_to_all"})
+
+
+def sparse_moe_ops(graph: JaxprGraph) -> list[Eqn]:
+    """Eqns that already compute a sparse MoE (grouped products over expert-sorted rows, ragged
+    exchanges, this library's own primitives): a program made of them has no dense layer to rewrite."""
+    return [e for e in graph.eqns if str(e.primitive) in SPARSE_MOE_PRIMITIVES or str(e.primitive).startswith("moe_")]
 
 
 def _feeds_later_anchor(graph: JaxprGraph, anchor: RoutingAnchor, anchors) -> bool:

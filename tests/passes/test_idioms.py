@@ -268,3 +268,50 @@ def test_an_expert_body_not_finite_on_empty_slots_takes_the_dense_fallback():
     assert capacity_fallbacks(layer, params, x) == [True]
     assert rewritten_exactly(layer, params, x, gradients=False)
     assert np.isnan(np.asarray(moe_optimize(layer)(params, x))).all()
+
+
+def test_top2_from_two_argmaxes_is_one_region_and_no_near_miss():
+    """GShard's top-2 as two argmaxes: both decisions build the one capacity layer; neither is a near miss."""
+    num_experts, slots = 4, 8
+
+    def gshard(params, x):
+        probs = jax.nn.softmax(x @ params["router"], -1)
+        first = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)
+        second = jax.nn.one_hot(jnp.argmax(probs * (1 - first), -1), num_experts, dtype=jnp.int32)
+        gate_1, gate_2 = (probs * first).sum(-1), (probs * second).sum(-1)
+        gate_1, gate_2 = gate_1 / (gate_1 + gate_2), gate_2 / (gate_1 + gate_2)
+        position_1 = jnp.cumsum(first, 0) - 1
+        first = first * (position_1 < slots)
+        position_2 = jnp.cumsum(second, 0) - 1 + first.sum(0, keepdims=True)
+        second = second * (position_2 < slots)
+        slots_1 = jax.nn.one_hot(position_1, slots) * first[..., None]
+        slots_2 = jax.nn.one_hot(position_2, slots) * second[..., None]
+        combine = slots_1 * gate_1[:, None, None] + slots_2 * gate_2[:, None, None]
+        rows = jnp.einsum("tec,td->ecd", slots_1 + slots_2, x)
+        out = jnp.einsum("ecf,efd->ecd", jax.nn.relu(jnp.einsum("ecd,edf->ecf", rows, params["w_up"])),
+                         params["w_down"])
+        return jnp.einsum("tec,ecd->td", combine, out)
+
+    params, x = _params(jax.random.key(0)), jax.random.normal(jax.random.key(1), (16, 8))
+    report = explain(gshard, params, x)
+    assert len(report.regions) == 1 and report.regions[0].top_k == 2 and not report.near_misses, str(report)
+    assert rewritten_exactly(gshard, params, x)
+
+
+def test_a_dispatch_that_keeps_a_token_axis_free_says_why():
+    """A [B, S, E, C] tensor summed with the tokens over S only, B of each left free (not batched as a
+    group): every row mixes all groups' tokens into every group's slots. Not a dispatch."""
+    params, x = _grouped_args()
+
+    def not_a_dispatch(params, x):
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"], -1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)  # [B, S, E]
+        position = jnp.cumsum(mask, 1) * mask - 1
+        dispatch = jax.nn.one_hot(position, 3, dtype=x.dtype) * (mask * (position < 3))[..., None]  # [B, S, E, C]
+        rows = jnp.einsum("bsec,zsd->ebczd", dispatch, x)
+        out = jnp.einsum("ebczf,efd->ebczd", jax.nn.relu(jnp.einsum("ebczd,edf->ebczf", rows, params["w_up"])),
+                         params["w_down"])
+        return jnp.einsum("bsec,ebczd->bsd", dispatch * probs[..., None], out)
+
+    declined_because(not_a_dispatch, params, x, "not as a dispatch [tokens.., E, C]")
