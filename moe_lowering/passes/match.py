@@ -1278,7 +1278,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
     # dispatch [t.., E, C] contracted with tokens [t.., D] over the token axes -> slot rows [E, C, D];
     # token axes batched instead are groups with slots of their own ('BSM,BSEC->EBCM': [E, B, C, D])
     if ax is None and aw is None and len(w.shape) == n_tok + 1 and w.shape[:-1] == token_shape:
-        if len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
+        if len(x.shape) == n_tok + 2 and n_tok not in wc + wb and an.depends_on_anchor(x):
             x_roles = _dispatch_roles(x, xc, wc, xb, wb, tokens, E)
             if x_roles is None:
                 return FailedMatch(
