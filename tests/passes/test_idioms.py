@@ -82,12 +82,13 @@ def test_a_sharding_constraint_on_the_output_stays_on_the_output():
     assert "sharding_constraint" in text
 
 
-@pytest.mark.parametrize("shape", [(8, 4, 4), (4, 4, 8), (4, 4, 4)], ids=["E=d", "E=f", "E=d=f"])
+@pytest.mark.parametrize("shape", [(8, 4, 4, 16), (4, 4, 8, 16), (4, 4, 4, 16), (8, 16, 8, 8), (8, 16, 4, 2)],
+                         ids=["E=d", "E=f", "E=d=f", "E=T=d", "E=k*T"])
 def test_expert_axis_from_the_data_flow_when_sizes_coincide(shape):
-    """E equal to d or f: the expert axis is the one the routing meets, whatever the sizes."""
-    d, f, num_experts = shape
+    """E equal to d, f, the token count or k times it: the expert axis is the one the routing meets."""
+    d, f, num_experts, num_tokens = shape
     params = _params(jax.random.key(6), d=d, f=f, num_experts=num_experts)
-    x = jax.random.normal(jax.random.key(7), (16, d))
+    x = jax.random.normal(jax.random.key(7), (num_tokens, d))
     assert rewritten_exactly(_mixtral(), params, x)
 
 
