@@ -68,7 +68,8 @@ FLAXFORMER = "google/flaxformer@399ea3a85e9807ada653fd0de1a9de627eb0acde"
 
 
 def _ff_take_along_axis(array, indices, axis, favor_one_hot):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `_take_along_axis` (favor_one_hot: the TPU branch)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `_take_along_axis` (favor_one_hot: the TPU
+    branch)."""
     if array.ndim != indices.ndim:
         raise ValueError("indices and array must have the same number of dimensions")
     if favor_one_hot:
@@ -94,8 +95,8 @@ def _ff_top_k(array, k, favor_one_hot):
 
 
 def _ff_dense_general(inputs, kernel, bias, features, axis=-1, dtype=F32, precision=jax.lax.Precision.DEFAULT):
-    """google/flaxformer@399ea3a8: flaxformer/components/dense.py `DenseGeneral.__call__` (reshape_kernel=True: the kernel
-    parameter is stored 2-D, [prod(in), prod(features)])."""
+    """google/flaxformer@399ea3a8: flaxformer/components/dense.py `DenseGeneral.__call__` (reshape_kernel=True: the
+    kernel parameter is stored 2-D, [prod(in), prod(features)])."""
     features = (features,) if isinstance(features, int) else tuple(features)
     axis = (axis,) if isinstance(axis, int) else tuple(axis)
     inputs = jnp.asarray(inputs, dtype)
@@ -122,8 +123,9 @@ def _ff_activation(name):
 
 
 def _ff_mlp_block(p, inputs, *, activations, intermediate_dim):
-    """google/flaxformer@399ea3a8: flaxformer/components/dense.py `MlpBlock.__call__` (fuse_kernels=False, no aqt, dropout rate 0 so the
-    Dropouts are identities; `activation_partitioning.with_sharding` is the identity off-mesh)."""
+    """google/flaxformer@399ea3a8: flaxformer/components/dense.py `MlpBlock.__call__` (fuse_kernels=False, no aqt,
+    dropout rate 0 so the Dropouts are identities; `activation_partitioning.with_sharding` is the identity
+    off-mesh)."""
     actual_out_dim = inputs.shape[-1]
     acts = []
     for idx, act_fn in enumerate(activations):
@@ -137,11 +139,12 @@ def _ff_mlp_block(p, inputs, *, activations, intermediate_dim):
 
 
 def _ff_router_probs(p, token_inputs, num_experts, ignore_padding_tokens):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `Router.__call__` up to the routing instructions + `_compute_router_probabilities`
-    (jitter_noise=0, as moe.gin ships it)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `Router.__call__` up to the routing
+    instructions + `_compute_router_probabilities` (jitter_noise=0, as moe.gin ships it)."""
     token_inputs = _sc(token_inputs, ('batch', 'length', 'embed'))
     token_inputs = jax.lax.convert_element_type(token_inputs, jnp.float32)
-    router_logits = _ff_dense_general(token_inputs, p['router']['w']['kernel'], p['router']['w'].get('bias'), num_experts)
+    router_logits = _ff_dense_general(token_inputs, p['router']['w']['kernel'], p['router']['w'].get('bias'),
+                                      num_experts)
     router_probs = jax.nn.softmax(router_logits, axis=-1)
     if ignore_padding_tokens:
         padding_mask = jnp.array((jnp.sum(jnp.abs(token_inputs), axis=-1) > 0), dtype=token_inputs.dtype)
@@ -153,7 +156,8 @@ def _ff_router_probs(p, token_inputs, num_experts, ignore_padding_tokens):
 
 def _ff_tokens_choose_masked(router_probs, padding_mask, expert_capacity, *, num_selected_experts,
                              batch_prioritized_routing, favor_one_hot, dtype=F32):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `TokensChooseMaskedRouter._compute_routing_instructions` (aux loss dropped)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py
+    `TokensChooseMaskedRouter._compute_routing_instructions` (aux loss dropped)."""
     num_groups, _, num_experts = router_probs.shape
     expert_gate, expert_index = _ff_top_k(router_probs, k=num_selected_experts, favor_one_hot=favor_one_hot)
     if padding_mask is not None:
@@ -185,7 +189,8 @@ def _ff_tokens_choose_masked(router_probs, padding_mask, expert_capacity, *, num
 
 
 def _ff_experts_choose_masked(router_probs, padding_mask, expert_capacity, *, favor_one_hot, dtype=F32):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `ExpertsChooseMaskedRouter._compute_routing_instructions`."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py
+    `ExpertsChooseMaskedRouter._compute_routing_instructions`."""
     tokens_per_group = router_probs.shape[1]
     if padding_mask is not None:
         router_probs *= jnp.expand_dims(padding_mask, axis=-1)
@@ -201,7 +206,8 @@ def _ff_experts_choose_masked(router_probs, padding_mask, expert_capacity, *, fa
 
 def _ff_tokens_choose_scatter(router_probs, padding_mask, expert_capacity, *, num_selected_experts,
                               batch_prioritized_routing, favor_one_hot, dtype=F32):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py `TokensChooseScatterRouter._compute_routing_instructions` (aux loss dropped)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/routing.py
+    `TokensChooseScatterRouter._compute_routing_instructions` (aux loss dropped)."""
     num_groups, tokens_per_group, num_experts = router_probs.shape
     if padding_mask is not None:
         router_probs *= jnp.expand_dims(padding_mask, axis=-1)
@@ -240,8 +246,9 @@ def _ff_scatter_nd(indices, updates, shape):
 
 
 def _ff_call_experts(p, inputs, *, num_expert_partitions, activations, intermediate_dim, dtype=F32):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/moe_layers.py `MoeLayer._call_experts` (the expert MlpBlock under the lifted vmap over experts:
-    a jax.vmap over the stacked expert parameters, which is what flax's lifted vmap traces to)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/moe_layers.py `MoeLayer._call_experts` (the expert
+    MlpBlock under the lifted vmap over experts: a jax.vmap over the stacked expert parameters, which is what flax's
+    lifted vmap traces to)."""
     num_groups, num_experts, capacity, *hidden_dims = inputs.shape
     inputs_dtype = inputs.dtype
     inputs = jax.lax.convert_element_type(inputs, dtype)
@@ -278,8 +285,9 @@ def flaxformer_moe_layer(p, inputs, *, router, num_experts, max_group_size, capa
                          batch_prioritized_routing=False, favor_one_hot=False, ignore_padding_tokens=False,
                          num_expert_partitions=None, activations=('gelu', 'linear'), intermediate_dim=32,
                          min_expert_capacity=4, num_expert_replicas=1):
-    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/moe_layers.py `MoeLayer.__call__` + `_mask_and_dispatch_to_experts` / `_scatter_to_experts`
-    (metrics sown to 'intermediates' dropped: they do not feed the output)."""
+    """google/flaxformer@399ea3a8: flaxformer/architectures/moe/moe_layers.py `MoeLayer.__call__` +
+    `_mask_and_dispatch_to_experts` / `_scatter_to_experts` (metrics sown to 'intermediates' dropped: they do not
+    feed the output)."""
     num_expert_partitions = num_experts if num_expert_partitions is None else num_expert_partitions
     batch_size, seq_length, *hidden_dims = inputs.shape
     num_tokens = batch_size * seq_length
@@ -374,8 +382,8 @@ def _px_cum_sum(elements, axis=0, exclusive=False, reverse=False):
 def _px_top2_gating_on_logits(paddings, logits, experts_dim, expert_capacity_dim, fprop_dtype,
                               legacy_mtf_behavior=True, capacity_factor=None, importance=None,
                               mask_dtype=jnp.int32, gating_logit_cap=0.0):
-    """google/praxis@feeaff19: praxis/gshard_utils.py `top2_gating_on_logits`, second_expert_policy='all' (no rng); the summaries
-    (aux loss, over-capacity ratios, dispatch counts) are dropped: they do not feed the output."""
+    """google/praxis@feeaff19: praxis/gshard_utils.py `top2_gating_on_logits`, second_expert_policy='all' (no rng); the
+    summaries (aux loss, over-capacity ratios, dispatch counts) are dropped: they do not feed the output."""
     if mask_dtype is None:
         mask_dtype = fprop_dtype
     if logits.dtype != jnp.float32:
@@ -515,14 +523,15 @@ def _px_expert_choice_gating_on_logits_v2(paddings, logits, experts_dim, expert_
 
 
 def _px_activation(name):
-    """google/praxis@feeaff19: praxis/layers/activations.py: ReLU -> jax.nn.relu, GELU -> jax.nn.gelu(approximate=True),
-    SiLU -> jax.nn.silu."""
+    """google/praxis@feeaff19: praxis/layers/activations.py: ReLU -> jax.nn.relu, GELU ->
+    jax.nn.gelu(approximate=True), SiLU -> jax.nn.silu."""
     return {'relu': jax.nn.relu, 'gelu': functools.partial(jax.nn.gelu, approximate=True),
             'silu': jax.nn.silu}[name]
 
 
 def _px_layer_norm(p, inputs, epsilon=1e-6):
-    """google/praxis@feeaff19: praxis/layers/normalizations.py `LayerNorm.__call__` (use_scale, use_bias, direct_scale=False)."""
+    """google/praxis@feeaff19: praxis/layers/normalizations.py `LayerNorm.__call__` (use_scale, use_bias,
+    direct_scale=False)."""
     mean = jnp.mean(inputs, axis=[-1], keepdims=True)
     var = jnp.mean(jnp.square(inputs - mean), axis=[-1], keepdims=True)
     normed_inputs = (inputs - mean) * jax.lax.rsqrt(var + epsilon)
@@ -535,9 +544,8 @@ def praxis_moe_layer(p, inputs, *, num_experts, num_groups, gating_func='top2', 
                      expert_capacity_dim=0, activation='relu', use_gated_activation=False, paddings=None,
                      norm_policy='pre'):
     """google/praxis@feeaff19: praxis/layers/transformers.py `TransformerFeedForwardMoe.__call__` +
-    `_dispatch_and_combine_expert_outputs` / `_combine_top2_expert_outputs` (dropouts at rate 0,
-    summaries and the aux loss collection dropped, `_split` / `_count_dead_neurons` off-mesh
-    no-ops for the output)."""
+    `_dispatch_and_combine_expert_outputs` / `_combine_top2_expert_outputs` (dropouts at rate 0, summaries and the
+    aux loss collection dropped, `_split` / `_count_dead_neurons` off-mesh no-ops for the output)."""
     fprop_dtype = jnp.float32
     if paddings is not None:
         paddings = jnp.asarray(paddings, fprop_dtype)
@@ -658,7 +666,8 @@ def _vm_top_experts_per_item_common(gates, num_selected_experts, batch_priority)
 
 
 def _vm_einsum_dispatcher(gates, num_selected_experts, capacity, batch_priority):
-    """google-research/vmoe@942a78bc: vmoe/moe.py `_get_top_experts_per_item_einsum_dispatcher` -> (combine_weights, dispatch_weights)."""
+    """google-research/vmoe@942a78bc: vmoe/moe.py `_get_top_experts_per_item_einsum_dispatcher` -> (combine_weights,
+    dispatch_weights)."""
     _, _, buffer_idx = _vm_top_experts_per_item_common(gates, num_selected_experts, batch_priority)
     buffer_idx = jnp.max(buffer_idx, axis=1)
     dispatch_weights = jax.nn.one_hot(buffer_idx, capacity, dtype=jnp.bool_)
@@ -667,7 +676,8 @@ def _vm_einsum_dispatcher(gates, num_selected_experts, capacity, batch_priority)
 
 
 def _vm_indices_dispatcher(gates, num_selected_experts, capacity, batch_priority):
-    """google-research/vmoe@942a78bc: vmoe/moe.py `_get_top_experts_per_item_expert_indices_dispatcher` -> (indices, combine_weights)."""
+    """google-research/vmoe@942a78bc: vmoe/moe.py `_get_top_experts_per_item_expert_indices_dispatcher` -> (indices,
+    combine_weights)."""
     combine_weights, expert_idx, buffer_idx = _vm_top_experts_per_item_common(gates, num_selected_experts,
                                                                               batch_priority)
     buffer_idx = jnp.max(buffer_idx, axis=2)
@@ -718,7 +728,8 @@ def _vm_scatter_nd(indices, updates, shape):
 
 
 def _vm_mlp_block(p, inputs):
-    """google-research/vision_transformer@c6de1e53: vit_jax/models_vit.py `MlpBlock.__call__` (flax nn.Dense, nn.gelu; dropout rate 0)."""
+    """google-research/vision_transformer@c6de1e53: vit_jax/models_vit.py `MlpBlock.__call__` (flax nn.Dense, nn.gelu;
+    dropout rate 0)."""
     import flax.linen as nn
     actual_out_dim = inputs.shape[-1]
     x = nn.Dense(features=p['Dense_0']['kernel'].shape[-1]).apply({'params': p['Dense_0']}, inputs)
@@ -730,8 +741,8 @@ def _vm_mlp_block(p, inputs):
 def vmoe_mlp_moe_block(p, inputs, *, num_experts, group_size, router='top_experts_per_item', dispatcher='einsum',
                        num_selected_experts=1, batch_priority=False, capacity_factor=1.0):
     """google-research/vmoe@942a78bc: vmoe/nn/vit_moe.py `MlpMoeBlock.__call__` with vmoe/nn/routing.py's routers
-    (deterministic=True: no noise; metrics dropped) and vmoe/moe.py's `sparse_moe_spmd`
-    (dispatch, the expert MlpBlock under a vmap over experts, combine)."""
+    (deterministic=True: no noise; metrics dropped) and vmoe/moe.py's `sparse_moe_spmd` (dispatch, the expert
+    MlpBlock under a vmap over experts, combine)."""
     import flax.linen as nn
     inputs_shape = inputs.shape
     inputs = inputs.reshape(-1, group_size, inputs.shape[-1])
@@ -809,7 +820,8 @@ def _ax_compute_expert_capacity(*, group_size, num_experts, expert_capacity, cap
 
 def _ax_top2_gating(logits, *, num_experts, capacity_factor, expert_capacity=None, mask_dtype=jnp.int32,
                     gating_logit_cap=0.0):
-    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `Top2Gating.forward` (+ `_compute_index`); summaries and losses dropped."""
+    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `Top2Gating.forward` (+ `_compute_index`);
+    summaries and losses dropped."""
     if logits.dtype != jnp.float32:
         logits = logits.astype(jnp.float32)
     if gating_logit_cap > 0.0:
@@ -857,8 +869,8 @@ def _ax_top2_gating(logits, *, num_experts, capacity_factor, expert_capacity=Non
 
 def _ax_topk_gating(logits, *, num_experts, num_experts_per_token, capacity_factor, expert_capacity=None,
                     gating_logit_cap=0.0):
-    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `TopKGating.forward` (softmax score_fn, lax.top_k, no noise); summaries
-    and losses dropped; `_remat_name` is `checkpoint_name`."""
+    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `TopKGating.forward` (softmax score_fn, lax.top_k,
+    no noise); summaries and losses dropped; `_remat_name` is `checkpoint_name`."""
     if logits.dtype != jnp.float32:
         logits = logits.astype(jnp.float32)
     if gating_logit_cap > 0.0:
@@ -891,7 +903,8 @@ def _ax_topk_gating(logits, *, num_experts, num_experts_per_token, capacity_fact
 
 
 def _ax_layer_norm(p, x, eps=1e-8):
-    """apple/axlearn@34aed43c: axlearn/common/layers.py `LayerNorm.forward` (LayerNormStateless, forward_dtype float32)."""
+    """apple/axlearn@34aed43c: axlearn/common/layers.py `LayerNorm.forward` (LayerNormStateless, forward_dtype
+    float32)."""
     x_dtype = x.dtype
     x = x.astype(jnp.float32)
     x_mean = x.mean(axis=-1, keepdims=True)
@@ -911,9 +924,9 @@ def _ax_activation(name):
 
 def axlearn_moe_layer(p, inputs, *, num_experts, num_groups, outer_batch=1, gating='top2', capacity_factor=2.0,
                       num_experts_per_token=2, activation='nn.relu', structure='prenorm'):
-    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `TransformerFeedForwardMoE.forward` + `_dispatch_and_combine` +
-    `_wi_activation` (dropout / stochastic depth at rate 0, `maybe_shard` off-mesh, unquantized
-    `einsum_maybe_quantized` = jnp.einsum; summaries, aux loss and dead-neuron counts dropped)."""
+    """apple/axlearn@34aed43c: axlearn/common/mixture_of_experts.py `TransformerFeedForwardMoE.forward` +
+    `_dispatch_and_combine` + `_wi_activation` (dropout / stochastic depth at rate 0, `maybe_shard` off-mesh,
+    unquantized `einsum_maybe_quantized` = jnp.einsum; summaries, aux loss and dead-neuron counts dropped)."""
     def dispatch_and_combine(x):
         input_dtype = x.dtype
         token_shape = x.shape[:-1]
@@ -1126,7 +1139,12 @@ def test_expert_choice_not_rewritten(case):
         assert not report.regions, near_miss_reason(report)
 
 
-@pytest.mark.parametrize("case", [c for c in TOKEN_CHOICE if layer(c).reference is not None])
+# One of each pair of routes (the other cases' references are still compared when they are rewritten).
+CONSISTENCY = ["ff_masked_k1_cf1_bpr_relu", "ff_scatter_k2_cf1_bpr", "ff_masked_k2_cf1_bpr_tpu_one_hot",
+               "ff_masked_k1_cf1_expert_partitions2", "vm_indices_k2_bpr_cf1_G2", "vm_einsum_k2_bpr_cf2_G4"]
+
+
+@pytest.mark.parametrize("case", CONSISTENCY)
 def test_transcription_consistent(case):
     """Two routes through the same framework that compute the same layer agree: the
     transcription is self-consistent (this runs whatever the pass does)."""
