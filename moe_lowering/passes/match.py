@@ -849,41 +849,77 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
 def _merged_role(parts) -> str:
     """One axis of slot rows holding several (a token group's slots: ``[E, G, C, d] -> [E, G*C, d]``),
     named with each part's role and size, row-major, so that a later split can restore them."""
-    return "(" + ",".join(f"{role}:{size}" for role, size in parts) + ")"
+    return "(" + ",".join(f"{role}={size}" for role, size in parts) + ")"
 
 
 def _merged_parts(role: str) -> list | None:
     if not role.startswith("("):
         return None
-    return [(name, int(size)) for name, size in (part.split(":") for part in role[1:-1].split(","))]
+    return [(name, int(size)) for name, size in (part.rsplit("=", 1) for part in role[1:-1].split(","))]
+
+
+def _split_part(role: str, index: int, factors: tuple) -> str:
+    """Part ``index`` of a token group axis split row-major into ``factors`` (flaxformer's
+    ``[G, ...] -> [E, G / E, ...]``); the parts, adjacent and in order, merge back into ``role``."""
+    return f"{role}#{index}/{'x'.join(map(str, factors))}"
+
+
+def _unsplit(atoms) -> str | None:
+    """``role`` if ``atoms`` are all parts of one split of ``role``, in order; else None."""
+    bases = {name.split("#")[0] for name, _ in atoms}
+    if len(bases) != 1 or not all("#" in name for name, _ in atoms):
+        return None
+    base = bases.pop()
+    factors = atoms[0][0].split("/")[1]
+    expected = [_split_part(base, i, tuple(int(f) for f in factors.split("x"))) for i in range(len(atoms))]
+    return base if [name for name, _ in atoms] == expected and len(factors.split("x")) == len(atoms) else None
 
 
 def _slot_reshape_roles(roles: Roles, in_shape, out_shape) -> Roles | None:
-    """Roles after a reshape of slot rows that merges adjacent group and slot axes into one, or splits
-    such a merged axis back into exactly its parts; ``None`` for any other reshape (one that mixes
-    experts or features into other axes changes what the rows mean)."""
+    """Roles after a reshape of slot rows that only regroups expert, token-group and slot axes: a group
+    axis split into factors, adjacent axes merged into one (``[G, E, C, d] -> [E, G*C, d]``, what an
+    all-to-all moves; vmoe flattens ``[E, G, C, d]`` to ``[E*G*C, d]`` on the way), a merged axis split
+    back into exactly its parts, parts merged back into their axis. Every element keeps its (expert, group, slot, feature) name, so the layout
+    stays known; ``None`` for any other reshape (one that mixes experts or features into other axes
+    changes what the rows mean)."""
+    atoms = []  # the input as a row-major list of (role, size), merged axes opened, unit axes dropped
+    for role, size in zip(roles, in_shape):
+        parts = _merged_parts(role)
+        atoms.extend(parts if parts else [(role, size)] if size != 1 else [])
     out: list = []
-    i = j = 0
-    while i < len(in_shape) and j < len(out_shape):
-        parts = _merged_parts(roles[i])
-        if parts and in_shape[i] != out_shape[j] and tuple(out_shape[j:j + len(parts)]) == tuple(n for _, n in parts):
-            out.extend(name for name, _ in parts)  # a merged axis split back into exactly its parts
-            i, j = i + 1, j + len(parts)
+    position = 0
+    for size in out_shape:
+        if size == 1:
+            out.append(ONE)
             continue
-        if in_shape[i] == out_shape[j]:
-            out.append(roles[i])
-            i, j = i + 1, j + 1
-            continue
-        k, size = i, 1
-        while k < len(in_shape) and size < out_shape[j]:
-            size *= in_shape[k]
-            k += 1
-        merged = [(roles[d], in_shape[d]) for d in range(i, k)]
-        if size != out_shape[j] or k - i < 2 or not all(is_token(r) or r == SLOT for r, _ in merged):
+        taken, product = [], 1
+        while product < size and position < len(atoms):
+            role, atom_size = atoms[position]
+            if product * atom_size <= size:
+                taken.append((role, atom_size))
+                product *= atom_size
+                position += 1
+                continue
+            rest = size // product
+            if size % product or atom_size % rest or "#" in role or not is_token(role):
+                return None  # a split that is not of a whole token group axis
+            factors = (rest, atom_size // rest)
+            taken.append((_split_part(role, 0, factors), rest))
+            atoms[position] = (_split_part(role, 1, factors), atom_size // rest)
+            product *= rest
+        if product != size or not taken:
             return None
-        out.append(_merged_role(merged))
-        i, j = k, j + 1
-    if i != len(in_shape) or j != len(out_shape):
+        if len(taken) == 1:
+            out.append(taken[0][0])
+            continue
+        whole = _unsplit(taken)
+        if whole is not None:
+            out.append(whole)
+        elif all(is_token(r) or r in (SLOT, EXPERT) for r, _ in taken):
+            out.append(_merged_role(taken))  # experts merged in must be split out before any product
+        else:
+            return None
+    if position != len(atoms):
         return None
     return tuple(out)
 
@@ -1362,6 +1398,9 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
     if ax is None and isinstance(aw, Rows) and aw.space == "slot" and len(wc) == 2:
         if {aw.roles[i] for i in wc} == {EXPERT, SLOT} and len(x.shape) == n_tok + 2 and an.depends_on_anchor(x):
             groups = tuple(r for r in aw.roles if is_token(r))
+            if any(r not in tokens for r in groups) or any(_merged_parts(r) for r in aw.roles):
+                return FailedMatch("the slot rows reach the combine with their group and slot axes still "
+                                   "regrouped (split or merged by a reshape that is not undone)", eqn)
             if sorted(aw.roles[i] for i in wb) != sorted(groups) or not all(is_token(aw.roles[i]) for i in wb):
                 return FailedMatch("the combine does not keep the dispatch's token groups apart (each group's "
                                    "slots must meet only that group's tokens)", eqn)
