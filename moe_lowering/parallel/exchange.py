@@ -837,9 +837,9 @@ def prepare_peer_transport(devices, backend: str) -> None:
                          "from GPU to GPU directly); use 'all_to_all' across processes")
     if get_backend(backend).name != "triton":
         return  # the all-gather reference: nothing to prepare
-    from moe_lowering.kernels import triton_peer_store
+    from moe_lowering.kernels.peer_store import triton_launch
 
-    triton_peer_store.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
+    triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
 
 
 AUTO_TRANSPORT = "auto"
