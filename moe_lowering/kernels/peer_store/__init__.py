@@ -9,9 +9,9 @@ arrival counters; elsewhere an all-gather reference does the same, exactly and s
 
 * :mod:`.api`: the entry points, which run the kernels on the Triton backend and the jnp
   reference (``peer_store_reference``, the CPU path) elsewhere; receive buffers (``PeerBuffer``);
-* :mod:`.triton_kernels`: the Triton kernels that only read and write (``expand_rows_kernel``);
-* :mod:`.triton_launch`: allocate / push / wait (their kernels beside them), ``expand_rows``, and
-  CUDA peer access; needs ``triton`` and ``jax_triton``.
+* :mod:`.triton_kernels`: the Triton kernels (``allocate``, ``push``, ``wait``, ``expand_rows``);
+* :mod:`.triton_launch`: those kernels as XLA custom calls, the store protocol, and CUDA peer
+  access; needs ``triton`` and ``jax_triton``.
 """
 
 from moe_lowering.kernels.peer_store.api import (
