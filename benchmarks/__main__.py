@@ -10,6 +10,7 @@ JSON; ``benchmarks/README.md`` lists the results kept and the command that made 
 
 from __future__ import annotations
 
+import re
 import runpy
 import subprocess
 import sys
@@ -17,46 +18,43 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# name: (script, what it measures), grouped as the usage text prints them.
-SUBCOMMANDS = {
-    "layer configs": {
-        "layer": ("moe_layer.py", "one MoE layer (Mixtral, Qwen3, DeepSeek, small): dense, moe_optimize, ragged_dot, "
-                                  "tokamax; the README's table"),
-        "profile": ("layer_profile.py", "where a layer's forward+backward step spends its GPU time, kernel by kernel"),
-        "realworld": ("realworld_cpu.py", "MaxText's and EasyDeL's dense MoE layers on a CPU, as shipped and rewritten"),
-    },
-    "SonicMoE": {
-        "sonic": ("sonic.py", "SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers"),
-    },
-    "expert parallelism": {
-        "ep": ("ep_overlap.py", "the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles"),
-        "ep-bench": ("ep_bench.py", "bare transports, the exchange alone, FSDP weight gathers, NCCL settings"),
-        "peer-probe": ("peer_exchange_probe.py", "the device-initiated peer exchange alone"),
-        "routing-sort": ("routing_sort.py", "counting against comparison sort of the token copies"),
-    },
-    "FP8": {
-        "fp8": ("fp8_gmm_bench.py", "the FP8-weight grouped GEMM against bf16 weights"),
-        "fp8-layer": ("fp8_layer_bench.py", "the sharded layer with FP8 FSDP weight gathers against bf16"),
-    },
-    "kernel sweeps": {
-        "gmm-sweep": ("gmm_sweep.py", "gmm / tgmm alone per tile shape (sets the tile table)"),
-        "tgmm-ab": ("tgmm_ab.py", "the weight-gradient kernel against other revisions' (A/B)"),
-        "swiglu": ("swiglu_fusion.py", "the fused SwiGLU up-projection against two gmm calls"),
-        "swiglu-rows": ("swiglu_rows_sweep.py", "swiglu_rows launch shapes against XLA's fusion"),
-    },
-    "GPU machine": {
-        "gpu": ("gpu_run.sh", "install the carried wheels, then run gpu_run.sh's named steps"),
-    },
-}
-SCRIPTS = {name: entry[0] for group in SUBCOMMANDS.values() for name, entry in group.items()}
+# The subcommands, grouped: name, script, what it measures. The usage text prints this table as is.
+TABLE = """\
+layer configs:
+  layer         moe_layer.py            one MoE layer (Mixtral, Qwen3, DeepSeek, small): dense, moe_optimize,
+                                        lax.ragged_dot, tokamax; the README's table
+  profile       layer_profile.py        where a layer's forward+backward step spends its GPU time, kernel by kernel
+  realworld     realworld_cpu.py        MaxText's and EasyDeL's dense MoE layers on a CPU, as shipped and rewritten
+
+SonicMoE:
+  sonic         sonic.py                SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers
+
+expert parallelism:
+  ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
+  ep-bench      ep_bench.py             bare transports, the exchange alone, FSDP weight gathers, NCCL settings
+  peer-probe    peer_exchange_probe.py  the device-initiated peer exchange alone
+  routing-sort  routing_sort.py         counting against comparison sort of the token copies
+
+FP8:
+  fp8           fp8_gmm_bench.py        the FP8-weight grouped GEMM against bf16 weights
+  fp8-layer     fp8_layer_bench.py      the sharded layer with FP8 FSDP weight gathers against bf16
+
+kernel sweeps:
+  gmm-sweep     gmm_sweep.py            gmm / tgmm alone per tile shape (sets the tile table)
+  tgmm-ab       tgmm_ab.py              the weight-gradient kernel against other revisions' (A/B)
+  swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
+  swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
+
+GPU machine:
+  gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps
+"""
+# name -> script, read off the table's rows that name one (a continuation line has no script).
+SCRIPTS = dict(re.findall(r"(?m)^  (\S+) +(\S+\.(?:py|sh)) ", TABLE))
 
 
 def usage() -> str:
-    lines = ["usage: python -m benchmarks <subcommand> [options]   (options: python -m benchmarks <subcommand> --help)"]
-    for group, entries in SUBCOMMANDS.items():
-        lines.append(f"\n{group}:")
-        lines += [f"  {name:<13} {script:<23} {what}" for name, (script, what) in entries.items()]
-    return "\n".join(lines)
+    return ("usage: python -m benchmarks <subcommand> [options]   (options: python -m benchmarks <subcommand> --help)"
+            f"\n\n{TABLE}")
 
 
 def main(argv=None) -> int:

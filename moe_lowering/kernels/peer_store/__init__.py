@@ -14,18 +14,9 @@ arrival counters; elsewhere an all-gather reference does the same, exactly and s
   access; needs ``triton`` and ``jax_triton``.
 """
 
-from moe_lowering.kernels.peer_store.api import (
-    PUSH_PROGRAMS,
-    WAIT_PROGRAMS,
-    PeerBuffer,
-    allocate_buffer,
-    expand_rows,
-    gather_addresses,
-    grouped_matmul_store,
-    peer_store,
-    peer_store_reference,
-    uses_kernels,
-)
+from moe_lowering.kernels.peer_store.api import PUSH_PROGRAMS, WAIT_PROGRAMS, PeerBuffer, allocate_buffer
+from moe_lowering.kernels.peer_store.api import expand_rows, gather_addresses, grouped_matmul_store, peer_store
+from moe_lowering.kernels.peer_store.api import peer_store_reference, uses_kernels
 
 __all__ = ["PUSH_PROGRAMS", "WAIT_PROGRAMS", "PeerBuffer", "allocate_buffer", "expand_rows", "gather_addresses",
            "grouped_matmul_store", "peer_store", "peer_store_reference", "uses_kernels"]
