@@ -26,7 +26,7 @@ Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one 
 direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending block ``s`` to
 rank ``me + s``; the own block never leaves the device) and ``"ragged"``
 (``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU),
-and ``"peer"`` (``kernels/peer_store.py``: NVLink stores from Triton kernels between the GPUs of
+and ``"peer"`` (``kernels/peer_store/``: NVLink stores from Triton kernels between the GPUs of
 one process; an all-gather reference elsewhere). With ``"peer"`` the
 sender stores every row over NVLink straight to its final place: its sorted position on the
 receiver for the dispatch, its home row for the return; so nothing is padded on the wire, and the
