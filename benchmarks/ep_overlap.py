@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from ep_bench import CONFIGS, Bench, LayerBench, bench_gemm_only, make_mesh, with_grad  # noqa: E402
 from moe_lowering.parallel import exchange, plan_layout, sharded_sparse_moe  # noqa: E402
 from moe_lowering.parallel import sharded_moe as sharded_moe_module  # noqa: E402
-from moe_lowering.kernels import peer_store as peer_store_module  # noqa: E402
+from moe_lowering.kernels.peer_store import api as peer_store_module  # noqa: E402
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_reference  # noqa: E402
 
 log = logging.getLogger("ep_overlap")
@@ -62,7 +62,7 @@ def gemm_grid(mode: str, margin: int):
     if mode == "all" or jax.devices()[0].platform != "gpu":
         yield
         return
-    from moe_lowering.kernels import triton_grouped_matmul as tgm
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
 
     saved = tgm._multiprocessor_count, tgm.gmm_config, tgm.tgmm_config
     if mode == "margin":
@@ -117,7 +117,7 @@ def peer_variant(name: str):
     activation as an XLA fusion over the whole worst-case buffer (``all-rows``, before
     ``swiglu_rows``), or sending rows once per expert instead of tokens once per rank (``rows``,
     before the deduplicated dispatch), or with the GEMMs' tail tiles whole (``whole-tail``, before
-    ``triton_grouped_matmul.TAIL_APART``), or with the GEMMs' tile shape picked from the receive
+    ``grouped_matmul.triton_launch.TAIL_APART``), or with the GEMMs' tile shape picked from the receive
     buffer's size (``buffer-tiles``, before ``exchange._expected_rows``). ``push-PxWxS`` is the committed form with the dispatch push launched as ``P`` programs of
     ``W`` warps storing ``S`` rows at a time."""
     saved = (exchange._output_matmul, sharded_moe_module.PEER_SINGLE_ROUND_MAX_RANKS, exchange.swiglu_rows,
@@ -144,7 +144,7 @@ def peer_variant(name: str):
 @contextlib.contextmanager
 def whole_tail():
     """The grouped GEMMs with the tiles past their last full wave left whole (GPU kernels only)."""
-    from moe_lowering.kernels import triton_grouped_matmul
+    from moe_lowering.kernels.grouped_matmul import triton_launch as triton_grouped_matmul
 
     saved, triton_grouped_matmul.TAIL_APART = triton_grouped_matmul.TAIL_APART, False
     try:
@@ -156,7 +156,7 @@ def whole_tail():
 @contextlib.contextmanager
 def push_launch(name: str):
     """The dispatch push launched as ``push-PxWxS`` says (GPU only: it patches the Triton wrapper)."""
-    from moe_lowering.kernels import triton_peer_store
+    from moe_lowering.kernels.peer_store import triton_launch as triton_peer_store
 
     programs, warps, slots = (int(n) for n in name.removeprefix("push-").split("x"))
     saved = peer_store_module.PUSH_PROGRAMS, triton_peer_store.push

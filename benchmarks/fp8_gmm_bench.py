@@ -2,11 +2,11 @@
 
 Per shape (rows routed to the local groups by uniform random choice) and quant format:
 
-* ``bf16_gmm``: the bf16 Triton ``gmm`` (``triton_grouped_matmul``) on bf16 weights;
+* ``bf16_gmm``: the bf16 Triton ``gmm`` (``kernels/grouped_matmul/triton_launch.py``) on bf16 weights;
 * ``dequantize_then_gmm``: ``dequantize_blocks`` to bf16, then that ``gmm`` (what the FP8 FSDP
   gather feeds the experts today);
-* ``fp8_gmm_wlhs`` / ``fp8_gmm_wrhs``: the Triton ``fp8_gmm`` (``triton_fp8_gmm``) on the FP8 values
-  and scales, computing the transposed tile with the dequantised weight as the dot's first
+* ``fp8_gmm_wlhs`` / ``fp8_gmm_wrhs``: the Triton ``fp8_gmm``
+  (``kernels/fp8_grouped_matmul/triton_launch.py``) on the FP8 values and scales, computing the transposed tile with the dequantised weight as the dot's first
   (register) operand (``weight_as_lhs=True``, the default) or the weight as its second operand (the
   first version), with the tile its table picks and with each candidate tile, since that table is
   not measured yet.
@@ -86,9 +86,9 @@ def _timed(fn, args, reps: int, flops: float) -> tuple[dict, jax.Array]:
 
 
 def bench_shape(name: str, quants, candidates, reps: int) -> list[dict]:
-    from moe_lowering.kernels import triton_fp8_gmm as tf8
-    from moe_lowering.kernels import triton_grouped_matmul as tgm
-    from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
+    from moe_lowering.kernels.fp8_grouped_matmul import triton_launch as tf8
+    from moe_lowering.kernels.fp8_grouped_matmul.quant_format import dequantize_blocks, quantize_blocks
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
 
     rows, k, n, groups = SHAPES[name]
     keys = jax.random.split(jax.random.key(0), 3)

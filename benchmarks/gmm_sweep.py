@@ -4,7 +4,7 @@ For each layer config (``moe_layer.CONFIGS``) the six grouped products of a SwiG
 (forward up/down, activation gradients of both, weight gradients of both) are timed with every
 candidate tile shape and with the one the table picks, on group sizes drawn from uniform
 top-k routing. Prints TFLOP/s per (product, candidate) and writes JSON; the table in
-``moe_lowering/kernels/triton_grouped_matmul.py`` is set from these numbers by hand.
+``moe_lowering/kernels/grouped_matmul/triton_launch.py`` is set from these numbers by hand.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_layer import CONFIGS, _time_ms  # noqa: E402
 
-from moe_lowering.kernels import triton_grouped_matmul as tgm  # noqa: E402
+from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
 
 CANDIDATES = {
     "128x256x64s3": tgm.TileConfig(128, 256, 64, num_stages=3),

@@ -1,4 +1,4 @@
-"""Probe of the device-initiated row exchange (``kernels/triton_peer_store.py``) on the local GPUs.
+"""Probe of the device-initiated row exchange (``kernels/peer_store/triton_launch.py``) on the local GPUs.
 
 For ep in (2, 4) GPUs of this host: every device holds ``rows`` rows sent to random devices; the
 exchange stores each row at its final position on its destination. Checks the received rows against
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moe_lowering.kernels import triton_peer_store as peer
+from moe_lowering.kernels.peer_store import triton_launch as peer
 from moe_lowering.parallel._jax_shim import shard_map
 
 log = logging.getLogger("peer_exchange_probe")

@@ -79,7 +79,7 @@ def _fused_kernel(kernels):
     if kernels.swiglu_gmm is not None:
         return kernels.swiglu_gmm
     if kernels.name == "triton":
-        from moe_lowering.kernels.triton_swiglu_gmm import swiglu_gmm
+        from moe_lowering.kernels.swiglu_gmm.triton_launch import swiglu_gmm
 
         return sequential_under_vmap(swiglu_gmm)
     return swiglu_gmm_reference
@@ -136,7 +136,7 @@ def check_and_time_op(name: str, sizes: Sizes, reps: int) -> dict:
     the halved tile of the table costs the small-group shapes their ``lhs`` reuse (64-row tiles
     only; elsewhere it is the table's tile again, a second timing of ``fused``).
     """
-    from moe_lowering.kernels.triton_swiglu_gmm import swiglu_config, swiglu_gmm
+    from moe_lowering.kernels.swiglu_gmm.triton_launch import swiglu_config, swiglu_gmm
 
     kernels = dataclasses.replace(get_backend("triton"), swiglu_gmm=swiglu_gmm)
     x, w_gate, w_up, group_sizes = _routed_operands(sizes, jax.random.key(11))

@@ -67,7 +67,8 @@ def main(argv=None):
     parser.add_argument("--block-rows", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args(argv)
-    from moe_lowering.kernels import triton_swiglu_rows  # the GPU kernels (jax-triton): after --help
+    # the GPU kernels (jax-triton): after --help
+    from moe_lowering.kernels.swiglu_rows import triton_launch as triton_swiglu_rows
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     device = jax.devices()[0]

@@ -1,8 +1,9 @@
 """A/B of the weight-gradient kernel (``tgmm``): this checkout's kernel against other revisions'.
 
-Each other revision's ``triton_gmm_kernels.py`` is passed as a file (``git show REV:moe_lowering/
-kernels/triton_gmm_kernels.py > old.py``); its ``tgmm_kernel`` is launched with the same operands,
-grid and tile shape as the library's ``tgm.tgmm``. For each layer's two weight-gradient products
+Each other revision's kernel file is passed as a file (``git show REV:moe_lowering/kernels/
+grouped_matmul/triton_kernels.py > old.py``; before the kernels' folders, ``kernels/triton_gmm_kernels.py``);
+its ``tgmm_kernel`` is launched with the same operands, grid and tile shape as the library's
+``tgm.tgmm``. For each layer's two weight-gradient products
 (``gmm_sweep.products``) and each tile shape, prints every kernel's TFLOP/s against the first
 file's and the largest difference of its output from the first file's (relative to the output's
 scale), and writes JSON.
@@ -24,10 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gmm_sweep import CANDIDATES, group_sizes_for, products  # noqa: E402
 from moe_layer import CONFIGS, _time_ms  # noqa: E402
 
-from moe_lowering.kernels import triton_grouped_matmul as tgm  # noqa: E402
+from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
 
 
 def load_kernels(path: Path):
+    # Files from before the kernels' folders import the peer-address helpers by their old name.
+    from moe_lowering.kernels.peer_address import triton_kernels as peer_address
+
+    sys.modules.setdefault("moe_lowering.kernels.triton_peer_address", peer_address)
     spec = importlib.util.spec_from_file_location("baseline_gmm_kernels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -74,7 +79,7 @@ def skewed_sizes(config, hot_share: float = 1 / 64, hot_factor: int = 8):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--baselines", type=Path, nargs="+", required=True,
-                        help="other revisions' triton_gmm_kernels.py; the first is the reference")
+                        help="other revisions' grouped-matmul triton_kernels.py; the first is the reference")
     parser.add_argument("--configs", nargs="+", default=["deepseek", "qwen3", "mixtral"])
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=["128x256x64s3"])
     parser.add_argument("--routing", choices=("uniform", "balanced", "skewed"), default="uniform",

@@ -174,7 +174,7 @@ def swiglu_rows(gate, up, num_rows, backend: str = "auto"):
     """``silu(gate) * up`` on rows ``[0, num_rows)``, later rows unspecified (forward and backward).
 
     For buffers sized for the worst case whose tail nothing reads: on the Triton backend it costs
-    the rows that arrived, not the buffer (``kernels/swiglu_rows.py``).
+    the rows that arrived, not the buffer (``kernels/swiglu_rows/``).
     """
     return (get_backend(backend).swiglu_rows or swiglu_rows_reference)(gate, up, num_rows)
 

@@ -22,8 +22,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rewritten", action="store_true", help="also write <name>.rewritten.mlir")
     args = parser.parse_args(argv)
 
-    from moe_lowering.hlo import _compat, examples, reader
+    from moe_lowering.hlo import _compat, reader
     from moe_lowering.hlo.rewrite import rewrite_module
+    from moe_lowering.testing import hlo_examples as examples
     from moe_lowering.testing.zoo import ZOO
 
     os.makedirs(args.out_dir, exist_ok=True)

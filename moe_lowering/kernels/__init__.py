@@ -1,14 +1,29 @@
-"""Kernel backends for the sparse MoE: each a set of grouped matrix products with one signature.
+"""The kernel layer: one folder per operation, and the choice of backend (this module).
 
-``xla`` is the pure-jnp tile schedule in :mod:`grouped_matmul` (the CPU path and the reference);
-``triton`` holds the GPU kernels. Backends are imported lazily on first use, so importing
-``moe_lowering`` never pulls in Triton.
+Each operation's folder holds its pure-jnp reference (the CPU path and the contract,
+``reference.py``), its Triton kernels (``triton_kernels.py``: only ``triton`` imported, so
+Triton's interpreter runs them on a CPU) and their launcher (``triton_launch.py``: the kernels as
+XLA custom calls through ``jax_triton``):
+
+* :mod:`.grouped_matmul`: ``gmm`` / ``tgmm``, products of rows sorted by group (and ``gmm_push``,
+  whose epilogue stores each row on the GPU that owns it);
+* :mod:`.fp8_grouped_matmul`: ``gmm`` with FP8 expert weights and block scales, and the
+  quantisation format (``quant_format``) the FP8 FSDP gather sends;
+* :mod:`.swiglu_gmm`: the fused grouped SwiGLU up-projection;
+* :mod:`.swiglu_rows`: SwiGLU's elementwise part on a buffer's leading rows;
+* :mod:`.peer_store`: row stores between the GPUs of a mesh axis (the ``"peer"`` exchange) and
+  the receiver's row expansion;
+* :mod:`.peer_address`: addressing a peer GPU's buffer from a kernel (shared by the two above).
+
+A backend is a :class:`KernelBackend`, the set of these products the sparse MoE calls;
+:func:`get_backend` chooses one: ``xla`` (the references: XLA tile loops) or ``triton`` (the GPU
+kernels). Backends load on first use, so importing ``moe_lowering`` never pulls in Triton. The
+kernel layer imports nothing else of ``moe_lowering`` (``tests/test_import_layers.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -22,17 +37,17 @@ BACKEND_NAMES = ("auto", "xla", "triton")
 
 @dataclass(frozen=True)
 class KernelBackend:
-    """The grouped products a backend provides; see ``grouped_matmul`` for their contracts.
+    """The grouped products a backend provides; see :mod:`.grouped_matmul` for their contracts.
 
     ``gmm(lhs, rhs, group_sizes, *, group_offset, transpose_rhs, preferred_element_type, zero_outside,
     expected_rows)`` and
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type, expected_rows)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
-    with_preactivations)`` (contract in ``swiglu_gmm``) is set only where the fused gate/up
+    with_preactivations)`` (contract in :mod:`.swiglu_gmm`) is set only where the fused gate/up
     product was measured no slower than two ``gmm`` calls and an elementwise pass (the XLA
     path on a CPU; not the Triton kernel on an H200); ``None`` keeps SwiGLU programs unfused.
     ``swiglu_rows(gate, up, num_rows)`` and ``swiglu_rows_grads(d_out, gate, up, num_rows)``
-    (contract in ``swiglu_rows``): SwiGLU's elementwise part on a buffer's leading rows;
+    (contract in :mod:`.swiglu_rows`): SwiGLU's elementwise part on a buffer's leading rows;
     ``None`` uses the jnp reference, which computes every row.
     ``gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset, preferred_element_type,
     zero_outside, expected_rows)``: ``gmm`` of the same rows by two weights of one shape, ``(out_a, out_b)``, set
@@ -50,12 +65,6 @@ class KernelBackend:
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
-
-
-_BACKEND_MODULES = {
-    "xla": "moe_lowering.kernels.xla_backend",
-    "triton": "moe_lowering.kernels.triton_backend",
-}
 
 
 def sequential_under_vmap(kernel: Callable) -> Callable:
@@ -88,11 +97,48 @@ def get_backend(name: str) -> KernelBackend:
             except BackendUnavailable as err:
                 log.warning("moe_lowering: Triton kernels unavailable (%s); using the XLA grouped GEMM", err)
         return get_backend("xla")
+    return _LOADERS[name]()
+
+
+def _load_xla() -> KernelBackend:
+    """The portable backend: the references, grouped products as XLA tile loops. It offers the
+    SwiGLU up-projection as its jnp reference too: on a CPU that was measured no slower than the
+    unfused products forward and faster forward+backward (``benchmarks/NOTES.md``)."""
+    from moe_lowering.kernels.grouped_matmul.reference import gmm, tgmm
+    from moe_lowering.kernels.swiglu_gmm.reference import swiglu_gmm_reference
+
+    return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference)
+
+
+def _load_triton() -> KernelBackend:
+    """The GPU backend: the Triton kernels called from JAX through ``jax_triton``;
+    ``BackendUnavailable`` without a CUDA GPU, Triton or jax_triton."""
     try:
-        module = importlib.import_module(_BACKEND_MODULES[name])
+        gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        raise BackendUnavailable("the Triton backend needs a CUDA GPU and JAX sees none")
+    if "rocm" in str(getattr(gpus[0].client, "platform_version", "")).lower():
+        raise BackendUnavailable(f"the Triton backend is built for CUDA GPUs, found ROCm ({gpus[0].device_kind})")
+    try:
+        from moe_lowering.kernels.grouped_matmul import triton_launch as grouped_matmul
+        from moe_lowering.kernels.swiglu_rows import triton_launch as swiglu_rows
     except ImportError as err:
-        raise BackendUnavailable(f"backend {name!r} could not be imported: {err}") from err
-    return module.load()
+        raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
+    # No swiglu_gmm: the fused kernel (swiglu_gmm/triton_launch.py) measured no faster on an H200 at
+    # any benchmark layer, forward or forward+backward (benchmarks/NOTES.md, "Fused SwiGLU").
+    return KernelBackend(
+        name="triton",
+        gmm=sequential_under_vmap(grouped_matmul.gmm),
+        tgmm=sequential_under_vmap(grouped_matmul.tgmm),
+        swiglu_rows=sequential_under_vmap(swiglu_rows.swiglu_rows),
+        swiglu_rows_grads=sequential_under_vmap(swiglu_rows.swiglu_rows_grads),
+        gmm_pair=sequential_under_vmap(grouped_matmul.gmm_pair),
+    )
+
+
+_LOADERS = {"xla": _load_xla, "triton": _load_triton}
 
 
 def _has_cuda_gpu() -> bool:

@@ -26,7 +26,7 @@ Transports for the blocks (``ExchangeConfig.transport``): ``"all_to_all"`` (one 
 direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending block ``s`` to
 rank ``me + s``; the own block never leaves the device) and ``"ragged"``
 (``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU),
-and ``"peer"`` (``kernels/peer_store.py``: NVLink stores from Triton kernels between the GPUs of
+and ``"peer"`` (``kernels/peer_store/``: NVLink stores from Triton kernels between the GPUs of
 one process; an all-gather reference elsewhere). With ``"peer"`` the
 sender stores every row over NVLink straight to its final place: its sorted position on the
 receiver for the dispatch, its home row for the return; so nothing is padded on the wire, and the
@@ -837,9 +837,9 @@ def prepare_peer_transport(devices, backend: str) -> None:
                          "from GPU to GPU directly); use 'all_to_all' across processes")
     if get_backend(backend).name != "triton":
         return  # the all-gather reference: nothing to prepare
-    from moe_lowering.kernels import triton_peer_store
+    from moe_lowering.kernels.peer_store import triton_launch
 
-    triton_peer_store.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
+    triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
 
 
 AUTO_TRANSPORT = "auto"

@@ -1,12 +1,10 @@
 """FSDP all-gather of expert weights, optionally in FP8 with per-expert, per-block scales.
 
 Each device quantises only its own shard (no communication for the scales' statistics), then
-gathers FP8 bytes (as ``uint8``) plus scales: about half the bytes of a bf16 gather. Formats:
-
-* ``"fp8_e4m3"``: ``float8_e4m3fn`` with one float32 scale per expert and per 128x128 block of
-  the ``[K, N]`` matrix (the block shrinks to the largest power of two dividing a small shard);
-* ``"mxfp8"``: OCP MX-style, one power-of-two scale per 1x32 block along the contraction dim
-  K, sent as its 8-bit exponent (E8M0), so the scales cost 1/32 of the FP8 bytes.
+gathers FP8 bytes (as ``uint8``) plus scales: about half the bytes of a bf16 gather. The formats
+(``"fp8_e4m3"``: a float32 scale per 128x128 block; ``"mxfp8"``: an E8M0 exponent per 1x32 block
+along K) and ``quantize_blocks`` / ``dequantize_blocks`` are the kernel layer's
+(:mod:`moe_lowering.kernels.fp8_grouped_matmul.quant_format`), since the FP8-weight kernels read them.
 
 Two ways to use the gathered bytes. ``gather_weight`` dequantises them to the weights' dtype
 (a ``custom_vjp``: straight-through backward, the gathered-weight gradient reduce-scattered in
@@ -27,22 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.fp8_grouped_matmul.quant_format import FP8_DTYPE, MX_BLOCK, dequantize_blocks, quantize_blocks
 
 WEIGHT_GATHER_QUANTS = (None, "fp8_e4m3", "mxfp8")
-
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
-FP8_BLOCK = 128
-MX_BLOCK = 32
-_E8M0_BIAS = 127
-
-
-def _block_size(dim: int, preferred: int) -> int:
-    """The largest power of two <= ``preferred`` that divides ``dim``."""
-    block = preferred
-    while dim % block:
-        block //= 2
-    return block
 
 
 def check_quantizable(shape, quant: str | None) -> None:
@@ -57,40 +42,6 @@ def check_quantizable(shape, quant: str | None) -> None:
         raise ValueError(
             f"mxfp8 needs the local shard's contraction dim K to be a multiple of {MX_BLOCK}; got shape {shape}"
         )
-
-
-def quantize_blocks(w, quant: str):
-    """``w [E, K, N]`` -> (FP8 values ``[E, K, N]``, scales); ``dequantize_blocks`` inverts it."""
-    num_experts, k, n = w.shape
-    if quant == "fp8_e4m3":
-        bk, bn = _block_size(k, FP8_BLOCK), _block_size(n, FP8_BLOCK)
-    else:
-        bk, bn = MX_BLOCK, 1
-    blocks = w.astype(jnp.float32).reshape(num_experts, k // bk, bk, n // bn, bn)
-    amax = jnp.max(jnp.abs(blocks), axis=(2, 4), keepdims=True)
-    if quant == "fp8_e4m3":
-        scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        stored_scale = scale[:, :, 0, :, 0]
-    else:
-        # Smallest power of two that keeps the block's amax within FP8 range: no saturation.
-        exponent = jnp.ceil(jnp.log2(jnp.where(amax > 0, amax, 1.0) / FP8_MAX))
-        exponent = jnp.clip(exponent, -_E8M0_BIAS, _E8M0_BIAS)
-        scale = jnp.exp2(exponent)
-        stored_scale = (exponent[:, :, 0, :, 0] + _E8M0_BIAS).astype(jnp.uint8)
-    values = jnp.clip(blocks / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE).reshape(w.shape)
-    return values, stored_scale
-
-
-def dequantize_blocks(values, stored_scale, quant: str, dtype):
-    """The ``[E, K, N]`` weights in ``dtype`` from FP8 ``values`` and their block scales."""
-    num_experts, k, n = values.shape
-    if quant == "fp8_e4m3":
-        scale = stored_scale
-    else:
-        scale = jnp.exp2(stored_scale.astype(jnp.float32) - _E8M0_BIAS)
-    blocks_k, blocks_n = scale.shape[1], scale.shape[2]
-    blocks = values.astype(jnp.float32).reshape(num_experts, blocks_k, k // blocks_k, blocks_n, n // blocks_n)
-    return (blocks * scale[:, :, None, :, None]).reshape(values.shape).astype(dtype)
 
 
 def gather_weight(w, axis_name: str, dim: int, quant: str | None):
@@ -193,7 +144,7 @@ def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, grou
     """``lhs[r] @ weight[group(r)]`` with the weight read from its FP8 bytes where that is faster.
     ``expected_rows``: as for :func:`moe_lowering.sparse_moe.grouped_matmul`."""
     if use_fp8_kernel(lhs, weight, backend, expected_rows):
-        from moe_lowering.kernels.triton_fp8_gmm import fp8_gmm
+        from moe_lowering.kernels.fp8_grouped_matmul.triton_launch import fp8_gmm
 
         return fp8_gmm(lhs, weight.fp8_values(), weight.scales, group_sizes, quant=weight.quant,
                        group_offset=group_offset, preferred_element_type=preferred_element_type)

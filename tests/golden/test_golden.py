@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from moe_lowering import cli
-from moe_lowering.hlo import examples
+from moe_lowering.testing import hlo_examples as examples
 from moe_lowering.testing.zoo import NEGATIVE, POSITIVE, ZOO
 
 GOLDEN_DIR = Path(__file__).parent

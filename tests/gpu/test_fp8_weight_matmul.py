@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
+from moe_lowering.kernels.fp8_grouped_matmul.quant_format import dequantize_blocks, quantize_blocks
 from moe_lowering.parallel._jax_shim import shard_map
-from moe_lowering.parallel.quantize import (
-    GatheredFp8Weight,
-    dequantize_blocks,
-    gather_weight_fp8,
-    quantize_blocks,
-    use_fp8_kernel,
-)
+from moe_lowering.parallel.quantize import GatheredFp8Weight, gather_weight_fp8, use_fp8_kernel
 from moe_lowering.sparse_moe import expert_matmul, grouped_matmul
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -28,9 +28,9 @@ try:
 except BackendUnavailable as err:
     pytest.skip(f"Triton backend unavailable: {err}", allow_module_level=True)
 
-from moe_lowering.kernels import triton_fp8_gmm as tf8  # noqa: E402
+from moe_lowering.kernels.fp8_grouped_matmul import triton_launch as tf8  # noqa: E402
 from moe_lowering.kernels.fp8_grouped_matmul import fp8_gmm as fp8_gmm_reference  # noqa: E402
-from moe_lowering.parallel.quantize import quantize_blocks  # noqa: E402
+from moe_lowering.kernels.fp8_grouped_matmul.quant_format import quantize_blocks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -21,7 +21,7 @@ try:
 except BackendUnavailable as err:
     pytest.skip(f"Triton backend unavailable: {err}", allow_module_level=True)
 
-from moe_lowering.kernels import triton_grouped_matmul as tgm  # noqa: E402
+from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
 from moe_lowering.sparse_moe import grouped_matmul  # noqa: E402
 
 pytestmark = pytest.mark.gpu

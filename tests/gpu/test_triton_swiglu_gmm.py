@@ -23,8 +23,8 @@ try:
 except BackendUnavailable as err:
     pytest.skip(f"Triton backend unavailable: {err}", allow_module_level=True)
 
-from moe_lowering.kernels import triton_grouped_matmul as tgm  # noqa: E402
-from moe_lowering.kernels import triton_swiglu_gmm as tsw  # noqa: E402
+from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
+from moe_lowering.kernels.swiglu_gmm import triton_launch as tsw  # noqa: E402
 from moe_lowering import sparse_moe  # noqa: E402
 
 pytestmark = pytest.mark.gpu

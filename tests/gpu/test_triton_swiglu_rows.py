@@ -19,7 +19,7 @@ try:
 except BackendUnavailable as err:
     pytest.skip(f"Triton backend unavailable: {err}", allow_module_level=True)
 
-from moe_lowering.kernels import triton_swiglu_rows  # noqa: E402
+from moe_lowering.kernels.swiglu_rows import triton_launch as triton_swiglu_rows  # noqa: E402
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu

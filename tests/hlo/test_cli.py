@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from moe_lowering import cli
-from moe_lowering.hlo import examples
+from moe_lowering.testing import hlo_examples as examples
 from moe_lowering.hlo.rewrite import RewriteResult
 
 

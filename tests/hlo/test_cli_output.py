@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from moe_lowering import cli
-from moe_lowering.hlo import examples
+from moe_lowering.testing import hlo_examples as examples
 
 NEGATIVE_HLO = """HloModule jit_negate, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8]{1,0}}
 

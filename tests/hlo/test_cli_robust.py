@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import pytest
 
 from moe_lowering import cli
-from moe_lowering.hlo import _compat, examples, isolated
+from moe_lowering.hlo import _compat, isolated
+from moe_lowering.testing import hlo_examples as examples
 
 # HLO text that jaxlib's parser or HLO -> StableHLO converter handles with a fatal CHECK / LLVM
 # ERROR instead of an error (SIGABRT), in some or all supported jaxlib versions.

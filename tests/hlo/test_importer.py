@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from jaxlib.mlir import ir
 
-from moe_lowering.hlo import _compat, examples
+from moe_lowering.hlo import _compat
+from moe_lowering.testing import hlo_examples as examples
 from moe_lowering.hlo.importer import UnsupportedModuleError, import_module
 
 

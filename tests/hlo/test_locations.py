@@ -11,7 +11,8 @@ from jax._src import source_info_util
 from jaxlib.mlir import ir
 
 from moe_lowering import cli
-from moe_lowering.hlo import _compat, examples
+from moe_lowering.hlo import _compat
+from moe_lowering.testing import hlo_examples as examples
 from moe_lowering.hlo.importer import import_module
 from moe_lowering.hlo.locations import NO_LOCATION, Locations, SourceLocation, parse_location
 

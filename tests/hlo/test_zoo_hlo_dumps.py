@@ -7,7 +7,7 @@ import json
 import pytest
 
 from moe_lowering import cli
-from moe_lowering.hlo import examples
+from moe_lowering.testing import hlo_examples as examples
 from moe_lowering.testing.zoo import ZOO
 
 VERIFIED = ("mlp_gelu", "gather_combine", "scan_layers")  # HLO-route shapes that once broke: verify numerically

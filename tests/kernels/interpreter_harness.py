@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+HARNESS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = HARNESS_DIR.parents[1]
 # Seen with 3.6: its interpreter cannot bound a range() by a reduction's result.
 MIN_TRITON = (3, 9)
 
@@ -61,7 +62,10 @@ class _LazyReport:
     def __getitem__(self, key):
         chunk = self._chunk_of[key]
         if key not in self._results and chunk[0] not in self._failed:
-            child_env = dict(os.environ, TRITON_INTERPRET="1", **self._env)
+            # The child runs a test file in an operation's folder: this harness and the repository
+            # (the package under test, not an installed copy) go on its path.
+            path = [str(HARNESS_DIR), str(REPO_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+            child_env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path), **self._env)
             done = subprocess.run([sys.executable, self._test_file, *chunk], env=child_env, capture_output=True,
                                   text=True)
             if done.returncode == 0:

@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from moe_lowering.parallel import drop_over_capacity, expert_capacity, plan_layout, sharded_sparse_moe
-from moe_lowering.parallel.quantize import dequantize_blocks, quantize_blocks
+from moe_lowering.kernels.fp8_grouped_matmul.quant_format import dequantize_blocks, quantize_blocks
 from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput
 from moe_lowering.parallel import exchange
 from moe_lowering.parallel import sharded_moe as sharded_moe_module
@@ -497,7 +497,8 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
     kernels pick their tile shape (and the weight gradient its kernel) from it (128-row tiles at
     DeepSeek's 128 rows per expert otherwise)."""
     from moe_lowering import sparse_moe as sparse_moe_module
-    from moe_lowering.kernels import get_backend, peer_store
+    from moe_lowering.kernels import get_backend
+    from moe_lowering.kernels.peer_store import api as peer_store
     from moe_lowering.parallel import quantize
 
     xla = get_backend("xla")

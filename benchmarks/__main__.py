@@ -1,0 +1,79 @@
+"""One entry point for the benchmarks: ``python -m benchmarks <subcommand> [its options]``, from the
+repository root.
+
+Each subcommand runs one script of this folder exactly as ``python benchmarks/<script> [options]``
+would (``python -m benchmarks <subcommand> --help`` prints the script's own options); ``gpu`` runs
+``gpu_run.sh``'s named steps on the GPU machine. The scripts write their results under ``--out``
+(most default to ``benchmarks/results``) with the device and the date in the file name and in the
+JSON; ``benchmarks/README.md`` lists the results kept and the command that made each.
+"""
+
+from __future__ import annotations
+
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# The subcommands, grouped: name, script, what it measures. The usage text prints this table as is.
+TABLE = """\
+layer configs:
+  layer         moe_layer.py            one MoE layer (Mixtral, Qwen3, DeepSeek, small): dense, moe_optimize,
+                                        lax.ragged_dot, tokamax; the README's table
+  profile       layer_profile.py        where a layer's forward+backward step spends its GPU time, kernel by kernel
+  realworld     realworld_cpu.py        MaxText's and EasyDeL's dense MoE layers on a CPU, as shipped and rewritten
+
+SonicMoE:
+  sonic         sonic.py                SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers
+
+expert parallelism:
+  ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
+  ep-bench      ep_bench.py             bare transports, the exchange alone, FSDP weight gathers, NCCL settings
+  peer-probe    peer_exchange_probe.py  the device-initiated peer exchange alone
+  routing-sort  routing_sort.py         counting against comparison sort of the token copies
+
+FP8:
+  fp8           fp8_gmm_bench.py        the FP8-weight grouped GEMM against bf16 weights
+  fp8-layer     fp8_layer_bench.py      the sharded layer with FP8 FSDP weight gathers against bf16
+
+kernel sweeps:
+  gmm-sweep     gmm_sweep.py            gmm / tgmm alone per tile shape (sets the tile table)
+  tgmm-ab       tgmm_ab.py              the weight-gradient kernel against other revisions' (A/B)
+  swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
+  swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
+
+GPU machine:
+  gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps
+"""
+# name -> script, read off the table's rows that name one (a continuation line has no script).
+SCRIPTS = dict(re.findall(r"(?m)^  (\S+) +(\S+\.(?:py|sh)) ", TABLE))
+
+
+def usage() -> str:
+    return ("usage: python -m benchmarks <subcommand> [options]   (options: python -m benchmarks <subcommand> --help)"
+            f"\n\n{TABLE}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, options = argv[0], argv[1:]
+    if name not in SCRIPTS:
+        print(f"{usage()}\n\nunknown subcommand {name!r}", file=sys.stderr)
+        return 2
+    script = HERE / SCRIPTS[name]
+    if script.suffix == ".sh":
+        return subprocess.call(["bash", str(script), *options])
+    sys.argv = [str(script), *options]
+    sys.path.insert(0, str(HERE))  # as when the script is run by path: it imports its sibling scripts
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,426 @@
+"""``gmm`` / ``tgmm`` on a CUDA GPU: the Triton kernels of :mod:`.triton_kernels` as XLA custom calls.
+
+Same contracts as :mod:`.reference` (the reference and CPU path). Tile shapes come from a
+small table keyed by the shape class of the product (:func:`gmm_config`, :func:`tgmm_config`),
+measured once on an H200 (see ``benchmarks/NOTES.md``), never tuned per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import jax_triton
+
+from moe_lowering.kernels.grouped_matmul import reference
+from moe_lowering.kernels.grouped_matmul.triton_kernels import (
+    gmm_kernel,
+    gmm_pair_tail_kernel,
+    gmm_push_kernel,
+    gmm_push_tail_kernel,
+    gmm_tail_kernel,
+    tgmm_kernel,
+    tgmm_resident_kernel,
+)
+
+log = logging.getLogger(__name__)
+
+_TENSOR_CORE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_KERNEL_DTYPES = _TENSOR_CORE_DTYPES + (jnp.dtype(jnp.float32),)
+
+
+# The row-tiled products leave the tiles past their last full wave to a second kernel that splits
+# them along K (``triton_kernels.gmm_tail_kernel``): a GPU one row tile over a wave boundary
+# otherwise runs a whole extra wave (benchmarks/EP_NOTES.md, round 8). False only to measure that.
+TAIL_APART = True
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One kernel launch shape.
+
+    For ``gmm`` the tile is ``block_m`` rows x ``block_n`` output columns, reduced ``block_k`` at
+    a time; for ``tgmm`` it is ``block_m`` x ``block_n`` of a group's ``[K, N]`` output, reduced
+    over the group's rows ``block_k`` at a time. ``persistent``: ``programs_per_sm`` programs per
+    multiprocessor looping over tiles (more than one where a tile's few reduction steps leave its
+    loads and stores exposed, so another program's work hides them), else one program per
+    (possible) tile.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    persistent: bool = True
+    programs_per_sm: int = 1
+
+
+_F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
+_SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
+_WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4)
+_WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+_RESIDENT = TileConfig(128, 128, 128, num_warps=8, num_stages=3)
+
+TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _WIDE_SHORT_K, _WIDE, _RESIDENT)
+"""Every configuration the tables below can pick, so tests can run each one."""
+
+
+SMALL_GROUP_ROWS = 256
+"""Groups averaging fewer rows than this are small: each group's last row tile pads much of the
+group (``gmm``), and a weight-gradient tile reduces over too few rows to hide its loads (``tgmm``)."""
+
+
+def _small_groups(num_rows: int, num_groups: int) -> bool:
+    return num_rows / max(num_groups, 1) < SMALL_GROUP_ROWS
+
+
+def _rows_for_shape(num_rows: int, expected_rows: int | None) -> int:
+    """The rows a shape class is picked for: ``expected_rows`` where the operand is a buffer sized for
+    the worst case (an expert-parallel receive buffer holds ``ep`` times a balanced arrival)."""
+    return num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
+
+
+def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
+    """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class.
+
+    From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
+    groups average under 256 rows (less padding in each group's last tile), a 4-deep pipeline
+    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep.
+    """
+    if compute_f32:
+        return _F32_CONFIG
+    if _small_groups(num_rows, num_groups):
+        return _SMALL_GROUPS
+    if k <= 2048:
+        return _WIDE_SHORT_K
+    return _WIDE
+
+
+def tgmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
+    """Tile shape for the per-group ``[k, n]`` weight gradient.
+
+    Small groups run ``tgmm_resident_kernel`` on 128 x 128 tiles of 128 resident rows (the A/B in
+    ``benchmarks/NOTES.md``); otherwise 128 x 256 blocks, which won on every larger layer shape.
+    """
+    if compute_f32:
+        return _F32_CONFIG
+    return _RESIDENT if _small_groups(num_rows, num_groups) else _WIDE
+
+
+@functools.cache
+def _multiprocessor_count() -> int:
+    device = next(d for d in jax.devices() if d.platform == "gpu")
+    return int(getattr(device, "core_count", 0) or 132)
+
+
+def _grid_size(max_tiles: int, config: TileConfig) -> int:
+    """Programs to launch: ``programs_per_sm`` per multiprocessor (persistent, never more than the tiles),
+    else one per tile."""
+    return min(max_tiles, config.programs_per_sm * _multiprocessor_count()) if config.persistent else max_tiles
+
+
+def _row_tile_grid(num_rows: int, n: int, num_local_groups: int, config: TileConfig) -> int:
+    """Programs for a product tiled over rows x columns: each group's last row tile may be partial,
+    so there are at most ``ceil(rows / block_m) + groups`` row tiles."""
+    max_tiles = (-(-num_rows // config.block_m) + num_local_groups) * -(-n // config.block_n)
+    return _grid_size(max_tiles, config)
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _check_group_sizes(group_sizes, name: str):
+    if group_sizes.ndim != 1:
+        raise ValueError(f"{name}: group_sizes must be 1-D, got shape {group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{name}: group_sizes must be integers, got {group_sizes.dtype}")
+
+
+def _offset_array(group_offset):
+    return jnp.asarray(group_offset, jnp.int32).reshape(1)
+
+
+def has_kernel(*dtypes) -> bool:
+    """Whether the kernels take operands and outputs of these dtypes (else the XLA path runs)."""
+    return {jnp.dtype(d) for d in dtypes} <= set(_KERNEL_DTYPES)
+
+
+def _compute_f32(*dtypes) -> bool:
+    return not (len(set(dtypes)) == 1 and dtypes[0] in _TENSOR_CORE_DTYPES)
+
+
+def _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs: bool, preferred_element_type, name: str):
+    """``(rows, K, N, local groups, output dtype)`` of a grouped product, its operands checked."""
+    if lhs.ndim != 2 or rhs.ndim != 3:
+        raise ValueError(f"{name}: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    _check_group_sizes(group_sizes, name)
+    num_rows, k = lhs.shape
+    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if rhs_k != k:
+        raise ValueError(f"{name}: contraction sizes differ: lhs {lhs.shape}, rhs {rhs.shape}, "
+                         f"transpose_rhs={transpose_rhs}")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    return num_rows, k, n, rhs.shape[0], out_dtype
+
+
+def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool):
+    """``gmm_kernel``'s launch: the whole product, or its full waves only with ``TAIL_APART``."""
+    return jax_triton.triton_call(
+        lhs,
+        rhs,
+        *operands,
+        kernel=gmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((launch["M"], launch["N"]), out_dtype),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        ZERO_OUTSIDE=bool(zero_outside),
+        TAIL_APART=TAIL_APART,
+        **launch,
+    )
+
+
+def gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    *,
+    group_offset=0,
+    transpose_rhs: bool = False,
+    preferred_element_type=None,
+    config: TileConfig | None = None,
+    zero_outside: bool = True,
+    expected_rows: int | None = None,
+):
+    """``out[r] = lhs[r] @ rhs[group(r) - group_offset]``; rows outside the local groups are zero,
+    or left unwritten with ``zero_outside=False``. ``expected_rows``: see :func:`_row_tiled_launch`."""
+    num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs,
+                                                              preferred_element_type, "gmm")
+    if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
+        return jnp.zeros((num_rows, n), out_dtype)
+    if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
+        log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
+        return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                             preferred_element_type=preferred_element_type, zero_outside=zero_outside)
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
+                               expected_rows)
+    sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
+    out = _gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, transpose_rhs, zero_outside)
+    if not TAIL_APART:
+        return out
+    out, _, _ = jax_triton.triton_call(
+        lhs,
+        rhs,
+        *sizes_and_offset,
+        out,
+        kernel=gmm_tail_kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_rows, n), out_dtype), *_tail_scratch(launch)),
+        input_output_aliases={4: 0},
+        zeroed_outputs=(2,),
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        TAIL_PAD=_tail_pad(launch),
+        **launch,
+    )
+    return out
+
+
+def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
+             config: TileConfig | None = None, zero_outside: bool = True, expected_rows: int | None = None):
+    """``(gmm(lhs, rhs_a, ...), gmm(lhs, rhs_b, ...))`` with one tail launch for both products.
+
+    For SwiGLU's gate and up products of the same rows: each tail launch was mostly fixed cost
+    (38 us for 12 us of product on the GPU every other waits for at EP=4, and an empty launch
+    on the others), so ``gmm_pair_tail_kernel`` does both products' tails at once. Two ``gmm``
+    calls where the pair has no single launch: weights of different shapes or dtypes, no
+    kernel for the dtypes, empty operands, or the tail left in the main kernel.
+    """
+    num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs, rhs_a, group_sizes, False, preferred_element_type,
+                                                              "gmm_pair")
+    one_tail_launch = (TAIL_APART and rhs_b.shape == rhs_a.shape and rhs_b.dtype == rhs_a.dtype
+                       and min(num_rows, k, n, num_local_groups) > 0 and has_kernel(lhs.dtype, rhs_a.dtype, out_dtype))
+    if not one_tail_launch:
+        return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
+                         config=config, zero_outside=zero_outside, expected_rows=expected_rows)
+                     for rhs in (rhs_a, rhs_b))
+    launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
+                               expected_rows)
+    sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
+    outs = [_gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, False, zero_outside) for rhs in (rhs_a, rhs_b)]
+    out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
+    out_a, out_b, _, _ = jax_triton.triton_call(
+        lhs,
+        rhs_a,
+        rhs_b,
+        *sizes_and_offset,
+        *outs,
+        kernel=gmm_pair_tail_kernel,
+        out_shape=(out_shape, out_shape, *_tail_scratch(launch)),
+        input_output_aliases={5: 0, 6: 1},
+        zeroed_outputs=(3,),
+        TAIL_PAD=_tail_pad(launch),
+        **launch,
+    )
+    return out_a, out_b
+
+
+def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The tail kernels' float32 partial units (one per program) and their zeroed per-unit counters
+    (at most one unit per program, also for the pair's: units are cut only when every piece has a
+    program). A unit is the kernel's ``UNIT_M`` rows: half a tile of 128
+    rows or more, else the whole tile."""
+    programs, block_m = launch["NUM_PROGRAMS"], launch["BLOCK_M"]
+    unit_m = block_m // 2 if block_m >= 128 else block_m
+    return (jax.ShapeDtypeStruct((programs * unit_m * launch["BLOCK_N"],), jnp.float32),
+            jax.ShapeDtypeStruct((programs,), jnp.int32))
+
+
+def _tail_pad(launch: dict) -> int:
+    """The tail kernels' ``TAIL_PAD``: room for every tile past the last full wave, at most half
+    the programs (``_tail_split`` leaves it whole otherwise)."""
+    return _next_power_of_two(launch["NUM_PROGRAMS"] // 2)
+
+
+def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
+                      config: TileConfig | None = None, expected_rows: int | None = None) -> dict:
+    """Grid, warps, stages and the constants ``gmm_kernel`` and ``gmm_push_kernel`` share.
+
+    ``expected_rows``: how many of the ``num_rows`` the groups are expected to hold, where the
+    operand is a buffer sized for the worst case (an expert-parallel receive buffer holds ``ep``
+    times a balanced arrival). The tile shape is picked for the rows that come, not for the
+    buffer: at DeepSeek's 128 rows per expert the buffer alone would pick 128-row tiles, half of
+    each group's last tile padding; the grid still covers the whole buffer.
+    """
+    compute_f32 = _compute_f32(lhs_dtype, rhs_dtype)
+    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups, compute_f32)
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    return dict(
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=num_groups,
+        GROUPS_PAD=_next_power_of_two(num_groups),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+    )
+
+
+def gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, peer_addresses, rank, *, group_offset=0,
+             preferred_element_type=None, expected_rows: int | None = None):
+    """``gmm``'s rows stored straight into peers' receive buffers: ``(done token, programs that signal)``.
+
+    Row ``r`` of a local group goes to row ``dest_row[r]`` of rank ``dest_device[r]`` (negative:
+    nowhere) through ``peer_addresses [ranks, 4]`` (all-gathered ``allocate`` words); the matching
+    ``peer_store.triton_launch.wait`` consumes the token and counts the returned number of signals per
+    peer. Same tiles as ``gmm``, so every row equals ``gmm``'s bit for bit.
+    """
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"gmm_push: expected lhs [M, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+    _check_group_sizes(group_sizes, "gmm_push")
+    num_rows, k = lhs.shape
+    num_local_groups, _, n = rhs.shape
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if not has_kernel(lhs.dtype, rhs.dtype, out_dtype):
+        raise ValueError(f"gmm_push: no kernel for {lhs.dtype} x {rhs.dtype} -> {out_dtype}")
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0],
+                               expected_rows=expected_rows)
+    operands = (lhs, rhs, group_sizes.astype(jnp.int32), _offset_array(group_offset), dest_device.astype(jnp.int32),
+                dest_row.astype(jnp.int32), peer_addresses.reshape(-1), jnp.reshape(rank, (1,)).astype(jnp.int32))
+    done_shape = jax.ShapeDtypeStruct((16 // out_dtype.itemsize,), out_dtype)
+    done = jax_triton.triton_call(
+        *operands,
+        kernel=gmm_push_kernel,
+        out_shape=done_shape,
+        NUM_PEERS=peer_addresses.shape[0],
+        TAIL_APART=TAIL_APART,
+        **launch,
+    )
+    if not TAIL_APART:
+        return done, launch["NUM_PROGRAMS"]
+    done, _, _ = jax_triton.triton_call(
+        *operands,
+        done,
+        kernel=gmm_push_tail_kernel,
+        out_shape=(done_shape, *_tail_scratch(launch)),
+        zeroed_outputs=(2,),
+        NUM_PEERS=peer_addresses.shape[0],
+        TAIL_PAD=_tail_pad(launch),
+        **launch,
+    )
+    return done, 2 * launch["NUM_PROGRAMS"]  # both kernels' programs signal every peer
+
+
+def tgmm(
+    lhs,
+    grad,
+    group_sizes,
+    *,
+    num_groups: int | None = None,
+    group_offset=0,
+    preferred_element_type=None,
+    config: TileConfig | None = None,
+    expected_rows: int | None = None,
+):
+    """``out[g] = lhs[rows of g]^T @ grad[rows of g]`` for the local groups: ``[G, K, N]``.
+
+    Small groups (``SMALL_GROUP_ROWS``; ``expected_rows`` as in :func:`_row_tiled_launch`) run
+    ``tgmm_resident_kernel``, which keeps each group's ``grad`` columns while it walks ``K``.
+    """
+    if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
+        raise ValueError(f"tgmm: expected lhs [M, K] and grad [M, N], got {lhs.shape} and {grad.shape}")
+    _check_group_sizes(group_sizes, "tgmm")
+    num_rows, k = lhs.shape
+    n = grad.shape[1]
+    num_local_groups = group_sizes.shape[0] if num_groups is None else num_groups
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
+    if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
+        return jnp.zeros((num_local_groups, k, n), out_dtype)
+    if not has_kernel(lhs.dtype, grad.dtype, out_dtype):
+        log.debug("tgmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, grad.dtype, out_dtype)
+        return reference.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
+                              preferred_element_type=preferred_element_type)
+    compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
+    rows_for_shape = _rows_for_shape(num_rows, expected_rows)
+    config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
+    if _small_groups(rows_for_shape, num_local_groups):
+        work_items = num_local_groups * -(-n // config.block_n)  # (group, column block); each walks all of K
+        kernel, swizzle = tgmm_resident_kernel, {}
+    else:
+        work_items = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
+        kernel, swizzle = tgmm_kernel, {"GROUP_M": config.group_m}
+    num_programs = _grid_size(work_items, config)
+    total_groups = group_sizes.shape[0]
+    return jax_triton.triton_call(
+        lhs,
+        grad,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=kernel,
+        out_shape=jax.ShapeDtypeStruct((num_local_groups, k, n), out_dtype),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=total_groups,
+        GROUPS_PAD=_next_power_of_two(total_groups),
+        BLOCK_K=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_R=config.block_k,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+        **swizzle,
+    )

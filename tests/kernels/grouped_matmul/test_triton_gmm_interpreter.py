@@ -1,0 +1,381 @@
+"""The Triton grouped-GEMM kernels run by Triton's interpreter on the CPU, at tiny tile sizes.
+
+This checks the kernels' on-device scheduling (per-group row tiles, persistent loop, zero rows
+outside the local groups, clamped loads, K remainders, the tail kernels' units and K pieces, the
+pair's tail kernel doing two products' tails, the push kernels' stores on peers) without a GPU or
+jax_triton, in a child process (``interpreter_harness``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import interpreter_harness as harness
+from interpreter_harness import CASES, HostTensor, gmm_reference
+
+if __name__ != "__main__":
+    import pytest
+
+    harness.skip_without_interpreter(pytest)
+
+BLOCK = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+NUM_PROGRAMS = 3
+
+
+def _tgmm_reference(lhs, grad, group_sizes, group_offset, num_groups):
+    out = np.zeros((num_groups, lhs.shape[1], grad.shape[1]))
+    group_of_row = harness.row_groups(group_sizes, lhs.shape[0])
+    for local in range(num_groups):
+        rows = group_of_row == local + group_offset
+        out[local] = lhs[rows].astype(np.float64).T @ grad[rows].astype(np.float64)
+    return out
+
+
+GMM_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}": (case, k, t)
+                for case in CASES for k in (24, 32) for t in (False, True)}
+
+
+def _run_gmm(kernels, case, k, transpose_rhs):
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k)
+    n = 40
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs_shape = (num_local, n, k) if transpose_rhs else (num_local, k, n)
+    rhs = rng.standard_normal(rhs_shape).astype(np.float32)
+    out = np.full((num_rows, n), np.nan, np.float32)
+    kernels.gmm_kernel[(NUM_PROGRAMS,)](
+        HostTensor(lhs), HostTensor(rhs), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)),
+        HostTensor(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes),
+        GROUPS_PAD=8, TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, **BLOCK,
+    )
+    return out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs)
+
+
+# The weight-gradient kernels: groups reaching past the rows (clamped), groups of several row steps,
+# and, for the resident kernel (BLOCK_R 16), groups of at most 16 rows (one resident block), 17-24
+# (a second, half-height block) and more (a loop over the rows); program counts that split the work
+# unevenly.
+TGMM_CASES = {**CASES, "groups-past-rows": ([6, 10, 9], 20, 0, 3), "several-steps": ([40, 3, 33, 0], 76, 0, 4),
+              "resident-blocks": ([16, 24, 17, 25, 8], 90, 0, 5)}
+TGMM_VARIANTS = {f"{kernel}-{case}-p{programs}": (kernel, case, programs)
+                 for kernel in ("tgmm_kernel", "tgmm_resident_kernel") for case in TGMM_CASES for programs in (3, 5)}
+
+
+def _run_tgmm(kernels, kernel, case, programs):
+    group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 100 + num_rows)
+    k, n = 24, 40
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    grad = rng.standard_normal((num_rows, n)).astype(np.float32)
+    out = np.full((num_local, k, n), np.nan, np.float32)
+    swizzle = {"GROUP_M": 2} if kernel == "tgmm_kernel" else {}
+    getattr(kernels, kernel)[(programs,)](
+        HostTensor(lhs), HostTensor(grad), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)),
+        HostTensor(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=programs, COMPUTE_F32=True, **swizzle,
+    )
+    return out, _tgmm_reference(lhs, grad, group_sizes, group_offset, num_local)
+
+
+TAIL_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs, BLOCK)
+                 for case in CASES for k in (24, 136) for t in (False, True) for programs in (3, 4, 6, 8)}
+
+# 128-row tiles, whose tail the tail kernel does in 64-row halves: (group sizes, rows, group_offset,
+# local groups), programs. A group's last row tile of 31 rows (one half active) after full ones (two);
+# tails over two groups, of 64 and 65 rows (one half and two) or, in a window of the groups, of 200
+# and 31; groups past M (the last tile's second half starts past M though not past its group).
+HALF_BLOCK = dict(BLOCK_M=128, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+HALF_CASES = {
+    "last-tile-31-rows": (([300, 159], 459, 0, 2), (6, 12, 13, 14)),
+    "tail-over-two-groups": (([129, 64, 65], 258, 0, 3), (8, 11)),
+    "window-tail-over-two-groups": (([10, 97, 200, 31], 338, 1, 3), (8, 10, 24)),
+    "groups-past-rows": (([200, 100], 250, 0, 2), (4, 6, 8)),
+}
+HALF_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs, HALF_BLOCK)
+                 for case, (_, all_programs) in HALF_CASES.items() for k in (24, 128, 136) for t in (False, True)
+                 for programs in all_programs}
+PUSH_CASES = [*((case, (4, 6), BLOCK) for case in ("empty-group", "group-offset-window")),
+              *((case, all_programs, HALF_BLOCK) for case, (_, all_programs) in HALF_CASES.items())]
+PUSH_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, False, programs, block)
+                 for case, all_programs, block in PUSH_CASES for k in (24, 128) for programs in all_programs}
+# The pair's tail (two products' units numbered together): whole units, some programs doing two
+# of them when the pair has more units than programs (the 128-row cases), and 2, 4 and 8 pieces.
+# One tail tile of 16 rows past a wave of 16 or 32 programs: 2 units, 8 pieces each.
+PAIR_CASES = {"one-tail-tile": ([90, 70], 160, 0, 2)}
+PAIR_VARIANTS = {
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, BLOCK)
+       for case in ("empty-group", "group-offset-window") for k in (24, 128, 136) for programs in (6, 8, 12, 13, 14)},
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, BLOCK)
+       for case in PAIR_CASES for k in (128, 136) for programs in (16, 32)},
+    **{f"{case}-k{k}-p{programs}": (case, k, False, programs, HALF_BLOCK)
+       for case, (_, all_programs) in HALF_CASES.items() for k in (24, 136) for programs in all_programs},
+}
+PUSH_RANKS = 2
+N = 40
+
+
+def _case(case):
+    return CASES[case] if case in CASES else PAIR_CASES[case] if case in PAIR_CASES else HALF_CASES[case][0]
+
+
+def _unit_rows(block):
+    """The tail kernels' ``UNIT_M``."""
+    return block["BLOCK_M"] // 2 if block["BLOCK_M"] >= 128 else block["BLOCK_M"]
+
+
+def tail_units(case, k, programs, block):
+    """The tail kernel's work, from the sizes as the kernels schedule it: ``(active units, pieces
+    per unit)``, a unit ``(tail tile, group, first row, group end)``; ``([], None)`` when the main
+    kernel keeps its tail (none past the last full wave, more than half a wave, or one K step)."""
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    block_m, group_m, unit_m = block["BLOCK_M"], block["GROUP_M"], _unit_rows(block)
+    n_tiles, k_steps = -(-N // block["BLOCK_N"]), -(-k // block["BLOCK_K"])
+    ends = np.cumsum(group_sizes)
+    tiles = []  # (group, first row, group end), in the kernels' order
+    for group in range(group_offset, group_offset + num_local):
+        m_tiles = -(-group_sizes[group] // block_m)
+        for index in range(m_tiles * n_tiles):
+            band_first = index // (group_m * n_tiles) * group_m
+            pm = band_first + index % (group_m * n_tiles) % min(m_tiles - band_first, group_m)
+            tiles.append((group, int(ends[group]) - group_sizes[group] + pm * block_m, min(int(ends[group]), num_rows)))
+    full = len(tiles) // programs * programs
+    if full == len(tiles) or 2 * (len(tiles) - full) > programs or k_steps < 2:
+        return [], None
+    units = [(tile, group, row0 + unit_m * half, end) for tile, (group, row0, end) in enumerate(tiles[full:], full)
+             for half in range(block_m // unit_m) if row0 + unit_m * half < end]
+    return units, next(p for p in (8, 4, 2, 1) if p * len(units) <= programs and k_steps >= p)
+
+
+def expected_counters(case, k, programs, block):
+    """The tail kernel's per-unit counters after it ran: a split unit's counts its pieces, a unit
+    done whole by one program leaves its own 0."""
+    units, pieces = tail_units(case, k, programs, block)
+    counted = len(units) if pieces and pieces > 1 else 0
+    return [pieces] * counted + [0] * (programs - counted)
+
+
+def pair_units(case, k, programs, block):
+    """The pair's tail kernel's work: ``(units of both products, a's then b's, pieces per unit)``."""
+    units, _ = tail_units(case, k, programs, block)
+    if not units:
+        return [], None
+    k_steps = -(-k // block["BLOCK_K"])
+    both = [("a", *unit) for unit in units] + [("b", *unit) for unit in units]
+    return both, next(p for p in (8, 4, 2, 1) if p == 1 or (p * len(both) <= programs and k_steps >= p))
+
+
+def expected_pair_counters(case, k, programs, block):
+    """The pair's tail kernel's counters after it ran: a split unit's counts its pieces, whole units 0."""
+    units, pieces = pair_units(case, k, programs, block)
+    counted = len(units) if pieces and pieces > 1 else 0
+    return [pieces] * counted + [0] * (programs - counted)
+
+
+def tail_kinds(variants):
+    """What the tails of ``variants`` exercise, from the sizes."""
+    kinds = set()
+    for case, k, transpose_rhs, programs, block in variants.values():
+        units, pieces = tail_units(case, k, programs, block)
+        if not units:
+            continue
+        kinds.add(f"pieces-{pieces}")
+        if _unit_rows(block) < block["BLOCK_M"]:
+            halves = [sum(unit[0] == tile for unit in units) for tile in {unit[0] for unit in units}]
+            kinds.update({"one-half" if count == 1 else "two-halves" for count in halves})
+        kinds.update({"over-groups"} if len({unit[1] for unit in units}) > 1 else set())
+        kinds.update({"k-remainder"} if k % block["BLOCK_K"] else {"k-whole"})
+        kinds.update({"rhsT"} if transpose_rhs else set())
+    return kinds
+
+
+def _tail_launch(programs, block, **shapes):
+    """Scratch and constants of the tail kernels, as ``grouped_matmul.triton_launch`` gives them."""
+    partials = np.full(programs * _unit_rows(block) * block["BLOCK_N"], np.nan, np.float32)
+    counters = np.zeros(programs, np.int32)
+    return partials, counters, dict(TAIL_PAD=1 << max(0, (programs // 2 - 1).bit_length()), **shapes)
+
+
+def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block):
+    """``gmm_kernel`` leaving its tail apart, then ``gmm_tail_kernel`` into the same output."""
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs = rng.standard_normal((num_local, N, k) if transpose_rhs else (num_local, k, N)).astype(np.float32)
+    out = np.full((num_rows, N), np.nan, np.float32)
+    operands = [HostTensor(lhs), HostTensor(rhs), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32))]
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
+    kernels.gmm_kernel[(programs,)](*operands, HostTensor(out), TAIL_APART=True, **common)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
+    kernels.gmm_tail_kernel[(programs,)](*operands, HostTensor(out), HostTensor(out), HostTensor(partials),
+                                         HostTensor(counters), **tail_common)
+    result = harness.summary(out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs))
+    return dict(result, counters=counters.tolist())
+
+
+def _run_gmm_pair_with_tail(kernels, case, k, transpose_rhs, programs, block):
+    """``gmm_kernel`` leaving its tail apart for ``rhs_a``, then for ``rhs_b``, then
+    ``gmm_pair_tail_kernel`` doing both tails into the two outputs."""
+    assert not transpose_rhs, "the pair takes weights [G, K, N]"
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k + 2)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs_a, rhs_b = (rng.standard_normal((num_local, k, N)).astype(np.float32) for _ in range(2))
+    out_a, out_b = (np.full((num_rows, N), np.nan, np.float32) for _ in range(2))
+    sizes_and_offset = [HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32))]
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
+    for rhs, out in ((rhs_a, out_a), (rhs_b, out_b)):
+        kernels.gmm_kernel[(programs,)](HostTensor(lhs), HostTensor(rhs), *sizes_and_offset, HostTensor(out),
+                                        TRANSPOSE_RHS=False, TAIL_APART=True, **common)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
+    kernels.gmm_pair_tail_kernel[(programs,)](
+        HostTensor(lhs), HostTensor(rhs_a), HostTensor(rhs_b), *sizes_and_offset, HostTensor(out_a), HostTensor(out_b),
+        HostTensor(out_a), HostTensor(out_b), HostTensor(partials), HostTensor(counters), **tail_common
+    )
+    results = {name: harness.summary(out, gmm_reference(lhs, rhs, group_sizes, group_offset, False))
+               for name, out, rhs in (("a", out_a, rhs_a), ("b", out_b, rhs_b))}
+    return dict(results, counters=counters.tolist())
+
+
+def _address_words(array):
+    """An array's address as the two int32 words (low, high) ``peer_address.triton_kernels`` reads."""
+    return np.array([array.ctypes.data], np.int64).view(np.int32)
+
+
+def _run_push_with_tail(kernels, case, k, transpose_rhs, programs, block):
+    """``gmm_push_kernel`` leaving its tail apart, then ``gmm_push_tail_kernel``, storing into the
+    receive buffers of ``PUSH_RANKS`` peers (host arrays here) as rank 1."""
+    assert not transpose_rhs, "gmm_push has no transposed weights"
+    group_sizes, num_rows, group_offset, num_local = _case(case)
+    rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k + 1)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    rhs = rng.standard_normal((num_local, k, N)).astype(np.float32)
+    dest_device = rng.integers(-1, PUSH_RANKS, num_rows).astype(np.int32)  # -1: the row goes nowhere
+    dest_row = rng.permutation(num_rows).astype(np.int32)
+    receive = np.full((PUSH_RANKS, num_rows, N), np.nan, np.float32)
+    arrivals = np.zeros((PUSH_RANKS, PUSH_RANKS), np.int32)
+    peer_addresses = np.concatenate([np.concatenate([_address_words(receive[peer]), _address_words(arrivals[peer])])
+                                     for peer in range(PUSH_RANKS)])
+    rank = 1
+    operands = [HostTensor(a) for a in (lhs, rhs, group_sizes, np.array([group_offset], np.int32), dest_device,
+                                        dest_row, peer_addresses, np.array([rank], np.int32))]
+    main_done, tail_done = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+                  NUM_PEERS=PUSH_RANKS, NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
+    kernels.gmm_push_kernel[(programs,)](*operands, HostTensor(main_done), TAIL_APART=True, **common)
+    partials, counters, tail_common = _tail_launch(programs, block, **common)
+    kernels.gmm_push_tail_kernel[(programs,)](*operands, HostTensor(main_done), HostTensor(tail_done),
+                                              HostTensor(partials), HostTensor(counters), **tail_common)
+
+    product = gmm_reference(lhs, rhs, group_sizes, group_offset, False)
+    expected = np.full(receive.shape, np.nan)
+    group_of_row = harness.row_groups(group_sizes, num_rows)
+    for row in np.flatnonzero((group_of_row >= group_offset) & (group_of_row < group_offset + num_local)
+                              & (dest_device >= 0)):
+        expected[dest_device[row], dest_row[row]] = product[row]
+    stored = ~np.isnan(expected)
+    result = harness.summary(np.where(stored, receive, 0.0), np.where(stored, expected, 0.0))
+    signalled = np.zeros_like(arrivals)
+    signalled[:, rank] = 2 * programs  # every program of both kernels, on every peer
+    return dict(result, stray=int((~np.isnan(receive) & ~stored).sum()), counters=counters.tolist(),
+                signals_ok=bool((arrivals == signalled).all()))
+
+
+def _jobs():
+    """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
+    from moe_lowering.kernels.grouped_matmul import triton_kernels as kernels
+
+    jobs = {f"gmm-{name}": (lambda v=variant: harness.summary(*_run_gmm(kernels, *v)))
+            for name, variant in GMM_VARIANTS.items()}
+    jobs.update({f"tgmm-{name}": (lambda v=variant: harness.summary(*_run_tgmm(kernels, *v)))
+                 for name, variant in TGMM_VARIANTS.items()})
+    jobs.update({f"tail-{name}": (lambda v=variant: _run_gmm_with_tail(kernels, *v))
+                 for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
+    jobs.update({f"push-{name}": (lambda v=variant: _run_push_with_tail(kernels, *v))
+                 for name, variant in PUSH_VARIANTS.items()})
+    jobs.update({f"pair-{name}": (lambda v=variant: _run_gmm_pair_with_tail(kernels, *v))
+                 for name, variant in PAIR_VARIANTS.items()})
+    return jobs
+
+
+JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
+            + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
+            + [f"pair-{n}" for n in PAIR_VARIANTS])
+
+
+if __name__ == "__main__":
+    harness.run_as_child(_jobs)
+else:
+    interpreter_report = harness.report_fixture(__file__, JOB_KEYS)
+
+    @pytest.mark.parametrize("name", sorted(GMM_VARIANTS))
+    def test_gmm_kernel_matches_reference(interpreter_report, name):
+        result = interpreter_report[f"gmm-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+
+    @pytest.mark.parametrize("name", sorted(TGMM_VARIANTS))
+    def test_tgmm_kernel_matches_reference(interpreter_report, name):
+        result = interpreter_report[f"tgmm-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+
+    @pytest.mark.parametrize("name", sorted({**TAIL_VARIANTS, **HALF_VARIANTS}))
+    def test_gmm_with_its_tail_apart_matches_reference(interpreter_report, name):
+        """The main kernel's full waves plus the tail kernel's K pieces of the active units write every
+        output once, and the tail kernel numbered and cut the units as ``tail_units`` says."""
+        case, k, _, programs, block = {**TAIL_VARIANTS, **HALF_VARIANTS}[name]
+        result = interpreter_report[f"tail-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+        assert result["counters"] == expected_counters(case, k, programs, block)
+
+    @pytest.mark.parametrize("name", sorted(PUSH_VARIANTS))
+    def test_gmm_push_with_its_tail_apart_stores_every_row_on_its_peer(interpreter_report, name):
+        """Every row of a local group lands at its place on its peer, nothing else is written, and
+        every program of both kernels signals every peer once."""
+        case, k, _, programs, block = PUSH_VARIANTS[name]
+        result = interpreter_report[f"push-{name}"]
+        assert result["unwritten"] == 0 and result["stray"] == 0, result
+        assert result["max_error"] < 1e-5, result
+        assert result["signals_ok"], result
+        assert result["counters"] == expected_counters(case, k, programs, block)
+
+    @pytest.mark.parametrize("name", sorted(PAIR_VARIANTS))
+    def test_gmm_pair_with_its_tail_apart_matches_reference(interpreter_report, name):
+        """Both main kernels' full waves plus the pair's tail kernel write every element of both
+        outputs once, each its own product, and the pair's units were cut as ``pair_units`` says."""
+        case, k, _, programs, block = PAIR_VARIANTS[name]
+        result = interpreter_report[f"pair-{name}"]
+        for product in ("a", "b"):
+            assert result[product]["unwritten"] == 0, (product, result)
+            assert result[product]["max_error"] < 1e-5, (product, result)
+        assert result["counters"] == expected_pair_counters(case, k, programs, block)
+
+    def test_pair_cases_reach_every_cut_and_more_units_than_programs():
+        """Whole units with a program doing two of them, and 2, 4 and 8 pieces."""
+        reached = set()
+        for case, k, _, programs, block in PAIR_VARIANTS.values():
+            units, pieces = pair_units(case, k, programs, block)
+            if units:
+                reached.add(f"pieces-{pieces}")
+                reached.update({"more-units-than-programs"} if len(units) > programs else set())
+        expected = {"pieces-1", "pieces-2", "pieces-4", "pieces-8", "more-units-than-programs"}
+        assert reached >= expected, expected - reached
+
+    @pytest.mark.parametrize("variants, kinds", [
+        ({**TAIL_VARIANTS, **HALF_VARIANTS}, {"rhsT"}),
+        (PUSH_VARIANTS, set()),
+    ], ids=["gmm", "push"])
+    def test_tail_cases_reach_every_cut_and_unit(variants, kinds):
+        """Whole units and 2, 4 and 8 pieces; tail tiles with one and with two active halves; tails
+        over two groups; K with and without a remainder."""
+        expected = {"pieces-1", "pieces-2", "pieces-4", "pieces-8", "one-half", "two-halves", "over-groups",
+                    "k-remainder", "k-whole"} | kinds
+        assert tail_kinds(variants) >= expected, expected - tail_kinds(variants)
