@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -37,6 +39,7 @@ from moe_lowering.expert_program import (
     ParamRef,
     RowInput,
     custom_jvp_node,
+    replay_elementwise,
     topological_nodes,
 )
 from moe_lowering.passes.abstract import (
@@ -1212,8 +1215,84 @@ def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
         return FailedMatch(f"custom_jvp function `{name}`: its derivative rule cannot be read ({error})", eqn,
                            "expert-program")
     if not _elementwise_jaxpr(*node.rule):
-        return FailedMatch(f"custom_jvp function `{name}` has a derivative rule that is not elementwise", eqn, "expert-program")
+        aligned = _without_layout_moves(*node.rule)
+        if aligned is None or not _elementwise_jaxpr(*aligned):
+            return FailedMatch(f"custom_jvp function `{name}` has a derivative rule that is not elementwise", eqn,
+                               "expert-program")
+        node = replace(node, rule=aligned)
     return replace(first, node=node)
+
+
+def _without_layout_moves(jaxpr, consts):
+    """A ``custom_jvp`` rule traced under ``vmap`` (flax's ``nn.vmap`` experts) moves the batch axis
+    around: transposes out and back, broadcasts of a constant with the axis inserted. When every
+    non-constant value keeps one consistent axis order and the outputs return to the inputs' order,
+    the rule is elementwise: this is it with the moves dropped, as ``(jaxpr, consts)``; else None."""
+    if any(np.size(c) != 1 for c in consts):
+        return None
+    order: dict = {v: tuple(range(len(v.aval.shape))) for v in jaxpr.invars}  # axis order vs the inputs'
+    uniform = set(jaxpr.constvars)  # values equal everywhere (broadcasts of a scalar)
+
+    def layout(atom):
+        if _compat.is_literal(atom) or atom in uniform:
+            return "uniform"
+        return order.get(atom)
+
+    for eqn in jaxpr.eqns:
+        layouts = [layout(a) for a in eqn.invars]
+        if any(layout_ is None for layout_ in layouts):
+            return None
+        moving = {layout_ for layout_ in layouts if layout_ != "uniform"}
+        if eqn.primitive is lax.transpose_p and moving:
+            (before,) = moving
+            order[eqn.outvars[0]] = tuple(before[p] for p in eqn.params["permutation"])
+        elif eqn.primitive is lax.broadcast_in_dim_p and not moving:
+            uniform.add(eqn.outvars[0])
+        elif eqn.primitive in _ELEMENTWISE or eqn.primitive in (_compat.custom_jvp_call_p, _compat.jit_p):
+            if len(moving) > 1:
+                return None
+            for out in eqn.outvars:
+                if moving:
+                    order[out] = next(iter(moving))
+                else:
+                    uniform.add(out)
+        else:
+            return None
+    if any(layout(v) not in ("uniform", tuple(range(len(v.aval.shape)))) for v in jaxpr.outvars):
+        return None
+    shape = tuple(jaxpr.invars[0].aval.shape)
+
+    def aligned(*args):
+        env = dict(zip(jaxpr.constvars, [np.asarray(c).reshape(()) for c in consts]))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(atom):
+            return _compat.literal_value(atom) if _compat.is_literal(atom) else env[atom]
+
+        def full(value):  # a uniform value is kept as a scalar until it meets a full-shaped one
+            return lax.broadcast_in_dim(value, shape, ()) if np.ndim(value) == 0 else value
+
+        for eqn in jaxpr.eqns:
+            inputs = [read(a) for a in eqn.invars]
+            if eqn.primitive in (lax.transpose_p, lax.broadcast_in_dim_p):
+                outputs = inputs
+            else:
+                if any(np.ndim(x) for x in inputs):
+                    inputs = [full(x) for x in inputs]
+                if eqn.primitive in (_compat.jit_p, _compat.custom_jvp_call_p):
+                    # a rule's nested custom_jvp call computes its primal: its body, inlined (its own
+                    # rule came out of vmap batched too, and a rule is not differentiated again here)
+                    inner = eqn.params["jaxpr" if eqn.primitive is _compat.jit_p else "call_jaxpr"]
+                    outputs = replay_elementwise(_compat.open_jaxpr(inner), _compat.sub_jaxpr_consts(inner), inputs,
+                                                 shape)
+                else:
+                    result = eqn.primitive.bind(*inputs, **eqn.params)
+                    outputs = result if eqn.primitive.multiple_results else [result]
+            env.update(zip(eqn.outvars, outputs))
+        return [full(read(v)) for v in jaxpr.outvars]
+
+    closed = jax.make_jaxpr(aligned)(*[jax.ShapeDtypeStruct(shape, v.aval.dtype) for v in jaxpr.invars])
+    return closed.jaxpr, closed.consts
 
 
 def _elementwise_jaxpr(jaxpr, consts) -> bool:

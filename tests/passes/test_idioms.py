@@ -316,3 +316,23 @@ def test_a_dispatch_that_keeps_a_token_axis_free_says_why():
         return jnp.einsum("bsec,ebczd->bsd", dispatch * probs[..., None], out)
 
     declined_because(not_a_dispatch, params, x, "not as a dispatch [tokens.., E, C]")
+
+
+@pytest.mark.parametrize("activation", [jax.nn.relu, jax.nn.gelu], ids=["relu", "gelu"])
+def test_experts_applied_with_vmap_keep_their_custom_derivative(activation):
+    """``jax.vmap`` over stacked expert weights (what flax's ``nn.vmap`` traces to): ``relu``'s
+    ``custom_jvp`` rule comes out batched, with transposes out and back; it is elementwise still."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        gate = (jax.nn.one_hot(index, 4) * weights[..., None]).sum(1)
+
+        def expert(w_up, w_down):
+            return activation(x @ w_up) @ w_down
+
+        return jnp.einsum("te,etd->td", gate, jax.vmap(expert)(params["w_up"], params["w_down"]))
+
+    params, x = _params(jax.random.key(12)), jax.random.normal(jax.random.key(13), (16, 8))
+    assert rewritten_exactly(layer, params, x)
+    x = x.at[0, :].set(0.0)  # relu'(0): the rule's value, not autodiff's of max(x, 0)
+    assert rewritten_exactly(layer, params, x)
