@@ -374,7 +374,8 @@ def _grouped_slot_tensor(region: MoeRegion, tensor):
     per_token = tensor.reshape(token_shape + tensor.shape[1:])
     per_token = jnp.transpose(per_token, [tokens.index(r) for r in order] + [len(tokens), len(tokens) + 1])
     groups = math.prod(token_shape[tokens.index(r)] for r in region.slot_groups)
-    return per_token.reshape((groups, -1) + tensor.shape[1:])
+    per_group = math.prod(token_shape[tokens.index(r)] for r in order[len(region.slot_groups):])
+    return per_token.reshape((groups, per_group) + tensor.shape[1:])  # named sizes: T may be 0
 
 
 def _read_mask(mask, read):
