@@ -175,8 +175,7 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     else:
         expert_indices = _index_matrix(anchor, read(anchor.indices))
         expert_weights = _routing_weights(region, read, expert_indices)
-    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
-    params = [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
+    params = _region_params(region, read)
     capacity_factor = options.capacity_factor if region.combine is None else None
     layout = _sharded_layout(region, sharding_of)
     if layout is not None:
@@ -402,14 +401,14 @@ def _capacity_assumptions_fail(region: MoeRegion, read):
     dispatch = _slot_tensor(region, read, region.dispatch)
     occupied = dispatch != 0
     fails = jnp.any(occupied & (dispatch != 1))
-    fails |= jnp.any(jnp.sum(_grouped_slot_tensor(region, occupied.astype(jnp.int32)), axis=1) > 1)
+    tokens_per_slot = jnp.sum(_grouped_slot_tensor(region, occupied.astype(jnp.int32)), axis=1)  # [G, E, C]
+    fails |= jnp.any(tokens_per_slot > 1)
     fails |= jnp.any(jnp.sum(jnp.any(occupied, axis=-1), axis=-1) > region.top_k)
     combine_atom, roles = region.combine
     for mask in (combine_atom,) + tuple(region.combine_masks):
         full = jnp.broadcast_to(jnp.asarray(_read_mask(mask, read)), combine_atom.shape)
         fails |= jnp.any((_slot_tensor(region, lambda _: full, (combine_atom, roles)) != 0) & ~occupied)
-    has_empty_slot = jnp.any(jnp.sum(_grouped_slot_tensor(region, occupied.astype(jnp.int32)), axis=1) == 0,
-                             axis=(0, 2))
+    has_empty_slot = jnp.any(tokens_per_slot == 0, axis=(0, 2))
     return fails | jnp.any(has_empty_slot & ~_expert_output_finite_at_zero(region, read))
 
 
@@ -424,8 +423,7 @@ def _expert_output_finite_at_zero(region: MoeRegion, read):
     finite), so this costs a few elementwise ops per expert unless biases make the row non-zero.
     """
     num_experts = region.num_experts
-    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
-    params = [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
+    params = _region_params(region, read)
     dtype = jnp.result_type(read(region.tokens))
     experts = jnp.arange(num_experts, dtype=jnp.int32)
 
@@ -458,6 +456,12 @@ def _capacity_choices(region: MoeRegion, read):
     weights = jnp.take_along_axis(gate, choices, axis=1)
     expert_indices = jnp.where(kept_choice, choices, num_experts)
     return expert_indices, jnp.where(kept_choice, weights, 0)
+
+
+def _region_params(region: MoeRegion, read) -> list:
+    """The region's program inputs as they are now, each in the layout ``ExpertProgram`` expects."""
+    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
+    return [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
 
 
 def _normalise_param(param, value, region: MoeRegion):
