@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -1357,7 +1356,6 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         if len(expert_dims) > 1:  # both free axes count E: try one; the data flow rejects the wrong one
             an.ambiguous_expert_axis = True
         e_dim = expert_dims[an.expert_axis_choice]
-        n_dim = next(d for d in free if d != e_dim)
         w_roles = tuple(EXPERT if d == e_dim else ("K" if d == wc[0] else "N") for d in range(3))
         index = an.param(w, ParamKind.EXPERT_WEIGHT, w_roles)
         node = ExpertMatmul(RowInput(), index, pet)

@@ -21,7 +21,7 @@ from jax import lax
 
 from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind, RowContext, evaluate
-from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, is_token, token_roles
+from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, token_roles
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, SlicedMask, analyse
 
