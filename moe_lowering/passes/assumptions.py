@@ -75,10 +75,12 @@ ASSUMPTIONS = (
         "the dispatch tensor is computed from integers, booleans and constants only"),
     Assumption(
         "combine-derivative-in-slots", CAPACITY,
-        "the combine tensor's derivative is zero outside the slots its non-differentiable masks mark",
+        "a bound on where the combine tensor's derivative can be non-zero exists in the program",
         PROVEN,
-        "combine is a product of a non-differentiable mask and the gate, a sum of such, or a select against "
-        "zero by such a mask, seen through casts, annotations and slices"),
+        "the program's own ops replayed on 0/1 indicators of its derivative-free values (derivative_support.py): "
+        "a product with such a value intersects, a sum unites, a dot_general multiplies out (GShard's "
+        "'GSE,GSC->GSEC' outer product), casts, annotations, layout ops, slices, sums and selects move the "
+        "bound; an op outside these bounds nothing, and a bound of such unknowns alone is no proof"),
     Assumption(
         "dispatch-is-0-1", CAPACITY, "every dispatch entry is 0 or 1", CHECKED,
         "any(dispatch not in {0, 1})"),
@@ -97,8 +99,8 @@ ASSUMPTIONS = (
         "the weights, which are assumed finite), for the experts that have an empty slot"),
     Assumption(
         "combine-within-dispatch", CAPACITY,
-        "combine (and each mask its derivative lives in) is zero wherever the token was not dispatched",
-        CHECKED, "any((combine != 0) & (dispatch == 0)), likewise for each mask; also catches NaN routing"),
+        "combine, and the bound on its derivative, are zero wherever the token was not dispatched",
+        CHECKED, "any((combine != 0) & (dispatch == 0)), likewise for the bound; also catches NaN routing"),
 )
 
 BY_NAME = {a.name: a for a in ASSUMPTIONS}

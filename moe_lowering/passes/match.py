@@ -65,7 +65,8 @@ from moe_lowering.passes.abstract import (
     token_roles,
 )
 from moe_lowering.passes.assumptions import BY_NAME
-from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
+from moe_lowering.passes.derivative_support import Support, derivative_support, tangent_free
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, identity_annotations
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class MoeRegion:
     capacity: int | None = None
     top_k: int = 1
     gate_values: tuple[GateValue, ...] = ()  # top-k styles: the routing weights as the program computes them
-    combine_masks: tuple = ()  # capacity style: non-differentiable values outside whose support combine's derivative is 0
+    combine_support: Support | None = None  # capacity style: where combine's derivative can be non-zero
     slot_groups: tuple = ()  # capacity style: token axes whose every index has its own [E, C] slots
 
     @property
@@ -759,13 +760,6 @@ def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
     if a.node != b.node:
         return FailedMatch("experts in the loop do not all compute the same program", eqn, "expert-program")
     return replace(a, experts=a.experts | b.experts, gate_values=a.gate_values + b.gate_values)
-
-
-@functools.cache
-def identity_annotations() -> tuple:
-    """Primitives that only annotate a value (a remat name, a sharding): the canonical program is
-    the same without them, so matching sees through them."""
-    return (_compat.name_p, _compat.sharding_constraint_p)
 
 
 def _annotation(an: Analysis, eqn: Eqn, abstracts):
@@ -1699,20 +1693,20 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         return FailedMatch("the MoE output is not laid out as [tokens.., features]")
     capacity = None
     top_k = an.anchor.top_k
-    combine_masks: tuple = ()
+    combine_support = None
     if combined.combine is not None:
         dispatch, dispatch_roles = combined.dispatch
         capacity = dispatch.shape[dispatch_roles.index(SLOT)]
         top_k = sum(a.top_k for a in anchors if a.indices in graph.ancestors(dispatch))
-        if not _tangent_free(graph, dispatch):
+        if not tangent_free(graph, dispatch):
             return FailedMatch(
                 "the dispatch tensor has a derivative (a soft or straight-through dispatch); the sparse rewrite "
                 "moves token rows by index and would drop it", graph.producer.get(dispatch), "dispatch-has-no-derivative")
         if any(p.kind is ParamKind.PER_TOKEN for p in params):
             return FailedMatch("a per-token value inside the experts of a capacity layer (an empty slot has no token "
                                "to read it for)", graph.producer.get(output), "expert-program")
-        combine_masks = _tangent_masks(graph, combined.combine[0])
-        if combine_masks is None:
+        combine_support = derivative_support(graph, combined.combine[0])
+        if combine_support is None:
             return FailedMatch(
                 "cannot prove that the combine tensor's derivative vanishes outside the dispatched slots (write it as "
                 "a 0/1 slot mask times the gate)", graph.producer.get(combined.combine[0]), "combine-derivative-in-slots")
@@ -1737,7 +1731,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         capacity=capacity,
         top_k=top_k,
         gate_values=combined.gate_values,
-        combine_masks=combine_masks,
+        combine_support=combine_support,
         slot_groups=combined.slot_groups,
     )
 
@@ -1750,123 +1744,6 @@ def _gate_values_complete(combined: Combined, num_experts: int) -> bool:
     if combined.experts is not None:
         return sorted(v.expert for v in values) == list(range(num_experts))
     return len(values) == 1 and values[0].expert is None
-
-
-# --------------------------------------------------------------------------- derivatives
-
-# Primitives whose outputs have a zero derivative whatever their inputs.
-_ZERO_DERIVATIVE_NAMES = "floor ceil round sign stop_gradient iota argmax argmin is_finite"
-
-
-@functools.cache
-def _zero_derivative_primitives() -> frozenset:
-    return frozenset(p for p in (getattr(lax, f"{n}_p", None) for n in _ZERO_DERIVATIVE_NAMES.split()) if p) | {
-        _compat.stop_gradient_p}
-
-
-def _is_float(atom) -> bool:
-    return np.issubdtype(np.dtype(atom.dtype), np.inexact) if hasattr(atom, "dtype") else False
-
-
-def _tangent_free(graph: JaxprGraph, atom) -> bool:
-    """``atom`` has a zero derivative with respect to every input of the program: it is an integer or
-    boolean value, a constant, or computed from such values (through ``stop_gradient``, ``floor``, ...)."""
-    zero = _zero_derivative_primitives()
-    memo = graph.__dict__.setdefault("_tangent_free", {})
-    stack = [atom]
-    while stack:
-        value = stack[-1]
-        if not isinstance(value, Value) or value in memo:
-            stack.pop()
-            continue
-        if not _is_float(value):
-            memo[value] = True
-            stack.pop()
-            continue
-        eqn = graph.producer.get(value)
-        if eqn is None:
-            memo[value] = False  # a program input
-            stack.pop()
-            continue
-        if eqn.primitive in zero:
-            memo[value] = True
-            stack.pop()
-            continue
-        pending = [a for a in eqn.inputs if isinstance(a, Value) and a not in memo]
-        if pending:
-            stack.extend(pending)
-            continue
-        memo[value] = all(memo.get(a, True) for a in eqn.inputs)
-        stack.pop()
-    return memo.get(atom, True) if isinstance(atom, Value) else True
-
-
-@dataclass(frozen=True)
-class SlicedMask:
-    """A combine mask that is a static slice of a program value: ``one_hot(pos, C + 1)[..., 1:]``."""
-
-    value: Any
-    start: tuple
-    limit: tuple
-    strides: tuple | None
-
-
-def _tangent_masks(graph: JaxprGraph, atom, depth: int = 0):
-    """Values without a derivative, each shaped like ``atom`` (or a scalar), such that ``atom``'s
-    derivative is zero wherever they all are zero; ``()`` if it has none; ``None`` if not proven.
-
-    A product with such a value ``m`` has its derivative inside ``m``'s support (``m * g``,
-    ``einsum('bse,bsec->bsec', g, m)``, ``where(m, g, 0)``); sums unite the supports.
-    """
-    if _tangent_free(graph, atom):
-        return ()
-    eqn = graph.producer.get(atom)
-    if eqn is None or depth > 64:
-        return None
-    prim, inputs = eqn.primitive, eqn.inputs
-    if prim is lax.mul_p:
-        free = [a for a in inputs if _tangent_free(graph, a)]
-        return (free[0],) if free else None
-    if prim in (lax.add_p, lax.sub_p):
-        parts = [_tangent_masks(graph, a, depth + 1) for a in inputs]
-        return None if any(p is None for p in parts) else tuple(m for p in parts for m in p)
-    if prim in (lax.neg_p, lax.convert_element_type_p, lax.reduce_precision_p, lax.copy_p) + identity_annotations():
-        return _tangent_masks(graph, inputs[0], depth + 1)
-    if prim is lax.slice_p:
-        masks = _tangent_masks(graph, inputs[0], depth + 1)
-        if masks is None or any(isinstance(m, SlicedMask) or m.shape not in ((), inputs[0].shape) for m in masks):
-            return None
-        cut = (tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"]), eqn.params["strides"])
-        return tuple(SlicedMask(m, *cut) if m.shape else m for m in masks)
-    if prim is lax.select_n_p and len(inputs) == 3:
-        predicate, on_false, on_true = inputs
-        if _tangent_free(graph, on_false) and _is_zero(graph, on_false) and predicate.shape == atom.shape:
-            return (predicate,) if _tangent_masks(graph, on_true, depth + 1) is not None else None
-        return None
-    if prim is lax.dot_general_p:
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        if contract:
-            return None
-        for operand in inputs:
-            if _tangent_free(graph, operand) and operand.shape == atom.shape and _dot_keeps_layout(eqn, operand):
-                return (operand,)
-    return None
-
-
-def _dot_keeps_layout(eqn: Eqn, operand) -> bool:
-    """A ``dot_general`` without contraction whose output dims are ``operand``'s, in order."""
-    (_, _), (lb, rb) = eqn.params["dimension_numbers"]
-    side = eqn.inputs.index(operand)
-    batch = lb if side == 0 else rb
-    rank = len(operand.shape)
-    free = [d for d in range(rank) if d not in batch]
-    other_free = len(eqn.inputs[1 - side].shape) - len(batch)
-    order = list(batch) + (free if side == 0 else free)
-    if side == 0 and other_free:
-        return False  # the rhs's free dims would come after ours
-    if side == 1 and other_free:
-        return False  # the lhs's free dims would come first
-    return order == list(range(rank))
 
 
 def _interior(an: Analysis, output: Value) -> set[int]:

@@ -23,7 +23,8 @@ from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind, RowContext, evaluate
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, token_roles
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
-from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, SlicedMask, analyse
+from moe_lowering.passes.derivative_support import support_indicator
+from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
 
 log = logging.getLogger(__name__)
 
@@ -377,13 +378,6 @@ def _grouped_slot_tensor(region: MoeRegion, tensor):
     return per_token.reshape((groups, per_group) + tensor.shape[1:])  # named sizes: T may be 0
 
 
-def _read_mask(mask, read):
-    """A combine mask's value: a program value, or a slice of one (``one_hot(pos, C + 1)[..., 1:]``)."""
-    if isinstance(mask, SlicedMask):
-        return lax.slice(jnp.asarray(read(mask.value)), mask.start, mask.limit, mask.strides)
-    return read(mask)
-
-
 def _kept(region: MoeRegion, read):
     """``[T, E]``: which experts the dispatch tensor sends each token to."""
     return jnp.any(_slot_tensor(region, read, region.dispatch) != 0, axis=-1)
@@ -395,7 +389,7 @@ def _capacity_assumptions_fail(region: MoeRegion, read):
     The sparse layer sends each token once to each expert whose slots it occupies and weighs the
     result by the token's combine entries there. That is the reference when the dispatch tensor is
     0/1, no slot holds two tokens (of one slot group), every token occupies at most ``top_k``
-    experts, and combine (and what its derivative depends on: ``region.combine_masks``) is zero
+    experts, and combine and its derivative (bounded by ``region.combine_support``) are zero
     outside the dispatched slots.
     """
     dispatch = _slot_tensor(region, read, region.dispatch)
@@ -405,8 +399,8 @@ def _capacity_assumptions_fail(region: MoeRegion, read):
     fails |= jnp.any(tokens_per_slot > 1)
     fails |= jnp.any(jnp.sum(jnp.any(occupied, axis=-1), axis=-1) > region.top_k)
     combine_atom, roles = region.combine
-    for mask in (combine_atom,) + tuple(region.combine_masks):
-        full = jnp.broadcast_to(jnp.asarray(_read_mask(mask, read)), combine_atom.shape)
+    for mask in (read(combine_atom), support_indicator(region.combine_support, read)):
+        full = jnp.broadcast_to(jnp.asarray(mask), combine_atom.shape)
         fails |= jnp.any((_slot_tensor(region, lambda _: full, (combine_atom, roles)) != 0) & ~occupied)
     has_empty_slot = jnp.any(tokens_per_slot == 0, axis=(0, 2))
     return fails | jnp.any(has_empty_slot & ~_expert_output_finite_at_zero(region, read))
