@@ -331,3 +331,18 @@ def test_non_finite_weight_of_an_expert_no_token_selects_does_not_poison():
     got = jax.jit(moe_optimize(_top2(), strict=True))(params, x)
     assert np.isfinite(np.asarray(got)).all()
     assert np.isnan(np.asarray(_top2()(params, x))).all()
+
+
+def test_non_finite_weight_of_a_selected_expert_reaches_only_its_tokens():
+    """The README's limit: the sparse layer multiplies an expert's weights only into the tokens that
+    select it; the dense one also into every other token (0 * inf = NaN)."""
+    params = _params(jax.random.key(27), num_experts=8)
+    x = _tokens(jax.random.key(28), (16, D))
+    _, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+    expert = int(np.asarray(index)[0, 0])
+    params["w_down"] = params["w_down"].at[expert].set(jnp.inf)
+    got = np.asarray(jax.jit(moe_optimize(_top2(), strict=True))(params, x))
+    selects = np.any(np.asarray(index) == expert, axis=1)
+    assert not np.isfinite(got[selects]).all(axis=1).any()
+    assert np.isfinite(got[~selects]).all() and (~selects).any()
+    assert np.isnan(np.asarray(_top2()(params, x))).all()
