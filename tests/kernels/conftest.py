@@ -4,4 +4,13 @@ tests in those folders share ``interpreter_harness`` (here), importable from eac
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Interpreter cases are marked ``triton_interpreter``: they run no JAX, so one CI entry runs them."""
+    for item in items:
+        if Path(str(item.path)).name.endswith("_interpreter.py"):
+            item.add_marker(pytest.mark.triton_interpreter)

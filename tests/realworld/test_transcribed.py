@@ -50,7 +50,8 @@ from rw_check import assert_close, check_rewritten_exactly, near_miss_reason, ou
 from rw_layers import Layer
 
 # flaxformer's routers, as shipped, one-hot float priorities (`cumsum(mask) * mask - 1.0`).
-pytestmark = pytest.mark.filterwarnings("ignore:jax.nn.one_hot input should be integer-typed:DeprecationWarning")
+pytestmark = [pytest.mark.transcribed,
+              pytest.mark.filterwarnings("ignore:jax.nn.one_hot input should be integer-typed:DeprecationWarning")]
 
 F32 = jnp.float32
 
