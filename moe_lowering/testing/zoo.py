@@ -507,12 +507,14 @@ def _switch_fn(capacity_factor: float):
     return switch
 
 
-def _gshard_top2_fn(capacity_factor: float):
+def _gshard_top2_fn(capacity_factor: float, combine_by_outer_products: bool = False):
     def gshard_top2(params, x):
         """GShard top-2 gating with capacity: second choices queue after all first choices of an expert.
 
         Gates are renormalised over the two choices before any drop (as GShard does); a dropped
-        choice simply contributes nothing.
+        choice simply contributes nothing. ``combine_by_outer_products``: combine is built as praxis
+        and AXLearn build it, one ``einsum('te,tc->tec')`` outer product per choice, and the dispatch
+        tensor is ``combine != 0``; the same layer.
         """
         num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
         capacity = expert_capacity(num_tokens, num_experts, 2, capacity_factor)
@@ -525,10 +527,20 @@ def _gshard_top2_fn(capacity_factor: float):
         mask_1 = mask_1 * (position_1 < capacity)
         position_2 = jnp.cumsum(mask_2, axis=0) - 1 + mask_1.sum(axis=0, keepdims=True)
         mask_2 = mask_2 * (position_2 < capacity)
-        slots_1 = jax.nn.one_hot(position_1, capacity, dtype=x.dtype) * mask_1[..., None].astype(x.dtype)
-        slots_2 = jax.nn.one_hot(position_2, capacity, dtype=x.dtype) * mask_2[..., None].astype(x.dtype)
-        dispatch = slots_1 + slots_2  # [T, E, C]
-        combine = gates[:, 0, None, None].astype(x.dtype) * slots_1 + gates[:, 1, None, None].astype(x.dtype) * slots_2
+        if combine_by_outer_products:  # praxis / AXLearn: (gate on the chosen expert) x (one-hot slot)
+            combine = sum(
+                jnp.einsum("te,tc->tec",
+                           (gates[:, j] * mask.sum(axis=-1)).astype(x.dtype)[:, None]
+                           * jax.nn.one_hot(index[:, j], num_experts, dtype=x.dtype),
+                           jax.nn.one_hot((position * mask).sum(axis=-1), capacity, dtype=x.dtype))
+                for j, (position, mask) in enumerate(((position_1, mask_1), (position_2, mask_2))))
+            dispatch = combine.astype(bool).astype(x.dtype)  # [T, E, C]
+        else:
+            slots_1 = jax.nn.one_hot(position_1, capacity, dtype=x.dtype) * mask_1[..., None].astype(x.dtype)
+            slots_2 = jax.nn.one_hot(position_2, capacity, dtype=x.dtype) * mask_2[..., None].astype(x.dtype)
+            dispatch = slots_1 + slots_2  # [T, E, C]
+            combine = (gates[:, 0, None, None].astype(x.dtype) * slots_1
+                       + gates[:, 1, None, None].astype(x.dtype) * slots_2)
         expert_inputs = jnp.einsum("tec,td->ecd", dispatch, x)
         hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", expert_inputs, params["w_up"]))
         expert_outputs = jnp.einsum("ecf,efd->ecd", hidden, params["w_down"])
@@ -564,6 +576,19 @@ def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float 
         hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2,
         notes="top-2 with capacity, second choices after all first choices, GELU (tanh) experts. At the default "
               "sizes (T=32, E=4, C=16) and args(jax.random.key(0)) 7 of 64 token copies are dropped.",
+    )
+
+
+def build_gshard_top2_outer(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
+    if sizes.k != 2:
+        raise ValueError(f"gshard_top2_outer routes each token to two experts; got k={sizes.k}")
+    return ZooModel(
+        name="gshard_top2_outer", fn=_gshard_top2_fn(capacity_factor, combine_by_outer_products=True),
+        make_params=_params_maker(sizes, _capacity_params), make_inputs=_token_inputs(sizes), expected_regions=1,
+        style="capacity", top_k=2, num_experts=sizes.E, capacity=expert_capacity(sizes.T, sizes.E, 2, capacity_factor),
+        sizes=sizes, hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2_outer,
+        notes="gshard_top2 with combine written as praxis and AXLearn write it: per choice, the gate on the chosen "
+              "expert times the one-hot slot, einsum('te,tc->tec'); dispatch = combine.astype(bool).",
     )
 
 
@@ -973,6 +998,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "grouped_capacity_a2a": build_grouped_capacity_a2a,
     "batch_prioritized": build_batch_prioritized,
     "gshard_top2": build_gshard_top2,
+    "gshard_top2_outer": build_gshard_top2_outer,
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,
     "gathered_weights": build_gathered_weights,

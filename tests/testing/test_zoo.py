@@ -283,6 +283,7 @@ REFERENCES = {
     "deepseek_v3": deepseek_reference,
     "switch": capacity_reference(relu),
     "gshard_top2": capacity_reference(gelu_tanh),
+    "gshard_top2_outer": capacity_reference(gelu_tanh),
     "grouped_capacity": grouped_capacity_reference,
     "grouped_capacity_a2a": grouped_capacity_reference,
     "batch_prioritized": batch_prioritized_reference,
@@ -313,6 +314,7 @@ RESIZED = {
     "deepseek_v3_e16": ("deepseek_v3", dict(E=16, k=3, n_group=4, topk_group=2)),
     "switch_roomy": ("switch", dict(capacity_factor=4.0)),
     "gshard_top2_e8": ("gshard_top2", dict(E=8, T=48, capacity_factor=1.25)),
+    "gshard_top2_outer_e8": ("gshard_top2_outer", dict(E=8, T=48, capacity_factor=1.25)),
     "hf_loop_e4": ("hf_loop", dict(E=4, f=16)),
 }
 
