@@ -601,6 +601,12 @@ def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
         return _with_factor(an, gate, atom, out, eqn)
     if prim is lax.div_p and isinstance(abstracts[0], Gate) and abstracts[1] is None:
         return _with_factor(an, abstracts[0], eqn.inputs[1], out, eqn, reciprocal=True)
+    if prim in (lax.gt_p, lax.ne_p) and isinstance(abstracts[0], Gate) and abstracts[1] is None:
+        # ``one_hot(idx).sum(choices) > 0``: the choices are distinct, so the count is the 0/1 mask
+        gate = abstracts[0]
+        if not gate.factors and _is_zero(an.graph, eqn.inputs[1]):
+            return replace(gate, boolean=True)
+        return None
     if prim is lax.select_n_p and isinstance(abstracts[0], Gate) and abstracts[0].boolean:
         on_false, on_true = eqn.inputs[1], eqn.inputs[2]
         if abstracts[1] is None and abstracts[2] is None and _is_zero(an.graph, on_false):

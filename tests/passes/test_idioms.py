@@ -126,6 +126,38 @@ def test_nothing_to_save_declines_with_a_reason(num_experts, k):
     declined_because(_mixtral(k=k), params, jax.random.normal(jax.random.key(13), (16, 8)), "(k = E)")
 
 
+def _gate_by_where(select):
+    """The gate as ``where(<token chose e>, probs, off)``: the chosen experts' probabilities."""
+
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"])
+        _, index = lax.top_k(probs, 2)
+        chosen = jax.nn.one_hot(index, num_experts).sum(1)
+        gate = select(chosen, probs)
+        hidden = jax.nn.gelu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    return layer
+
+
+@pytest.mark.parametrize("select", [lambda chosen, probs: jnp.where(chosen > 0, probs, 0.0),
+                                    lambda chosen, probs: jnp.where(chosen != 0, probs, 0.0)], ids=["gt", "ne"])
+def test_a_gate_selected_where_the_token_chose_the_expert_is_rewritten(select):
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    assert rewritten_exactly(_gate_by_where(select), params, x)
+
+
+@pytest.mark.parametrize("select", [lambda chosen, probs: jnp.where(chosen > 0, probs, 0.01 * probs),
+                                    lambda chosen, probs: jnp.where(chosen == 0, probs, 0.0),
+                                    lambda chosen, probs: jnp.where(chosen > 1, probs, 0.0),
+                                    lambda chosen, probs: jnp.where(chosen * probs > 0, probs, 0.0)],
+                         ids=["leaky", "inverted", "threshold-one", "weighted-predicate"])
+def test_a_gate_selected_otherwise_declines_or_stays_exact(select):
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    rewritten_exactly(_gate_by_where(select), params, x)
+
+
 def _gathered(index_of=lambda index: index, tokens_of=lambda x: x):
     """EasyDeL's reference path (zoo ``gathered_weights``), with hooks for the negatives."""
 
