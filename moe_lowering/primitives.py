@@ -261,6 +261,11 @@ def _gmm_pair_transpose(cts, lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_o
     del preferred_element_type, zero_outside
     options = dict(kernels=kernels, group_offset=group_offset, expected_rows=expected_rows)
     pairs = [(ct, rhs, index) for ct, rhs, index in zip(cts, (rhs_a, rhs_b), (1, 2)) if _nonzero(ct)]
+    if _compat.is_undefined_primal(lhs) and len(pairs) == 2 and kernels.gmm_sum is not None:
+        # both products' d_lhs in one pass: gmm_sum accumulates both in float32 and writes once
+        d_lhs = gmm_sum_p.bind(cts[0], cts[1], rhs_a, rhs_b, group_sizes, preferred_element_type=lhs.aval.dtype,
+                               batch=_levels(batch, ALL, ALL, 1, 2, 3), **options)
+        return [_sum_unbatched(d_lhs, batch, 0), None, None, None]
     if _compat.is_undefined_primal(lhs):  # both products' d_lhs, added in float32 (or wider)
         parts = [gmm_p.bind(ct, rhs, group_sizes, transpose_rhs=True, preferred_element_type=lhs.aval.dtype,
                             zero_outside=True, batch=_levels(batch, ALL, index, 3), **options)
@@ -279,10 +284,67 @@ def _gmm_pair_transpose(cts, lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_o
     return out
 
 
+# ``gmm_sum(a, b, rhs_a, rhs_b) = a @ rhs_a[g]^T + b @ rhs_b[g]^T``: the rows' cotangent of
+# ``gmm_pair``, in one kernel where the backend has one. Bilinear in ``(a, b)`` and ``(rhs_a, rhs_b)``;
+# it transposes into ``gmm_pair`` (rows) and ``tgmm`` (weights).
+
+
+def _gmm_sum_impl(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type,
+                  expected_rows):
+    options = dict(group_offset=group_offset, preferred_element_type=preferred_element_type,
+                   expected_rows=expected_rows)
+    if kernels.gmm_sum is not None:
+        return kernels.gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, **options)
+    from moe_lowering.kernels.grouped_matmul.reference import gmm_sum
+
+    return gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, **options)
+
+
+def _gmm_sum_shape(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, preferred_element_type, **_):
+    return [((lhs_a.shape[0], rhs_a.shape[1]), _out_dtype(preferred_element_type, lhs_a.dtype, rhs_a.dtype))]
+
+
+def _gmm_sum_jvp(primals, tangents, **params):
+    out = gmm_sum_p.bind(*primals, **params)
+    lhs_a, lhs_b, rhs_a, rhs_b, group_sizes = primals
+    terms = []
+    if _nonzero(tangents[0]) or _nonzero(tangents[1]):
+        terms.append(gmm_sum_p.bind(*(_compat.instantiate_zeros(t) for t in tangents[:2]), rhs_a, rhs_b, group_sizes,
+                                    **params))
+    if _nonzero(tangents[2]) or _nonzero(tangents[3]):
+        terms.append(gmm_sum_p.bind(lhs_a, lhs_b, *(_compat.instantiate_zeros(t) for t in tangents[2:4]), group_sizes,
+                                    **params))
+    return out, _sum(terms, out)
+
+
+def _gmm_sum_transpose(ct, lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type,
+                       expected_rows, batch):
+    del preferred_element_type
+    if not _nonzero(ct):
+        return [None] * 5
+    options = dict(kernels=kernels, group_offset=group_offset, expected_rows=expected_rows)
+    out = [None] * 5
+    if _compat.is_undefined_primal(lhs_a) or _compat.is_undefined_primal(lhs_b):
+        # d_lhs_a = ct @ rhs_a[g], d_lhs_b = ct @ rhs_b[g]: a gmm_pair of the cotangent
+        d_a, d_b = gmm_pair_p.bind(ct, rhs_a, rhs_b, group_sizes, preferred_element_type=lhs_a.aval.dtype,
+                                   zero_outside=True, batch=_levels(batch, ALL, 2, 3, 4), **options)
+        for index, (lhs, d) in enumerate(((lhs_a, d_a), (lhs_b, d_b))):
+            if _compat.is_undefined_primal(lhs):
+                out[index] = _sum_unbatched(d.astype(lhs.aval.dtype), batch, index)
+    for index, (lhs, rhs) in ((2, (lhs_a, rhs_a)), (3, (lhs_b, rhs_b))):
+        if _compat.is_undefined_primal(rhs):  # d_rhs[g] = ct_g^T @ lhs_g ([N, K], as the weights)
+            d_rhs = tgmm_p.bind(ct, lhs, group_sizes, num_groups=_core_shape(rhs.aval, batch, index)[0],
+                                preferred_element_type=rhs.aval.dtype, batch=_levels(batch, ALL, index - 2, 4),
+                                **options)
+            out[index] = _sum_unbatched(d_rhs, batch, index)
+    return out
+
+
 gmm_p = _define("moe_gmm", _gmm_impl, _gmm_shape, jvp="bilinear", transpose=_gmm_transpose)
 tgmm_p = _define("moe_tgmm", _tgmm_impl, _tgmm_shape, jvp="bilinear", transpose=_tgmm_transpose)
 gmm_pair_p = _define("moe_gmm_pair", _gmm_pair_impl, _gmm_pair_shape, multiple_results=True, jvp=_gmm_pair_jvp,
                      transpose=_gmm_pair_transpose)
+gmm_sum_p = _define("moe_gmm_sum", _gmm_sum_impl, _gmm_sum_shape, jvp=_gmm_sum_jvp, transpose=_gmm_sum_transpose)
 
 
 # --------------------------------------------------------------------------- fused SwiGLU product
@@ -548,3 +610,35 @@ def combine(rows, weights, inverse, token_of_row, order):
     """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]`` in ``rows``' type, accumulated in
     float32 (or wider)."""
     return combine_p.bind(rows, weights, inverse, token_of_row, order, dtype=jnp.dtype(rows.dtype), batch=())
+
+
+# --------------------------------------------------------------------------- row gathers on CUDA GPUs
+# ``permute`` copies whole token rows into expert order. XLA's gather fusion of ``jnp.take`` ran it
+# at about 1.3 TB/s on an H100 (0.43 ms for the 0.5 GB of rows of SonicMoE's 1.4B-n256 layer); where
+# Triton and jax_triton load, CUDA lowers it to a row-gather kernel instead (``kernels/gather_rows``,
+# 0.32 ms there). ``spread`` (its backward's gather times the routing weights) stays with XLA, which
+# fuses it with its neighbours: lowered to the kernel too, forward+backward got slower
+# (``benchmarks/NOTES.md``). Other platforms, batched uses and odd dtypes keep the jnp code.
+
+GPU_ROW_GATHER = True
+"""Whether CUDA lowers ``permute`` to the Triton row gather (False: XLA's gather)."""
+
+
+@functools.cache
+def _triton_gather_rows():
+    try:
+        from moe_lowering.kernels.gather_rows.triton_launch import gather_rows
+    except ImportError:
+        return None
+    return gather_rows
+
+
+def _permute_cuda(tokens, token_of_row, inverse, *, batch):
+    gather = _triton_gather_rows() if GPU_ROW_GATHER else None
+    if gather is None or batch or tokens.ndim != 2:
+        return permute_p.impl(tokens, token_of_row, inverse, batch=batch)
+    return gather(tokens, token_of_row)
+
+
+_compat._mlir.register_lowering(permute_p, _compat._mlir.lower_fun(_permute_cuda, multiple_results=False),
+                                platform="cuda", cacheable=False)

@@ -43,9 +43,10 @@ class KernelBackend:
     expected_rows)`` and
     ``tgmm(lhs, grad, group_sizes, *, num_groups, group_offset, preferred_element_type, expected_rows)``.
     ``swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset, preferred_element_type,
-    with_preactivations)`` (contract in :mod:`.swiglu_gmm`) is set only where the fused gate/up
-    product was measured no slower than two ``gmm`` calls and an elementwise pass (the XLA
-    path on a CPU; not the Triton kernel on an H200); ``None`` keeps SwiGLU programs unfused.
+    with_preactivations)`` (contract in :mod:`.swiglu_gmm`): the SwiGLU up-projection as one
+    product (the XLA path: the jnp reference; the Triton kernels: the fused kernel for experts up to
+    ``swiglu_gmm.triton_launch.FUSED_MAX_N`` wide, ``gmm_pair`` and the activation apart above);
+    ``None`` keeps SwiGLU programs unfused.
     ``swiglu_rows(gate, up, num_rows)`` and ``swiglu_rows_grads(d_out, gate, up, num_rows)``
     (contract in :mod:`.swiglu_rows`): SwiGLU's elementwise part on a buffer's leading rows;
     ``None`` uses the jnp reference, which computes every row.
@@ -53,6 +54,10 @@ class KernelBackend:
     zero_outside, expected_rows)``: ``gmm`` of the same rows by two weights of one shape, ``(out_a, out_b)``, set
     where doing both at once saves launches (the Triton kernels: one tail launch for SwiGLU's gate
     and up products); ``None``: two ``gmm`` calls.
+    ``gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset, preferred_element_type,
+    expected_rows)``: ``lhs_a @ rhs_a[g]^T + lhs_b @ rhs_b[g]^T`` written once, the rows' cotangent
+    of ``gmm_pair`` (and of the fused SwiGLU product); ``None``: two transposed ``gmm`` calls added
+    in float32.
     """
 
     name: str
@@ -62,6 +67,7 @@ class KernelBackend:
     swiglu_rows: Callable | None = None
     swiglu_rows_grads: Callable | None = None
     gmm_pair: Callable | None = None
+    gmm_sum: Callable | None = None
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
@@ -123,13 +129,17 @@ def _load_triton() -> KernelBackend:
         raise BackendUnavailable(f"the Triton backend is built for CUDA GPUs, found ROCm ({gpus[0].device_kind})")
     try:
         from moe_lowering.kernels.grouped_matmul import triton_launch as grouped_matmul
+        from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_gmm
         from moe_lowering.kernels.swiglu_rows import triton_launch as swiglu_rows
     except ImportError as err:
         raise BackendUnavailable(f"the Triton backend needs triton and jax_triton: {err}") from err
-    # No swiglu_gmm: the fused kernel (swiglu_gmm/triton_launch.py) measured no faster on an H200 at
-    # any benchmark layer, forward or forward+backward (benchmarks/NOTES.md, "Fused SwiGLU").
+    # swiglu_gmm: the fused kernel only for narrow experts (swiglu_gmm_or_pair; at Mixtral-like widths
+    # it measured no faster on an H200, benchmarks/NOTES.md, "Fused SwiGLU"), gmm_pair elsewhere; with
+    # gmm_sum the backward adds the gate and up products' row cotangents in one pass.
     return KernelBackend(
         name="triton",
+        swiglu_gmm=sequential_under_vmap(swiglu_gmm.swiglu_gmm_or_pair),
+        gmm_sum=sequential_under_vmap(grouped_matmul.gmm_sum),
         gmm=sequential_under_vmap(grouped_matmul.gmm),
         tgmm=sequential_under_vmap(grouped_matmul.tgmm),
         swiglu_rows=sequential_under_vmap(swiglu_rows.swiglu_rows),

@@ -284,3 +284,22 @@ def test_expected_rows_picks_the_tile_for_the_rows_that_come(transpose_rhs):
     assert _relative_error(d_lhs[:live].astype(jnp.float32), expected_d_lhs[:live]) < 1e-2
     expected_d_rhs = _tgmm_reference(np.asarray(lhs, np.float64), masked, group_sizes, 0, groups)
     assert _relative_error(d_rhs.astype(jnp.float32), expected_d_rhs) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gmm_sum_matches_both_products(case, dtype):
+    """``a @ rhs_a^T + b @ rhs_b^T`` in one kernel, every row written (poisoned output), zeros outside."""
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    k, n = 200, 328
+    keys = jax.random.split(jax.random.key(hash(("sum", case)) % 2**31), 4)
+    lhs_a, lhs_b = (_random(keys[i], (num_rows, k), dtype) for i in range(2))
+    rhs_a, rhs_b = (_random(keys[i], (num_local, n, k), dtype) for i in range(2, 4))
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    _poison((num_rows, n), dtype)
+    out = tgm.gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, sizes, group_offset=group_offset)
+    assert out.shape == (num_rows, n) and out.dtype == dtype
+    f32 = [x.astype(jnp.float32) for x in (lhs_a, lhs_b, rhs_a, rhs_b)]
+    expected = (_gmm_reference(f32[0], f32[2], group_sizes, group_offset, True)
+                + _gmm_reference(f32[1], f32[3], group_sizes, group_offset, True))
+    assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]

@@ -114,11 +114,19 @@ def test_swiglu_gmm_matches_reference(case, dtype, config, with_preactivations):
         assert _relative_error(output.astype(jnp.float32), expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("route", ["fused", "pair", "fused-no-sum"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", ["empty-groups", "group-offset-window"])
-def test_grouped_swiglu_matmul_gradients_match_reference(case, dtype, monkeypatch):
-    """The primitive's rules on the Triton kernels (the backend does not offer the fused kernel: forced here)."""
-    triton_backend = dataclasses.replace(get_backend("triton"), swiglu_gmm=tsw.swiglu_gmm)
+def test_grouped_swiglu_matmul_gradients_match_reference(case, dtype, route, monkeypatch):
+    """The primitive's rules on the Triton backend's ``swiglu_gmm``: the fused kernel (narrow experts), or
+    ``gmm_pair`` and the activation apart (``FUSED_MAX_N`` 0: wide ones); the rows' cotangent through
+    ``gmm_sum``, or (``fused-no-sum``) two transposed products added apart."""
+    triton_backend = get_backend("triton")
+    assert triton_backend.swiglu_gmm is not None and triton_backend.gmm_sum is not None
+    if route == "pair":
+        monkeypatch.setattr(tsw, "FUSED_MAX_N", 0)
+    if route == "fused-no-sum":
+        triton_backend = dataclasses.replace(triton_backend, gmm_sum=None)
     monkeypatch.setattr(sparse_moe, "get_backend", lambda name: triton_backend)
     lhs, gate, up, cotangent, sizes, offset = _operands(case, dtype)
     group_sizes = np.asarray(sizes)
@@ -147,5 +155,15 @@ def test_grouped_swiglu_matmul_gradients_match_reference(case, dtype, monkeypatc
         assert error < TOLERANCE[dtype] * (2 if dtype == jnp.bfloat16 else 1), (name, error)
 
 
-def test_backend_does_not_fuse_where_measured_no_faster():
-    assert get_backend("triton").swiglu_gmm is None
+@pytest.mark.parametrize("n, fused", [(tsw.FUSED_MAX_N, True), (tsw.FUSED_MAX_N + 8, False)])
+def test_backend_fuses_only_narrow_experts(n, fused, monkeypatch):
+    """Where the fused kernel measured faster (SonicMoE's n <= 512 layers on an H100) it runs;
+    wider experts run ``gmm_pair`` (two ``gmm`` launches and one pair tail) and the activation apart."""
+    seen = []
+    monkeypatch.setattr(tsw, "swiglu_gmm", lambda *a, **k: seen.append("fused") or tsw.reference.swiglu_gmm_reference(*a, **k))
+    monkeypatch.setattr(tsw, "gmm_pair", lambda *a, **k: seen.append("pair") or tgm.gmm_pair(*a, **k))
+    lhs = jnp.ones((64, 32), jnp.bfloat16)
+    weights = jnp.ones((2, 32, n), jnp.bfloat16)
+    tsw.swiglu_gmm_or_pair(lhs, weights, weights, jnp.asarray([30, 34], jnp.int32))
+    assert seen == (["fused"] if fused else ["pair"])
+    assert get_backend("triton").swiglu_gmm is not None

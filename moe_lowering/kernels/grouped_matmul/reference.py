@@ -171,3 +171,18 @@ def gmm_dense_reference(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=
     per_group = jnp.einsum("mk,gkn->gmn", lhs.astype(jnp.float32), rhs.astype(jnp.float32))
     picked = jnp.take_along_axis(per_group, jnp.clip(local, 0, rhs.shape[0] - 1)[None, :, None], axis=0)[0]
     return jnp.where(valid[:, None], picked, 0)
+
+
+def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
+            expected_rows: int | None = None):
+    """``lhs_a[r] @ rhs_a[g]^T + lhs_b[r] @ rhs_b[g]^T`` (weights ``[G, N, K]``, read transposed),
+    accumulated in float32 (or wider) and rounded once; zero outside the local groups.
+
+    The rows' cotangent of a pair of products of the same rows (SwiGLU's gate and up); the GPU
+    kernel (``triton_launch.gmm_sum``) walks both contractions with one accumulator."""
+    del expected_rows
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs_a.dtype, rhs_a.dtype))
+    acc_dtype = jnp.promote_types(out_dtype, jnp.float32)
+    parts = [gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=acc_dtype)
+             for lhs, rhs in ((lhs_a, rhs_a), (lhs_b, rhs_b))]
+    return (parts[0] + parts[1]).astype(out_dtype)

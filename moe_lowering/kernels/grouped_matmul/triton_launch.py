@@ -21,6 +21,7 @@ from moe_lowering.kernels.grouped_matmul.triton_kernels import (
     gmm_pair_tail_kernel,
     gmm_push_kernel,
     gmm_push_tail_kernel,
+    gmm_sum_kernel,
     gmm_tail_kernel,
     tgmm_kernel,
     tgmm_resident_kernel,
@@ -265,6 +266,55 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
         **launch,
     )
     return out_a, out_b
+
+
+def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
+            config: TileConfig | None = None, expected_rows: int | None = None):
+    """``lhs_a[r] @ rhs_a[g]^T + lhs_b[r] @ rhs_b[g]^T`` (weights ``[G, N, K]``), accumulated in float32
+    and written once; zero outside the local groups.
+
+    The rows' cotangent of ``gmm_pair`` (SwiGLU's gate and up products): two transposed ``gmm``
+    calls and their float32 sum are three passes over ``[M, N]`` outputs, this kernel one. The
+    XLA path (no kernel for the dtypes, empty operands) is exactly those two calls and the sum.
+    """
+    num_rows, k, n, num_local_groups, out_dtype = _gmm_shapes(lhs_a, rhs_a, group_sizes, True, preferred_element_type,
+                                                              "gmm_sum")
+    same = lhs_b.shape == lhs_a.shape and rhs_b.shape == rhs_a.shape
+    if not same:
+        raise ValueError(f"gmm_sum: the two products differ in shape: {lhs_a.shape} x {rhs_a.shape} and "
+                         f"{lhs_b.shape} x {rhs_b.shape}")
+    dtypes = (lhs_a.dtype, lhs_b.dtype, rhs_a.dtype, rhs_b.dtype)
+    if min(num_rows, k, n, num_local_groups) == 0 or not has_kernel(*dtypes, out_dtype) or len(set(dtypes)) > 1:
+        return reference.gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
+                                 preferred_element_type=preferred_element_type)
+    compute_f32 = _compute_f32(lhs_a.dtype, rhs_a.dtype)
+    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), 2 * k, n, num_local_groups, compute_f32)
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    return jax_triton.triton_call(
+        lhs_a,
+        lhs_b,
+        rhs_a,
+        rhs_b,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=gmm_sum_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=group_sizes.shape[0],
+        GROUPS_PAD=_next_power_of_two(group_sizes.shape[0]),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+    )
 
 
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:

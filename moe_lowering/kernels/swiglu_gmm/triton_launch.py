@@ -24,6 +24,7 @@ from moe_lowering.kernels.grouped_matmul.triton_launch import (
     _offset_array,
     _row_tile_grid,
     gmm_config,
+    gmm_pair,
 )
 from moe_lowering.kernels.swiglu_gmm import reference
 from moe_lowering.kernels.swiglu_gmm.triton_kernels import swiglu_gmm_kernel, swiglu_gmm_preactivations_kernel
@@ -90,3 +91,29 @@ def swiglu_gmm(
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
     )
+
+
+FUSED_MAX_N = 512
+"""Widest expert (``N`` columns) for which ``swiglu_gmm_or_pair`` runs the fused kernel; wider ones
+run ``gmm_pair`` and the activation apart (the fused kernel's two half-width accumulators cost
+more than the saved traffic there: ``benchmarks/NOTES.md``)."""
+
+
+def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, preferred_element_type=None,
+                       with_preactivations: bool = False):
+    """The Triton backend's ``swiglu_gmm``: the fused kernel for experts up to ``FUSED_MAX_N`` wide,
+    where the products are short and the ``[M, N]`` passes it saves are a large part of the time;
+    else ``gmm_pair`` (both products, one tail launch) and the activation on the rounded products.
+
+    Either way the SwiGLU goes through ``moe_swiglu_gmm``, whose backward adds the rows' cotangents
+    of both products in one ``gmm_sum`` pass."""
+    n = gate_rhs.shape[-1]
+    if n <= FUSED_MAX_N:
+        return swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                          preferred_element_type=preferred_element_type, with_preactivations=with_preactivations)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, gate_rhs.dtype, up_rhs.dtype))
+    gate, up = gmm_pair(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                        preferred_element_type=out_dtype)
+    acc = jnp.promote_types(out_dtype, jnp.float32)
+    out = (jax.nn.silu(gate.astype(acc)) * up.astype(acc)).astype(out_dtype)
+    return (out, gate, up) if with_preactivations else out

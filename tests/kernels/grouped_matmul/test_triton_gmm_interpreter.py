@@ -287,6 +287,28 @@ def _run_push_with_tail(kernels, case, k, transpose_rhs, programs, block):
                 signals_ok=bool((arrivals == signalled).all()))
 
 
+# gmm_sum_kernel: both contractions in one loop, K with and without a remainder, every row case.
+SUM_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, programs) for case in CASES for k in (24, 32) for programs in (3, 5)}
+
+
+def _run_gmm_sum(kernels, case, k, programs):
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k + programs)
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs_a, lhs_b = (rng.standard_normal((num_rows, k)).astype(np.float32) for _ in range(2))
+    rhs_a, rhs_b = (rng.standard_normal((num_local, N, k)).astype(np.float32) for _ in range(2))
+    out = np.full((num_rows, N), np.nan, np.float32)
+    kernels.gmm_sum_kernel[(programs,)](
+        HostTensor(lhs_a), HostTensor(lhs_b), HostTensor(rhs_a), HostTensor(rhs_b), HostTensor(group_sizes),
+        HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=N,
+        NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, NUM_PROGRAMS=programs,
+        COMPUTE_F32=True, **BLOCK,
+    )
+    expected = (gmm_reference(lhs_a, rhs_a, group_sizes, group_offset, True)
+                + gmm_reference(lhs_b, rhs_b, group_sizes, group_offset, True))
+    return out, expected
+
+
 def _jobs():
     """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels.grouped_matmul import triton_kernels as kernels
@@ -301,12 +323,14 @@ def _jobs():
                  for name, variant in PUSH_VARIANTS.items()})
     jobs.update({f"pair-{name}": (lambda v=variant: _run_gmm_pair_with_tail(kernels, *v))
                  for name, variant in PAIR_VARIANTS.items()})
+    jobs.update({f"sum-{name}": (lambda v=variant: harness.summary(*_run_gmm_sum(kernels, *v)))
+                 for name, variant in SUM_VARIANTS.items()})
     return jobs
 
 
 JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
             + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
-            + [f"pair-{n}" for n in PAIR_VARIANTS])
+            + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS])
 
 
 if __name__ == "__main__":
@@ -317,6 +341,13 @@ else:
     @pytest.mark.parametrize("name", sorted(GMM_VARIANTS))
     def test_gmm_kernel_matches_reference(interpreter_report, name):
         result = interpreter_report[f"gmm-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+
+    @pytest.mark.parametrize("name", sorted(SUM_VARIANTS))
+    def test_gmm_sum_kernel_matches_reference(interpreter_report, name):
+        """Both products in one accumulator, every row written (zeros outside the local groups)."""
+        result = interpreter_report[f"sum-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 

@@ -1,0 +1,185 @@
+"""Same-run A/B of kernel-backend variants on SonicMoE's layer shapes, with a per-kernel profile.
+
+Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fused SwiGLU product and
+no ``gmm_sum``, the backend before issue 20; ``new``: the backend as it is; ``nosum``: ``new`` without
+``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width; ``xlagather``:
+``new`` with ``permute`` left to XLA's gather, as ``base`` has it). The rewritten
+layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
+compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
+and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
+every variant sees the same machine state. ``--profile`` adds the GPU time per kernel of one
+forward and one forward+backward step (``jax.profiler``) for each variant.
+
+    python benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 --variants base new --out /tmp/ab
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import moe_layer  # noqa: E402
+from sonic import SHAPES  # noqa: E402
+
+log = logging.getLogger("sonic_ab")
+VARIANTS = ("base", "new", "nosum", "pair", "xlagather")
+
+
+def backend_for(variant: str):
+    from moe_lowering.kernels import get_backend
+    from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_launch
+
+    triton = get_backend("triton")
+    if variant == "base":
+        return dataclasses.replace(triton, name="triton-base", swiglu_gmm=None, gmm_sum=None)
+    if variant in ("new", "xlagather"):
+        return triton
+    if variant == "nosum":
+        return dataclasses.replace(triton, name="triton-nosum", gmm_sum=None)
+    if variant == "pair":
+        def pair_only(*args, **kwargs):
+            saved, swiglu_launch.FUSED_MAX_N = swiglu_launch.FUSED_MAX_N, 0
+            try:
+                return swiglu_launch.swiglu_gmm_or_pair(*args, **kwargs)
+            finally:
+                swiglu_launch.FUSED_MAX_N = saved
+        return dataclasses.replace(triton, name="triton-pair", swiglu_gmm=pair_only)
+    raise ValueError(variant)
+
+
+def layer_for(variant: str, dense_fn, k, dtype):
+    """``moe_optimize(dense_fn)`` whose sparse MoE runs on ``variant``'s backend."""
+    import moe_lowering.sparse_moe as sparse_moe
+
+    backend = backend_for(variant)
+    fn, _ = moe_layer._optimized_layer(dense_fn, k, dtype)
+
+    def layer(params, x):
+        saved = sparse_moe.get_backend
+        sparse_moe.get_backend = lambda name: backend
+        try:
+            return fn(params, x)
+        finally:
+            sparse_moe.get_backend = saved
+
+    return layer
+
+
+def _rel(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path):
+    from ep_overlap import profile_summary
+    from moe_lowering import primitives
+    from moe_lowering.testing.zoo import Sizes, build_mixtral
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = jax.devices()[0]
+    rows = []
+    for name in names:
+        shape = SHAPES[name]
+        model = build_mixtral(Sizes(T=shape.T, d=shape.d, f=shape.n, E=shape.E, k=shape.K))
+        params, x = model.args(jax.random.key(1), jnp.bfloat16)
+        cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+        compiled, results = {}, {}
+        for variant in variants:
+            layer = layer_for(variant, model.fn, shape.K, x.dtype)
+            primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
+            fwd = jax.jit(layer).lower(params, x).compile()
+            both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
+            primitives.GPU_ROW_GATHER = True
+            compiled[variant] = (fwd, both)
+            out = fwd(params, x)
+            _, grads = both(params, x, cotangent)
+            results[variant] = (out, jax.tree_util.tree_leaves(grads))
+        row = {"shape": name, "T": shape.T, "d": shape.d, "n": shape.n, "E": shape.E, "K": shape.K,
+               "sonic_fwdbwd_ms": shape.sonic_fwdbwd_ms(),
+               "sonic_fwd_ms": 1e3 * shape.flops(False) / (shape.sonic_fwd_tflops * 1e12), "variants": {}}
+        ref_out, ref_grads = results[variants[0]]
+        for variant in variants:
+            out, grads = results[variant]
+            row["variants"][variant] = {
+                "rel_error_out": _rel(out, ref_out),
+                "rel_error_grads": max(_rel(g, r) for g, r in zip(grads, ref_grads)),
+                "finite": bool(jnp.isfinite(out).all()) and all(bool(jnp.isfinite(g).all()) for g in grads),
+                "fwd_ms": [], "fwdbwd_ms": [], "peak_bytes": moe_layer._peak_bytes(compiled[variant][1]),
+            }
+        del results
+        for _ in range(rounds):
+            for variant in variants:
+                fwd, both = compiled[variant]
+                entry = row["variants"][variant]
+                entry["fwd_ms"].append(moe_layer._time_ms(fwd, (params, x), reps))
+                entry["fwdbwd_ms"].append(moe_layer._time_ms(both, (params, x, cotangent), reps))
+        for variant in variants:
+            entry = row["variants"][variant]
+            entry["fwd_ms_best"] = min(entry["fwd_ms"])
+            entry["fwdbwd_ms_best"] = min(entry["fwdbwd_ms"])
+            entry["ratio_fwdbwd"] = row["sonic_fwdbwd_ms"] / entry["fwdbwd_ms_best"]
+            if profile:
+                fwd, both = compiled[variant]
+                entry["profile_fwd"] = profile_summary(fwd, (params, x), out_dir / f"trace_{name}_{variant}_fwd",
+                                                       steps=3).get("top_kernels_ms")
+                entry["profile_fwdbwd"] = profile_summary(both, (params, x, cotangent),
+                                                          out_dir / f"trace_{name}_{variant}_fwdbwd",
+                                                          steps=3).get("top_kernels_ms")
+        rows.append(row)
+        (out_dir / "sonic_ab_partial.json").write_text(json.dumps(rows, indent=1))  # what a cut-off run keeps
+        log.info("%s", json.dumps({k: v for k, v in row.items() if k != "variants"}))
+        print_row(row)
+        del compiled, params, x, cotangent
+        jax.clear_caches()
+    result = {"device": device.device_kind,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "variants": list(variants), "reps": reps, "rounds": rounds, "rows": rows}
+    for variant in variants:
+        ratios = [r["variants"][variant]["ratio_fwdbwd"] for r in rows]
+        result[f"geomean_ratio_fwdbwd_{variant}"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    path = out_dir / f"sonic_ab_{device.device_kind.replace(' ', '_')}_{result['date'][:10]}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print("geomean ours/SonicMoE fwd+bwd: " + ", ".join(
+        f"{v} {result[f'geomean_ratio_fwdbwd_{v}']:.3f}" for v in variants))
+    return path
+
+
+def print_row(row):
+    print(f"== {row['shape']} (SonicMoE fwd {row['sonic_fwd_ms']:.2f} ms, fwd+bwd {row['sonic_fwdbwd_ms']:.2f} ms)")
+    for variant, e in row["variants"].items():
+        fwd = " ".join(f"{t:.3f}" for t in e["fwd_ms"])
+        both = " ".join(f"{t:.3f}" for t in e["fwdbwd_ms"])
+        print(f"  {variant:6s} fwd [{fwd}] fwd+bwd [{both}] ratio {e['ratio_fwdbwd']:.3f} "
+              f"err out {e['rel_error_out']:.1e} grads {e['rel_error_grads']:.1e} finite {e['finite']} "
+              f"peak {(e['peak_bytes'] or 0) / 1e9:.2f} GB")
+        for key in ("profile_fwd", "profile_fwdbwd"):
+            if e.get(key):
+                top = ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in list(e[key].items())[:14])
+                print(f"    {key}: {top}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=["1.4B-n256", "7B-n256"])
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["base", "new"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    run(args.shapes, args.variants, args.reps, args.rounds, args.profile, args.out)
+
+
+if __name__ == "__main__":
+    main()
