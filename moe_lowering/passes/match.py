@@ -1695,7 +1695,10 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         return FailedMatch("the expert computation has no projection with an expert weight")
     token_roles_ = token_roles(len(an.token_shape))
     out_roles = combined.roles
-    if sorted(r for r in out_roles if is_token(r)) != sorted(token_roles_) or out_roles.count(FEATURE) != 1:
+    present = [r for r in out_roles if is_token(r)]
+    unit = {r for r, n in zip(token_roles_, an.token_shape) if n == 1}  # a reshape may drop these
+    if (len(set(present)) != len(present) or not set(token_roles_) - unit <= set(present) <= set(token_roles_)
+            or out_roles.count(FEATURE) != 1):
         return FailedMatch("the MoE output is not laid out as [tokens.., features]")
     capacity = None
     top_k = an.anchor.top_k

@@ -477,9 +477,11 @@ def _normalise_param(param, value, region: MoeRegion):
 
 
 def _to_output_layout(out, region: MoeRegion):
-    tokens = token_roles(len(region.anchor.token_shape))
-    canonical = tokens + (FEATURE,)
-    out = out.reshape(tuple(region.anchor.token_shape) + (out.shape[-1],))
+    token_shape = tuple(region.anchor.token_shape)
+    tokens = token_roles(len(token_shape))
     roles = [r for r in region.output_roles if r != ONE]
+    kept = [r for r in tokens if r in roles]  # token axes of size 1 the output's layout dropped are left out
+    out = out.reshape(tuple(token_shape[tokens.index(r)] for r in kept) + (out.shape[-1],))
+    canonical = kept + [FEATURE]
     out = jnp.transpose(out, [canonical.index(r) for r in roles])
     return out.reshape(region.output.shape).astype(region.output.dtype)

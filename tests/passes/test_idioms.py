@@ -158,6 +158,28 @@ def test_a_gate_selected_otherwise_declines_or_stays_exact(select):
     rewritten_exactly(_gate_by_where(select), params, x)
 
 
+def _outer_batch_of_one(drop):
+    """AXLearn's layout: tokens ``[outer=1, T, d]`` through the layer, the output reshaped back to
+    ``[T, d]`` (``drop="unit"``), or a real token axis dropped by taking one index (must decline)."""
+
+    def layer(params, x):
+        tokens = x[None] if drop == "unit" else jnp.stack([x, 2 * x])
+        out = _mixtral()(params, tokens.reshape(-1, x.shape[-1])).reshape(tokens.shape)
+        return out.reshape(x.shape) if drop == "unit" else out[0]
+
+    return layer
+
+
+def test_an_output_layout_that_drops_a_unit_token_axis_is_rewritten():
+    params, x = _params(jax.random.key(18)), jax.random.normal(jax.random.key(19), (16, 8))
+    assert rewritten_exactly(_outer_batch_of_one("unit"), params, x)
+
+
+def test_an_output_that_keeps_some_of_the_tokens_declines_or_stays_exact():
+    params, x = _params(jax.random.key(18)), jax.random.normal(jax.random.key(19), (16, 8))
+    rewritten_exactly(_outer_batch_of_one("index"), params, x)
+
+
 def _gathered(index_of=lambda index: index, tokens_of=lambda x: x):
     """EasyDeL's reference path (zoo ``gathered_weights``), with hooks for the negatives."""
 
