@@ -232,12 +232,13 @@ def _match_swiglu(node, users: Counter) -> SwigluFusion | None:
     return None
 
 
-def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None) -> jax.Array:
+def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None,
+             swiglu_max_width: int | None = None) -> jax.Array:
     """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``.
 
     With ``swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, group_offset, pet)`` every SwiGLU
-    up-projection (:func:`find_swiglu_fusions`) is computed by it in one product instead of two
-    grouped products and the elementwise activation.
+    up-projection (:func:`find_swiglu_fusions`) up to ``swiglu_max_width`` wide (``None``: any) is
+    computed by it in one product instead of two grouped products and the elementwise activation.
     """
     values: dict[int, jax.Array] = {}
     fused_at: dict[int, SwigluFusion] = {}
@@ -245,7 +246,8 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
     for fusion in find_swiglu_fusions(program) if swiglu_matmul is not None else ():
         gate_rhs, up_rhs = params[fusion.gate.weight], params[fusion.up.weight]
         plain = not (hasattr(gate_rhs, "grouped_matmul") or hasattr(up_rhs, "grouped_matmul"))
-        if plain and jnp.shape(gate_rhs) == jnp.shape(up_rhs):
+        narrow = swiglu_max_width is None or jnp.shape(gate_rhs)[-1] <= swiglu_max_width
+        if plain and narrow and jnp.shape(gate_rhs) == jnp.shape(up_rhs):
             fused_at[id(fusion.output)] = fusion
             skipped.update(id(node) for node in fusion.inner)
     if fused_at:

@@ -256,12 +256,19 @@ def _pair_tangent_terms(lhs, rhs_a, rhs_b, group_sizes, tangents, batch, options
     return terms_a, terms_b
 
 
+# Up to this expert width (the products' contraction) one gmm_sum beats two gmm calls and an add;
+# wider, the two calls win: H200 same-run A/B, Mixtral (width 14336) 31.1 -> 32.6 ms forward+backward
+# with gmm_sum, and SonicMoE's 120B-n2048 shape 3% slower on an H100 (benchmarks/NOTES.md).
+GMM_SUM_MAX_WIDTH = 1024
+
+
 def _gmm_pair_transpose(cts, lhs, rhs_a, rhs_b, group_sizes, *, kernels, group_offset, preferred_element_type,
                         zero_outside, expected_rows, batch):
     del preferred_element_type, zero_outside
     options = dict(kernels=kernels, group_offset=group_offset, expected_rows=expected_rows)
     pairs = [(ct, rhs, index) for ct, rhs, index in zip(cts, (rhs_a, rhs_b), (1, 2)) if _nonzero(ct)]
-    if _compat.is_undefined_primal(lhs) and len(pairs) == 2 and kernels.gmm_sum is not None:
+    if (_compat.is_undefined_primal(lhs) and len(pairs) == 2 and kernels.gmm_sum is not None
+            and cts[0].shape[-1] <= GMM_SUM_MAX_WIDTH):
         # both products' d_lhs in one pass: gmm_sum accumulates both in float32 and writes once
         d_lhs = gmm_sum_p.bind(cts[0], cts[1], rhs_a, rhs_b, group_sizes, preferred_element_type=lhs.aval.dtype,
                                batch=_levels(batch, ALL, ALL, 1, 2, 3), **options)

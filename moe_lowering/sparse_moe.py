@@ -210,8 +210,9 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
     def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
         return grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, backend, offset, preferred_element_type)
 
-    fused = swiglu_matmul if get_backend(backend).swiglu_gmm is not None else None
-    return evaluate(program, params, context, matmul, swiglu_matmul=fused)
+    kernels = get_backend(backend)
+    fused = swiglu_matmul if kernels.swiglu_gmm is not None else None
+    return evaluate(program, params, context, matmul, swiglu_matmul=fused, swiglu_max_width=kernels.swiglu_gmm_max_n)
 
 
 def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,

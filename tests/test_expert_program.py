@@ -116,3 +116,21 @@ def test_sparse_moe_fuses_on_the_xla_backend():
     jaxpr = jax.make_jaxpr(lambda r, p: run_expert_program(program, p, r, routing, backend="xla"))(rows, params)
     products = [e.primitive for e in jaxpr.eqns if e.primitive in (gmm_p, swiglu_gmm_p)]
     assert products == [swiglu_gmm_p, gmm_p]  # the fused up-projection and the down-projection
+
+
+@pytest.mark.parametrize("excess, fused", [(0, True), (1, False)], ids=["at-the-limit", "wider"])
+def test_a_backend_fuses_experts_only_up_to_its_width(excess, fused, monkeypatch):
+    """``KernelBackend.swiglu_gmm_max_n``: wider SwiGLU experts stay two products and the activation."""
+    import dataclasses
+
+    import moe_lowering.sparse_moe as sparse_moe
+    from moe_lowering.kernels import get_backend
+
+    program, rows, params, _, _ = _mixtral_case(jnp.float32, [3, 5], 8)
+    width = params[program.matmuls()[0].weight].shape[-1]
+    limited = dataclasses.replace(get_backend("xla"), swiglu_gmm_max_n=width - excess)
+    monkeypatch.setattr(sparse_moe, "get_backend", lambda name: limited)
+    routing = sort_by_expert(jnp.asarray([[0, 1], [1, 0], [1, 1], [0, 1]]), 2)
+    jaxpr = jax.make_jaxpr(lambda r, p: run_expert_program(program, p, r, routing, backend="xla"))(rows, params)
+    products = [e.primitive for e in jaxpr.eqns if e.primitive in (gmm_p, swiglu_gmm_p)]
+    assert products == ([swiglu_gmm_p, gmm_p] if fused else [gmm_p, gmm_p, gmm_p])

@@ -46,7 +46,9 @@ class KernelBackend:
     with_preactivations)`` (contract in :mod:`.swiglu_gmm`): the SwiGLU up-projection as one
     product (the XLA path: the jnp reference; the Triton kernels: the fused kernel for experts up to
     ``swiglu_gmm.triton_launch.FUSED_MAX_N`` wide, ``gmm_pair`` and the activation apart above);
-    ``None`` keeps SwiGLU programs unfused.
+    ``None`` keeps SwiGLU programs unfused. ``swiglu_gmm_max_n``: the widest experts whose SwiGLU
+    programs go through ``swiglu_gmm`` (``None``: all); wider ones stay two products and XLA's
+    elementwise activation, which measured faster there (Mixtral on an H200, benchmarks/NOTES.md).
     ``swiglu_rows(gate, up, num_rows)`` and ``swiglu_rows_grads(d_out, gate, up, num_rows)``
     (contract in :mod:`.swiglu_rows`): SwiGLU's elementwise part on a buffer's leading rows;
     ``None`` uses the jnp reference, which computes every row.
@@ -64,6 +66,7 @@ class KernelBackend:
     gmm: Callable
     tgmm: Callable
     swiglu_gmm: Callable | None = None
+    swiglu_gmm_max_n: int | None = None
     swiglu_rows: Callable | None = None
     swiglu_rows_grads: Callable | None = None
     gmm_pair: Callable | None = None
@@ -139,6 +142,7 @@ def _load_triton() -> KernelBackend:
     return KernelBackend(
         name="triton",
         swiglu_gmm=sequential_under_vmap(swiglu_gmm.swiglu_gmm_or_pair),
+        swiglu_gmm_max_n=swiglu_gmm.FUSED_MAX_N,
         gmm_sum=sequential_under_vmap(grouped_matmul.gmm_sum),
         gmm=sequential_under_vmap(grouped_matmul.gmm),
         tgmm=sequential_under_vmap(grouped_matmul.tgmm),
