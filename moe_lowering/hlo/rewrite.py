@@ -77,7 +77,7 @@ def _carry_signature(original: ir.Module, rewritten_text: str, context: ir.Conte
     """``rewritten_text`` with the original module name, module attributes and ``main`` arg/result
     attributes (shardings, donation, result names), which the re-lowering does not know."""
     with context:
-        rewritten = ir.Module.parse(rewritten_text)
+        rewritten = ir.Module.parse(_with_meshes(original, rewritten_text))
         old_main = _function(original, "main")
         new_main = _function(rewritten, "main")
         for name in ("arg_attrs", "res_attrs"):
@@ -92,18 +92,20 @@ def _carry_signature(original: ir.Module, rewritten_text: str, context: ir.Conte
                 except TypeError:  # an attribute the bindings cannot hand to Python (complex elements)
                     raise UnsupportedModuleError(f"module attribute {name} cannot be carried over") from None
                 rewritten.operation.attributes[name] = value
-        _carry_meshes(original, rewritten)
         return str(rewritten)
 
 
-def _carry_meshes(original: ir.Module, rewritten: ir.Module) -> None:
-    """Shardy meshes the copied attributes may refer to."""
-    present = {str(op.attributes["sym_name"]) for op in rewritten.body.operations if op.operation.name == "sdy.mesh"}
-    first = next(iter(rewritten.body.operations), None)
-    for op in original.body.operations:
-        if op.operation.name == "sdy.mesh" and str(op.attributes["sym_name"]) not in present:
-            clone = op.operation.clone()
-            clone.move_before(first) if first is not None else rewritten.body.append(clone)
+def _with_meshes(original: ir.Module, rewritten_text: str) -> str:
+    """``rewritten_text`` with the Shardy meshes of ``original`` it lacks, which the copied attributes
+    may refer to. Added as text before parsing: moving an op between modules can crash the bindings."""
+    meshes = [str(op.operation) for op in original.body.operations if op.operation.name == "sdy.mesh"]
+    missing = [m for m in meshes if m.split("=")[0].strip() not in rewritten_text]
+    if not missing:
+        return rewritten_text
+    head, brace, body = rewritten_text.partition("{\n")
+    if not brace:
+        raise UnsupportedModuleError("cannot carry the module's Shardy meshes over: no module body found")
+    return head + brace + "".join(f"  {m}\n" for m in missing) + body
 
 
 def _function(module: ir.Module, name: str):

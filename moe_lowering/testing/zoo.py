@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +241,49 @@ def build_mixtral(sizes: Sizes = Sizes()) -> ZooModel:
         make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
         num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral,
         notes="softmax -> top_k -> renormalise; SwiGLU experts via einsum; combine through one_hot(idx) * w.",
+    )
+
+
+def _mixtral_annotated_fn(k: int):
+    def mixtral_annotated(params, x):
+        """Mixtral as MaxText annotates it: remat names on the expert activations, sharding constraints
+        on the index iota and on the output (identities on one device; the matcher sees through both)."""
+        num_experts = params["router"].shape[-1]
+        mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+        def constrain(value):
+            spec = jax.sharding.PartitionSpec(*([None] * value.ndim))
+            return lax.with_sharding_constraint(value, jax.sharding.NamedSharding(mesh, spec))
+
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        experts = constrain(jnp.arange(num_experts))
+        combine = ((idx[..., None] == experts).astype(x.dtype) * weights[..., None].astype(x.dtype)).sum(-2)
+        gate = checkpoint_name(jnp.einsum("td,edf->tef", x, params["w_gate"]), "mlpwi_0")
+        up = checkpoint_name(jnp.einsum("td,edf->tef", x, params["w_up"]), "mlpwi_1")
+        hidden = jax.nn.silu(gate) * up
+        expert_out = checkpoint_name(jnp.einsum("tef,efd->ted", hidden, params["w_down"]), "mlpwo")
+        return constrain(jnp.einsum("te,ted->td", combine, expert_out))
+
+    return mixtral_annotated
+
+
+def build_mixtral_annotated(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="mixtral_annotated", fn=_mixtral_annotated_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral_annotated,
+        notes="mixtral with MaxText's annotations: checkpoint_name on the three expert activations, "
+              "with_sharding_constraint on the expert iota and on the output.",
+    )
+
+
+def build_mixtral_square(sizes: Sizes = Sizes(T=32, d=16, f=16, E=16, k=2)) -> ZooModel:
+    return ZooModel(
+        name="mixtral_square", fn=_mixtral_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral_square,
+        notes="mixtral with E = d = f (SonicMoE's n = E shapes, Qwen3-Next's): which weight axis counts experts "
+              "follows from how it meets the routing, not from sizes.",
     )
 
 
@@ -988,6 +1032,8 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "mixtral": build_mixtral,
     "mixtral_logits_topk": build_mixtral_logits_topk,
     "mixtral_bsd": build_mixtral_bsd,
+    "mixtral_annotated": build_mixtral_annotated,
+    "mixtral_square": build_mixtral_square,
     "mlp_gelu": _build_mlp("mlp_gelu"),
     "mlp_relu_bias": _build_mlp("mlp_relu_bias"),
     "mlp_squared_relu": _build_mlp("mlp_squared_relu"),

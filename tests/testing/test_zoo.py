@@ -276,6 +276,8 @@ REFERENCES = {
     "mixtral": mixtral_reference,
     "mixtral_logits_topk": lambda p, x, m: mixtral_reference(p, x, m, fused_swiglu_expert, route_logits_then_softmax),
     "mixtral_bsd": bsd_reference,
+    "mixtral_annotated": mixtral_reference,
+    "mixtral_square": mixtral_reference,
     "mlp_gelu": lambda p, x, m: mixtral_reference(p, x, m, mlp_expert(gelu_erf)),
     "mlp_relu_bias": lambda p, x, m: mixtral_reference(p, x, m, mlp_expert(relu, biases=True)),
     "mlp_squared_relu": lambda p, x, m: mixtral_reference(p, x, m, mlp_expert(lambda z: relu(z) ** 2)),
