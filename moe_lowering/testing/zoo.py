@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 import jax
@@ -268,23 +268,16 @@ def _mixtral_annotated_fn(k: int):
 
 
 def build_mixtral_annotated(sizes: Sizes = Sizes()) -> ZooModel:
-    return ZooModel(
-        name="mixtral_annotated", fn=_mixtral_annotated_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
-        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
-        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral_annotated,
-        notes="mixtral with MaxText's annotations: checkpoint_name on the three expert activations, "
-              "with_sharding_constraint on the expert iota and on the output.",
-    )
+    return replace(build_mixtral(sizes), name="mixtral_annotated", fn=_mixtral_annotated_fn(sizes.k),
+                   builder=build_mixtral_annotated,
+                   notes="mixtral with MaxText's annotations: checkpoint_name on the three expert activations, "
+                         "with_sharding_constraint on the expert iota and on the output.")
 
 
 def build_mixtral_square(sizes: Sizes = Sizes(T=32, d=16, f=16, E=16, k=2)) -> ZooModel:
-    return ZooModel(
-        name="mixtral_square", fn=_mixtral_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
-        make_inputs=_token_inputs(sizes), expected_regions=1, style="mixtral", top_k=sizes.k,
-        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_mixtral_square,
-        notes="mixtral with E = d = f (SonicMoE's n = E shapes, Qwen3-Next's): which weight axis counts experts "
-              "follows from how it meets the routing, not from sizes.",
-    )
+    return replace(build_mixtral(sizes), name="mixtral_square", builder=build_mixtral_square,
+                   notes="mixtral with E = d = f (SonicMoE's n = E shapes, Qwen3-Next's): which weight axis counts "
+                         "experts follows from how it meets the routing, not from sizes.")
 
 
 def _mixtral_logits_topk_fn(k: int):
@@ -624,16 +617,10 @@ def build_gshard_top2(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float 
 
 
 def build_gshard_top2_outer(sizes: Sizes = Sizes(E=4, k=2), *, capacity_factor: float = 1.0) -> ZooModel:
-    if sizes.k != 2:
-        raise ValueError(f"gshard_top2_outer routes each token to two experts; got k={sizes.k}")
-    return ZooModel(
-        name="gshard_top2_outer", fn=_gshard_top2_fn(capacity_factor, combine_by_outer_products=True),
-        make_params=_params_maker(sizes, _capacity_params), make_inputs=_token_inputs(sizes), expected_regions=1,
-        style="capacity", top_k=2, num_experts=sizes.E, capacity=expert_capacity(sizes.T, sizes.E, 2, capacity_factor),
-        sizes=sizes, hyper=(("capacity_factor", capacity_factor),), builder=build_gshard_top2_outer,
-        notes="gshard_top2 with combine written as praxis and AXLearn write it: per choice, the gate on the chosen "
-              "expert times the one-hot slot, einsum('te,tc->tec'); dispatch = combine.astype(bool).",
-    )
+    return replace(build_gshard_top2(sizes, capacity_factor=capacity_factor), name="gshard_top2_outer",
+                   fn=_gshard_top2_fn(capacity_factor, combine_by_outer_products=True), builder=build_gshard_top2_outer,
+                   notes="gshard_top2 with combine written as praxis and AXLearn write it: per choice, the gate on the "
+                         "chosen expert times the one-hot slot, einsum('te,tc->tec'); dispatch = combine.astype(bool).")
 
 
 def grouped_expert_capacity(group_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:

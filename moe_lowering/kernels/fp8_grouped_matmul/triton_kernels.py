@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_lowering.kernels.grouped_matmul.triton_kernels import _group_layout, _outside_rows, _tile_position, _zero_tile
+from moe_lowering.kernels.grouped_matmul.triton_kernels import _group_layout, _tile_position, _zero_outside_groups
 
 
 @triton.jit
@@ -129,11 +129,5 @@ def fp8_gmm_kernel(
         store_mask = (rows < group_end)[:, None] & cols_ok[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    # Rows outside the local groups (before them, after them, dropped rows) are zero.
-    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
-        sizes, group_ids, offset, is_local, M, BLOCK_M
-    )
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
-        offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
-        tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+    _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
+                         NUM_PROGRAMS)

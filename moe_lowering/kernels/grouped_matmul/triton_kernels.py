@@ -94,6 +94,20 @@ def _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M: tl.con
 
 
 @triton.jit
+def _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M: tl.constexpr,
+                         N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """Writes zeros to the rows outside the local groups (before them, after them, dropped rows),
+    this program's share of the zero tiles."""
+    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
+        sizes, group_ids, offset, is_local, M, BLOCK_M
+    )
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
+        offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
+        tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+
+
+@triton.jit
 def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
                   N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr):
@@ -199,15 +213,9 @@ def gmm_kernel(
         store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    if ZERO_OUTSIDE:  # rows outside the local groups (before them, after them, dropped rows) are zero
-        rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
-            sizes, group_ids, offset, is_local, M, BLOCK_M
-        )
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-        for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
-            offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M,
-                                            BLOCK_N)
-            tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+    if ZERO_OUTSIDE:
+        _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
+                             NUM_PROGRAMS)
 
 
 @triton.jit
@@ -769,10 +777,5 @@ def gmm_sum_kernel(
         store_mask = ((row0 + in_m) < group_end)[:, None] & (cols < N)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=store_mask)
 
-    rows_begin, rows_end, zero_tiles_before, zero_tiles_after = _outside_rows(
-        sizes, group_ids, offset, is_local, M, BLOCK_M
-    )
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
-    for tile in range(pid, (zero_tiles_before + zero_tiles_after) * n_tiles, NUM_PROGRAMS):
-        offsets, zero_mask = _zero_tile(tile, n_tiles, rows_begin, rows_end, zero_tiles_before, M, N, BLOCK_M, BLOCK_N)
-        tl.store(out_ptr + offsets, zeros, mask=zero_mask)
+    _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
+                         NUM_PROGRAMS)

@@ -287,9 +287,9 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
     if min(num_rows, k, n, num_local_groups) == 0 or not has_kernel(*dtypes, out_dtype) or len(set(dtypes)) > 1:
         return reference.gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
                                  preferred_element_type=preferred_element_type)
-    compute_f32 = _compute_f32(lhs_a.dtype, rhs_a.dtype)
-    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), 2 * k, n, num_local_groups, compute_f32)
-    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    # tiles picked for the whole 2k-long contraction; the kernel walks each product's k
+    launch = _row_tiled_launch(lhs_a.dtype, rhs_a.dtype, num_rows, 2 * k, n, num_local_groups, group_sizes.shape[0],
+                               config, expected_rows)
     return jax_triton.triton_call(
         lhs_a,
         lhs_b,
@@ -299,21 +299,7 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
         _offset_array(group_offset),
         kernel=gmm_sum_kernel,
         out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
-        grid=(num_programs,),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        M=num_rows,
-        K=k,
-        N=n,
-        NUM_LOCAL_GROUPS=num_local_groups,
-        NUM_GROUPS=group_sizes.shape[0],
-        GROUPS_PAD=_next_power_of_two(group_sizes.shape[0]),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        NUM_PROGRAMS=num_programs,
-        COMPUTE_F32=compute_f32,
+        **{**launch, "K": k},
     )
 
 
