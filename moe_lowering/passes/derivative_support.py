@@ -29,7 +29,8 @@ import numpy as np
 from jax import lax
 
 from moe_lowering import _compat
-from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, identity_annotations
+from moe_lowering.passes.canonicalize import identity_annotations
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
 
 # Primitives whose outputs have a zero derivative whatever their inputs.
 _ZERO_DERIVATIVE_NAMES = "floor ceil round sign stop_gradient iota argmax argmin is_finite"

@@ -61,13 +61,6 @@ class Const:
 Atom = Value | Const
 
 
-@functools.cache
-def identity_annotations() -> tuple:
-    """Primitives that only annotate a value (a remat name, a sharding): the canonical program is
-    the same without them, so matching sees through them."""
-    return (_compat.name_p, _compat.sharding_constraint_p)
-
-
 @dataclass(frozen=True, eq=False)
 class Eqn:
     """One primitive application of the flat graph."""
