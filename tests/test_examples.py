@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_quickstart():
     assert "output relative error vs dense reference: " in out
 
 
+@pytest.mark.tutorial
 def test_tutorial_runs_every_section_and_writes_its_timings(tmp_path):
     out = run_example("tutorial.py", "--reps", "3", "--out", str(tmp_path))
     sections = [line for line in out.splitlines() if line.startswith("== ")]

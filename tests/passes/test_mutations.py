@@ -25,6 +25,8 @@ from moe_lowering import explain, moe_optimize
 from moe_lowering.testing import mutate
 from moe_lowering.testing.zoo import POSITIVE
 
+pytestmark = pytest.mark.mutation
+
 PER_KIND = int(os.environ.get("MOE_MUTANTS_PER_KIND", "3"))
 SEED = int(os.environ.get("MOE_MUTATION_SEED", "0"))
 DATA_SEED = 1
