@@ -148,8 +148,7 @@ def _support_of_eqn(graph: JaxprGraph, eqn: Eqn, atom, memo: dict, depth: int) -
         return sub(inputs[0])  # a float to float cast (to an integer the result is derivative-free)
     if prim in _replayed_primitives():
         inner = sub(inputs[0])
-        return Support(tuple(atom.shape), eqn, (inner,) + tuple(Support.of_value(a) for a in inputs[1:]),
-                       bounded=inner.bounded)
+        return Support(tuple(atom.shape), eqn, (inner,), bounded=inner.bounded)  # each takes one operand
     if prim in (lax.mul_p, lax.dot_general_p):
         if sum(not f for f in free) != 1:
             return anywhere  # a product of two varying values: no bound without reading them
