@@ -1,6 +1,6 @@
 """Times the Triton ``gmm`` / ``tgmm`` kernels alone, per tile configuration, on the benchmark layers' shapes.
 
-For each layer config (``moe_layer.CONFIGS``) the six grouped products of a SwiGLU MoE layer
+For each layer config (``moe_layer.CONFIGS``, or one of SonicMoE's shapes from ``sonic.py``) the six grouped products of a SwiGLU MoE layer
 (forward up/down, activation gradients of both, weight gradients of both) are timed with every
 candidate tile shape and with the one the table picks, on group sizes drawn from uniform
 top-k routing. Prints TFLOP/s per (product, candidate) and writes JSON; the table in
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 import sys
 from pathlib import Path
 
@@ -18,9 +19,24 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_layer import CONFIGS, _time_ms  # noqa: E402
+from moe_layer import CONFIGS as LAYER_CONFIGS, _time_ms  # noqa: E402
+from sonic import SHAPES as SONIC_SHAPES  # noqa: E402
 
 from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    T: int
+    d: int
+    f: int
+    E: int
+    k: int
+
+
+CONFIGS = {name: LayerShape(c.T, c.d, c.f, c.E, c.k) for name, c in LAYER_CONFIGS.items()}
+CONFIGS |= {name: LayerShape(s.T, s.d, s.n, s.E, s.K) for name, s in SONIC_SHAPES.items()}
+"""The layer configs of ``moe_layer.py`` and SonicMoE's twelve shapes (``sonic.py``), by name."""
 
 CANDIDATES = {
     "128x256x64s3": tgm.TileConfig(128, 256, 64, num_stages=3),
@@ -81,7 +97,8 @@ def products(config):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--configs", nargs="+", default=["mixtral", "qwen3", "deepseek"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=["mixtral", "qwen3", "deepseek"],
+                        help="moe_layer.py's layer configs or SonicMoE's shapes (sonic.py)")
     parser.add_argument("--candidates", nargs="+", choices=list(CANDIDATES), default=list(TABLE_CANDIDATES))
     parser.add_argument("--products", nargs="+", help="time only these products (e.g. dw_up dw_down)")
     parser.add_argument("--reps", type=int, default=10)

@@ -1,9 +1,9 @@
 """Same-run A/B of kernel-backend variants on SonicMoE's layer shapes, with a per-kernel profile.
 
 Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fused SwiGLU product and
-no ``gmm_sum``, the backend before issue 20; ``new``: the backend as it is; ``nosum``: ``new`` without
-``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width; ``xlagather``:
-``new`` with ``permute`` left to XLA's gather, as ``base`` has it). The rewritten
+no ``gmm_sum`` and XLA's gathers: the backend before issue 20; ``new``: the backend as it is;
+``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for
+every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
@@ -11,6 +11,9 @@ every variant sees the same machine state. ``--profile`` adds the GPU time per k
 forward and one forward+backward step (``jax.profiler``) for each variant.
 
     python benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 --variants base new --out /tmp/ab
+
+``--shapes`` also takes the layer configs of ``moe_layer.py`` (``qwen3``, ``mixtral``, ``deepseek``):
+the same A/B on them, with no SonicMoE column.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import moe_layer  # noqa: E402
-from sonic import SHAPES  # noqa: E402
+from sonic import SHAPES as SONIC_SHAPES, SonicShape  # noqa: E402
 
 log = logging.getLogger("sonic_ab")
+SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
+                         for name, c in moe_layer.CONFIGS.items() if name != "small"}
+"""SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
 VARIANTS = ("base", "new", "nosum", "pair", "xlagather")
 
 
@@ -75,12 +81,20 @@ def layer_for(variant: str, dense_fn, k, dtype):
     return layer
 
 
+@jax.jit
+def _squared_norms(a, b):
+    """``(|a - b|^2, |b|^2)`` in float32, the casts fused into the sums (DeepSeek's weight gradients
+    are 22.5 GB: a float32 copy of two of them does not fit beside the compiled variants)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.sum(jnp.square(a - b)), jnp.sum(jnp.square(b))
+
+
 def _rel(a, b) -> float:
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+    diff, ref = _squared_norms(a, b)
+    return math.sqrt(float(diff)) / max(math.sqrt(float(ref)), 1e-30)
 
 
-def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path):
+def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, hlo: bool = False):
     from ep_overlap import profile_summary
     from moe_lowering import primitives
     from moe_lowering.testing.zoo import Sizes, build_mixtral
@@ -101,6 +115,9 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path):
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
             primitives.GPU_ROW_GATHER = True
             compiled[variant] = (fwd, both)
+            if hlo:
+                (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())
+                (out_dir / f"hlo_{name}_{variant}_fwdbwd.txt").write_text(both.as_text())
             out = fwd(params, x)
             _, grads = both(params, x, cotangent)
             results[variant] = (out, jax.tree_util.tree_leaves(grads))
@@ -145,8 +162,9 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path):
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "variants": list(variants), "reps": reps, "rounds": rounds, "rows": rows}
     for variant in variants:
-        ratios = [r["variants"][variant]["ratio_fwdbwd"] for r in rows]
-        result[f"geomean_ratio_fwdbwd_{variant}"] = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        ratios = [r["variants"][variant]["ratio_fwdbwd"] for r in rows if not math.isnan(r["sonic_fwdbwd_ms"])]
+        result[f"geomean_ratio_fwdbwd_{variant}"] = (math.exp(sum(map(math.log, ratios)) / len(ratios))
+                                                     if ratios else math.nan)
     path = out_dir / f"sonic_ab_{device.device_kind.replace(' ', '_')}_{result['date'][:10]}.json"
     path.write_text(json.dumps(result, indent=1))
     print("geomean ours/SonicMoE fwd+bwd: " + ", ".join(
@@ -175,10 +193,11 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--hlo", action="store_true", help="also write each variant's optimized HLO to --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    run(args.shapes, args.variants, args.reps, args.rounds, args.profile, args.out)
+    run(args.shapes, args.variants, args.reps, args.rounds, args.profile, args.out, args.hlo)
 
 
 if __name__ == "__main__":

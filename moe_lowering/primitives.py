@@ -488,39 +488,58 @@ unpermute_p = _define("moe_unpermute", _unpermute_impl, _unpermute_shape, jvp="l
 
 
 # ``combine(rows, weights)``, ``spread(x, weights)`` and ``combine_weights_ct(x, rows)`` are bilinear
-# and transpose into one another; operands ``(a, b, inverse, token_of_row, order)``.
+# and transpose into one another; operands ``(a, b, inverse, token_of_row, order, num_valid)``. Rows
+# ``[num_valid, N)`` are dropped copies (they sort last): ``combine`` ignores them (whatever they
+# hold, non-finite values included), ``spread`` writes zeros there and ``combine_weights_ct`` gives
+# their copies a zero cotangent, so no separate mask (a select over all ``[N, D]`` rows, forward
+# and backward) is needed.
 
 
-def _combine_impl(rows, weights, inverse, token_of_row, order, *, dtype):
-    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32 (or wider)."""
+def _copy_is_valid(inverse, num_valid):
+    return inverse < num_valid  # [T, k]
+
+
+def _combine_impl(rows, weights, inverse, token_of_row, order, num_valid, *, dtype):
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]`` over the copies that are not dropped,
+    accumulated in float32 (or wider)."""
     acc = accumulation_dtype(rows.dtype, weights.dtype)
-    copies = _take_rows(rows, inverse)  # [T, k, D]
-    return jnp.einsum("tk,tkd->td", weights.astype(acc), copies.astype(acc)).astype(dtype)
+    valid = _copy_is_valid(inverse, num_valid)
+    copies = jnp.where(valid[..., None], _take_rows(rows, inverse).astype(acc), 0)  # [T, k, D]
+    return jnp.einsum("tk,tkd->td", jnp.where(valid, weights.astype(acc), 0), copies).astype(dtype)
 
 
-def _spread_impl(x, weights, inverse, token_of_row, order, *, dtype):
-    """``out[r] = x[token_of_row[r]] * weights[copy r]``: ``combine``'s cotangent in its rows."""
+def _spread_row_weights(weights, order, num_valid, dtype):
+    """Each row's routing weight, zero for the dropped rows."""
+    rows = jnp.arange(order.shape[0], dtype=order.dtype)
+    return jnp.where(rows < num_valid, weights.reshape(-1)[order].astype(dtype), 0)
+
+
+def _spread_impl(x, weights, inverse, token_of_row, order, num_valid, *, dtype):
+    """``out[r] = x[token_of_row[r]] * weights[copy r]`` (zero for dropped rows): ``combine``'s
+    cotangent in its rows."""
     acc = accumulation_dtype(x.dtype, weights.dtype)
-    row_weights = weights.reshape(-1)[order].astype(acc)
+    row_weights = _spread_row_weights(weights, order, num_valid, acc)
     return (_take_rows(x.astype(acc), token_of_row) * row_weights[:, None]).astype(dtype)
 
 
-def _combine_weights_ct_impl(x, rows, inverse, token_of_row, order, *, dtype):
-    """``out[t, j] = x[t] . rows[inverse[t, j]]``: ``combine``'s cotangent in its weights."""
+def _combine_weights_ct_impl(x, rows, inverse, token_of_row, order, num_valid, *, dtype):
+    """``out[t, j] = x[t] . rows[inverse[t, j]]`` (zero for dropped copies): ``combine``'s
+    cotangent in its weights."""
     acc = accumulation_dtype(x.dtype, rows.dtype)
-    copies = _take_rows(rows, inverse)
-    return jnp.einsum("td,tkd->tk", x.astype(acc), copies.astype(acc)).astype(dtype)
+    valid = _copy_is_valid(inverse, num_valid)
+    copies = jnp.where(valid[..., None], _take_rows(rows, inverse).astype(acc), 0)
+    return jnp.einsum("td,tkd->tk", x.astype(acc), copies).astype(dtype)
 
 
-def _combine_shape(rows, weights, inverse, token_of_row, order, *, dtype):
+def _combine_shape(rows, weights, inverse, token_of_row, order, num_valid, *, dtype):
     return [((inverse.shape[0], rows.shape[1]), jnp.dtype(dtype))]
 
 
-def _spread_shape(x, weights, inverse, token_of_row, order, *, dtype):
+def _spread_shape(x, weights, inverse, token_of_row, order, num_valid, *, dtype):
     return [((token_of_row.shape[0], x.shape[1]), jnp.dtype(dtype))]
 
 
-def _combine_weights_ct_shape(x, rows, inverse, token_of_row, order, *, dtype):
+def _combine_weights_ct_shape(x, rows, inverse, token_of_row, order, num_valid, *, dtype):
     return [(inverse.shape, jnp.dtype(dtype))]
 
 
@@ -537,18 +556,18 @@ _COMBINE_TRANSPOSES = {
 
 
 def _combine_family_transpose(name):
-    def transpose(ct, a, b, inverse, token_of_row, order, *, dtype, batch):
+    def transpose(ct, a, b, inverse, token_of_row, order, num_valid, *, dtype, batch):
         del dtype
         if not _nonzero(ct):
-            return [None] * 5
+            return [None] * 6
         linear = 0 if _compat.is_undefined_primal(a) else 1
         target, sources = _COMBINE_TRANSPOSES[(name, linear)]
         operands = [ct if s == "ct" else (a, b)[s] for s in sources]
-        levels = _levels(batch, *(ALL if s == "ct" else s for s in sources), 2, 3, 4)
+        levels = _levels(batch, *(ALL if s == "ct" else s for s in sources), 2, 3, 4, 5)
         undefined = (a, b)[linear]
-        out = _COMBINE_FAMILY[target].bind(*operands, inverse, token_of_row, order, dtype=undefined.aval.dtype,
-                                           batch=levels)
-        cts = [None] * 5
+        out = _COMBINE_FAMILY[target].bind(*operands, inverse, token_of_row, order, num_valid,
+                                           dtype=undefined.aval.dtype, batch=levels)
+        cts = [None] * 6
         cts[linear] = _sum_unbatched(out, batch, linear)
         return cts
 
@@ -613,22 +632,25 @@ def permute(tokens, token_of_row, inverse):
     return permute_p.bind(tokens, token_of_row, inverse, batch=())
 
 
-def combine(rows, weights, inverse, token_of_row, order):
+def combine(rows, weights, inverse, token_of_row, order, num_valid):
     """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]`` in ``rows``' type, accumulated in
-    float32 (or wider)."""
-    return combine_p.bind(rows, weights, inverse, token_of_row, order, dtype=jnp.dtype(rows.dtype), batch=())
+    float32 (or wider); copies in rows ``[num_valid, N)`` (dropped) contribute nothing."""
+    return combine_p.bind(rows, weights, inverse, token_of_row, order, jnp.asarray(num_valid, jnp.int32),
+                          dtype=jnp.dtype(rows.dtype), batch=())
 
 
 # --------------------------------------------------------------------------- row gathers on CUDA GPUs
-# ``permute`` copies whole token rows into expert order. XLA's gather fusion of ``jnp.take`` ran it
-# at about 1.3 TB/s on an H100 (0.43 ms for the 0.5 GB of rows of SonicMoE's 1.4B-n256 layer); where
-# Triton and jax_triton load, CUDA lowers it to a row-gather kernel instead (``kernels/gather_rows``,
-# 0.32 ms there). ``spread`` (its backward's gather times the routing weights) stays with XLA, which
-# fuses it with its neighbours: lowered to the kernel too, forward+backward got slower
-# (``benchmarks/NOTES.md``). Other platforms, batched uses and odd dtypes keep the jnp code.
+# ``permute`` copies whole token rows into expert order, and ``spread`` (the combine's backward in
+# its rows) does the same to the output's cotangent, times each row's routing weight. XLA's gather
+# fusion of ``jnp.take`` ran the permutation at about 1.3 TB/s on an H100 (0.43 ms for the 0.5 GB of
+# rows of SonicMoE's 1.4B-n256 layer); where Triton and jax_triton load, CUDA lowers both to a
+# row-gather kernel instead (``kernels/gather_rows``, 0.32 ms there). ``spread`` could only move
+# there once the dropped rows' mask was part of the combine family (``num_valid``): with a separate
+# ``where`` on the rows, its transpose stayed an XLA select pass over all rows and the kernel lost.
+# Other platforms, batched uses and odd dtypes keep the jnp code.
 
 GPU_ROW_GATHER = True
-"""Whether CUDA lowers ``permute`` to the Triton row gather (False: XLA's gather)."""
+"""Whether CUDA lowers ``permute`` and ``spread`` to the Triton row gather (False: XLA's gather)."""
 
 
 @functools.cache
@@ -647,5 +669,14 @@ def _permute_cuda(tokens, token_of_row, inverse, *, batch):
     return gather(tokens, token_of_row)
 
 
-_compat._mlir.register_lowering(permute_p, _compat._mlir.lower_fun(_permute_cuda, multiple_results=False),
-                                platform="cuda", cacheable=False)
+def _spread_cuda(x, weights, inverse, token_of_row, order, num_valid, *, dtype, batch):
+    gather = _triton_gather_rows() if GPU_ROW_GATHER else None
+    if gather is None or batch or x.ndim != 2:
+        return spread_p.impl(x, weights, inverse, token_of_row, order, num_valid, dtype=dtype, batch=batch)
+    acc = accumulation_dtype(x.dtype, weights.dtype)
+    return gather(x, token_of_row, _spread_row_weights(weights, order, num_valid, acc), dtype)
+
+
+for _primitive, _lowering in ((permute_p, _permute_cuda), (spread_p, _spread_cuda)):
+    _compat._mlir.register_lowering(_primitive, _compat._mlir.lower_fun(_lowering, multiple_results=False),
+                                    platform="cuda", cacheable=False)

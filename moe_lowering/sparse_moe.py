@@ -67,8 +67,25 @@ def sort_by_expert(expert_indices, num_experts: int) -> SortedRouting:
         order = jnp.argsort(flat, stable=True).astype(jnp.int32)
         inverse = jnp.zeros((num_rows,), jnp.int32).at[order].set(rows, unique_indices=True)
     inverse = inverse.reshape(expert_indices.shape)
-    group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat].add(1)[:num_experts]
-    return SortedRouting(order, inverse, order // top_k, flat[order], group_sizes)
+    expert_of_row = flat[order]
+    return SortedRouting(order, inverse, order // top_k, expert_of_row, _group_sizes(expert_of_row, num_experts))
+
+
+def _group_sizes(expert_of_row, num_experts: int):
+    """Rows per expert, from where each expert's run of sorted rows starts: one write per expert,
+    where counting by scatter-add sends every row to one of ``E`` counters (on an H100, 63 us for the
+    327,680 copies of SonicMoE's 1.4B-n256 layer, contended atomics)."""
+    num_rows = expert_of_row.shape[0]
+    if num_rows == 0:
+        return jnp.zeros((num_experts,), jnp.int32)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    starts_run = jnp.concatenate([jnp.ones((1,), bool), expert_of_row[1:] != expert_of_row[:-1]])
+    bucket = jnp.where(starts_run, expert_of_row, num_experts + 1)  # past the end: not written
+    first_row = jnp.full((num_experts + 1,), num_rows, jnp.int32).at[bucket].set(rows, mode="drop",
+                                                                               unique_indices=True)
+    # an expert without rows starts where the next one does
+    bounds = jnp.append(jax.lax.cummin(first_row, reverse=True), num_rows)
+    return (bounds[1:] - bounds[:-1])[:num_experts]
 
 
 def permute(tokens, routing: SortedRouting):
@@ -80,8 +97,10 @@ def permute(tokens, routing: SortedRouting):
 
 
 def combine(rows, weights, routing: SortedRouting):
-    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32 (or wider)."""
-    return primitives.combine(rows, weights, routing.inverse, routing.token_of_row, routing.order)
+    """``out[t] = sum_j weights[t, j] * rows[inverse[t, j]]``, accumulated in float32 (or wider);
+    dropped copies (the rows after the groups) contribute nothing, whatever their rows hold."""
+    return primitives.combine(rows, weights, routing.inverse, routing.token_of_row, routing.order,
+                              routing.group_sizes.sum())
 
 
 def grouped_matmul(lhs, rhs, group_sizes, backend: str = "auto", group_offset: int = 0, preferred_element_type=None,
@@ -225,6 +244,4 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
     routing = sort_by_expert(expert_indices, num_experts)
     rows = permute(tokens, routing)
     out_rows = run_expert_program(program, params, rows, routing, backend=backend)
-    valid = (routing.expert_of_row < num_experts)[:, None]
-    out_rows = jnp.where(valid, out_rows, jnp.zeros((), out_rows.dtype))
     return combine(out_rows, expert_weights, routing)

@@ -64,6 +64,20 @@ def test_counting_sort_equals_the_comparison_sort(monkeypatch):
             np.testing.assert_array_equal(a, b, err_msg=field)
 
 
+@pytest.mark.parametrize("experts", [1, 5, 64])
+def test_group_sizes_count_each_experts_copies(experts):
+    """Group sizes from where each expert's sorted run starts: empty experts (first, middle, last),
+    dropped copies and a single expert, against a count."""
+    for seed, (tokens, top_k) in enumerate([(40, 2), (3, 1), (200, 4)]):
+        idx = jax.random.randint(jax.random.key(seed), (tokens, top_k), -1, experts + 1)
+        idx = jnp.where(idx % 3 == 1, experts, idx)  # many dropped, some experts left empty
+        want = np.bincount(np.asarray(idx).reshape(-1)[(np.asarray(idx).reshape(-1) >= 0)
+                                                      & (np.asarray(idx).reshape(-1) < experts)], minlength=experts)
+        np.testing.assert_array_equal(sort_by_expert(idx, experts).group_sizes, want)
+    np.testing.assert_array_equal(sort_by_expert(jnp.full((4, 2), experts), experts).group_sizes,
+                                  np.zeros(experts))  # every copy dropped
+
+
 def test_dropped_copies_contribute_nothing_and_gradients_match():
     keys = jax.random.split(jax.random.key(0), 5)
     x = jax.random.normal(keys[0], (T, D))
@@ -88,6 +102,79 @@ def test_dropped_copies_contribute_nothing_and_gradients_match():
     for g_sparse, g_dense in zip(jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, w_up, w_down),
                                  jax.grad(loss(dense), argnums=(0, 1, 2, 3))(x, w, w_up, w_down)):
         np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-5, atol=1e-6)
+
+
+def _log_square_program():
+    """``log((relu-ish(x @ up) @ down)^2)``: finite on the groups' rows, ``-inf`` on rows the grouped
+    products leave zero (the dropped copies' rows)."""
+    relu = _relu_program()
+    eqns = jax.make_jaxpr(lambda a: jnp.log(a * a))(jnp.ones(3)).eqns
+    square = Elementwise(eqns[0].primitive, tuple(eqns[0].params.items()), (relu.output, relu.output))
+    out = Elementwise(eqns[1].primitive, tuple(eqns[1].params.items()), (square,))
+    return ExpertProgram(out, relu.param_kinds, topological_nodes(out))
+
+
+def test_dropped_copies_with_non_finite_rows_contribute_nothing():
+    """A dropped copy's row may hold anything (here ``-inf``, and its weight is not zero): neither the
+    output nor any gradient may see it, as in the dense layer, where that copy's gate is zero."""
+    keys = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(keys[0], (T, D))
+    w_up = jax.random.normal(keys[1], (E, D, F)) / np.sqrt(D)
+    w_down = jax.random.normal(keys[2], (E, F, D)) / np.sqrt(F)
+    idx = jax.random.randint(keys[3], (T, K), 0, E + 1)
+    assert int((idx == E).sum()) > 0
+    w = jax.random.uniform(keys[4], (T, K), minval=0.5)
+    program = _log_square_program()
+
+    def layer(x, w, w_up, w_down):
+        return sparse_moe(x, idx, w, [w_up, w_down], program, num_experts=E, backend="xla")
+
+    def dense(x, w, w_up, w_down):
+        h = jnp.einsum("td,edf->tef", x, w_up)
+        out = jnp.einsum("tef,efd->ted", jnp.maximum(h, 0.5 * h), w_down)
+        gate = (jax.nn.one_hot(idx, E) * w[..., None]).sum(1)
+        return jnp.einsum("te,ted->td", gate, jnp.log(out * out))
+
+    np.testing.assert_allclose(layer(x, w, w_up, w_down), dense(x, w, w_up, w_down), rtol=1e-5, atol=1e-5)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    for g_sparse, g_dense in zip(jax.grad(loss(layer), argnums=(0, 1, 2, 3))(x, w, w_up, w_down),
+                                 jax.grad(loss(dense), argnums=(0, 1, 2, 3))(x, w, w_up, w_down)):
+        assert np.isfinite(np.asarray(g_sparse)).all()
+        np.testing.assert_allclose(g_sparse, g_dense, rtol=1e-3, atol=1e-4)  # log(y^2): 1/y amplifies rounding
+
+
+def test_combine_family_ignores_the_dropped_rows():
+    """``combine`` reads no row past ``num_valid`` (NaN there), its weight cotangent is zero for dropped
+    copies, ``spread`` writes zeros there; each is checked against a loop over the kept copies."""
+    from moe_lowering import primitives
+    from moe_lowering.sparse_moe import combine
+
+    keys = jax.random.split(jax.random.key(2), 4)
+    idx = jax.random.randint(keys[0], (T, K), 0, E + 1)
+    routing = sort_by_expert(idx, E)
+    num_valid = int(routing.group_sizes.sum())
+    assert num_valid < T * K
+    rows = jax.random.normal(keys[1], (T * K, D)).at[num_valid:].set(jnp.nan)
+    weights = jax.random.uniform(keys[2], (T, K))
+    d_out = jax.random.normal(keys[3], (T, D))
+    out, vjp = jax.vjp(lambda r, w: combine(r, w, routing), rows, weights)
+    d_rows, d_weights = vjp(d_out)
+
+    inverse, kept = np.asarray(routing.inverse), np.asarray(idx) < E
+    want_out, want_d_rows, want_d_weights = np.zeros((T, D)), np.zeros((T * K, D)), np.zeros((T, K))
+    for t in range(T):
+        for j in range(K):
+            if kept[t, j]:
+                row = inverse[t, j]
+                want_out[t] += float(weights[t, j]) * np.asarray(rows[row], np.float64)
+                want_d_rows[row] = float(weights[t, j]) * np.asarray(d_out[t], np.float64)
+                want_d_weights[t, j] = np.dot(np.asarray(d_out[t], np.float64), np.asarray(rows[row], np.float64))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_rows, want_d_rows, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(d_weights, want_d_weights, rtol=1e-5, atol=1e-5)
+    spread = primitives.spread_p.bind(d_out, weights, routing.inverse, routing.token_of_row, routing.order,
+                                      jnp.int32(num_valid), dtype=jnp.dtype(jnp.float32), batch=())
+    np.testing.assert_array_equal(spread, d_rows)
 
 
 def _pair_operands(seed=3, rows=37, k=16, n=24, groups=(9, 0, 13, 8), group_offset=1, local_groups=2):

@@ -251,8 +251,6 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         params = _gather_fsdp(params, program, layout, weight_gather_quant)
         if cfg is None:
             out_rows = run_expert_program(program, params, rows, routing, backend=backend)
-            valid = (routing.expert_of_row < num_experts)[:, None]
-            out_rows = jnp.where(valid, out_rows, jnp.zeros((), out_rows.dtype))
             rounds = jnp.zeros((), jnp.int32)
         else:
             payloads = tuple(jnp.take(p, routing.token_of_row, axis=0)

@@ -1,5 +1,6 @@
-"""The Triton row gather on a CUDA GPU: ``permute`` lowered to it gives exactly what XLA's gather
-gives (the sparse MoE's forward; its gradients to rounding), and the launcher against the reference."""
+"""The Triton row gather on a CUDA GPU: ``permute`` and ``spread`` lowered to it give exactly what
+XLA's gather gives (the sparse MoE's forward; its gradients to rounding), and the launcher against
+the reference."""
 
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ def test_gather_rows_matches_reference(rows, d, dtype):
 
 
 def test_layer_with_the_row_gather_equals_xla_gather(monkeypatch):
-    """``sparse_moe`` compiled with and without the Triton row gather: the same forward bit for bit (the
-    gather is exact), gradients to bf16 rounding (XLA may fuse the code around it differently)."""
+    """``sparse_moe`` compiled with and without the Triton row gather (``permute`` forward, ``spread``
+    backward, some copies dropped): the same forward bit for bit (the gather is exact), gradients to
+    bf16 rounding (XLA may fuse the code around it differently)."""
     keys = jax.random.split(jax.random.key(0), 6)
     t, d, f, e, k = 300, 192, 96, 8, 2
     tokens = jax.random.normal(keys[0], (t, d)).astype(jnp.bfloat16)
-    idx = jax.random.randint(keys[1], (t, k), 0, e)
+    idx = jax.random.randint(keys[1], (t, k), 0, e + 1)  # e: a dropped copy
     weights = jax.nn.softmax(jax.random.normal(keys[2], (t, k)))
     params = [jax.random.normal(key, (e, d, f)).astype(jnp.bfloat16) * 0.1 for key in keys[3:5]]
     w_down = jax.random.normal(keys[5], (e, f, d)).astype(jnp.bfloat16) * 0.1
@@ -60,7 +62,7 @@ def test_layer_with_the_row_gather_equals_xla_gather(monkeypatch):
         fn = jax.jit(jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3)))
         kernel_calls[flag] = fn.lower(tokens, weights, params[0], w_down).as_text().count("triton_kernel_call")
         results[flag] = fn(tokens, weights, params[0], w_down)
-    assert kernel_calls[True] == kernel_calls[False] + 1, kernel_calls  # the permute
+    assert kernel_calls[True] == kernel_calls[False] + 2, kernel_calls  # the permute and the spread
     np.testing.assert_array_equal(results[True][0], results[False][0])
     for got, want in zip(jax.tree_util.tree_leaves(results[True][1]), jax.tree_util.tree_leaves(results[False][1])):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

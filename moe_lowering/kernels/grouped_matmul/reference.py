@@ -151,8 +151,9 @@ def tgmm(
     def visit_body(visit, out):
         row0 = schedule.tile_ids[visit] * tile_rows
         mask = _row_mask(schedule, visit, tile_rows)[:, None]
+        # both operands masked: a row outside the group may hold anything, non-finite values included
         lhs_tile = jnp.where(mask, jax.lax.dynamic_slice_in_dim(lhs_padded, row0, tile_rows, 0), 0)
-        grad_tile = jax.lax.dynamic_slice_in_dim(grad_padded, row0, tile_rows, 0)
+        grad_tile = jnp.where(mask, jax.lax.dynamic_slice_in_dim(grad_padded, row0, tile_rows, 0), 0)
         product = jnp.dot(lhs_tile.T, grad_tile, preferred_element_type=acc_dtype)
         group = schedule.group_ids[visit]
         return out.at[group].add(product)
