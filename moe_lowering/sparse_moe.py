@@ -80,7 +80,8 @@ def _group_sizes(expert_of_row, num_experts: int):
         return jnp.zeros((num_experts,), jnp.int32)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     starts_run = jnp.concatenate([jnp.ones((1,), bool), expert_of_row[1:] != expert_of_row[:-1]])
-    bucket = jnp.where(starts_run, expert_of_row, num_experts + 1)  # past the end: not written
+    # a row that starts no run goes past the end (not written), each to its own place: distinct indices
+    bucket = jnp.where(starts_run, expert_of_row, num_experts + 1 + rows)
     first_row = jnp.full((num_experts + 1,), num_rows, jnp.int32).at[bucket].set(rows, mode="drop",
                                                                                unique_indices=True)
     # an expert without rows starts where the next one does
