@@ -1,17 +1,17 @@
 """Times the Triton ``gmm`` / ``tgmm`` kernels alone, per tile configuration, on the benchmark layers' shapes.
 
-For each layer config (``moe_layer.CONFIGS``, or one of SonicMoE's shapes from ``sonic.py``) the six grouped products of a SwiGLU MoE layer
-(forward up/down, activation gradients of both, weight gradients of both) are timed with every
-candidate tile shape and with the one the table picks, on group sizes drawn from uniform
-top-k routing. Prints TFLOP/s per (product, candidate) and writes JSON; the table in
-``moe_lowering/kernels/grouped_matmul/triton_launch.py`` is set from these numbers by hand.
+For each layer config (``moe_layer.CONFIGS``, or one of SonicMoE's shapes from ``sonic.py``) the six
+grouped products of a SwiGLU MoE layer (forward up/down, activation gradients of both, weight
+gradients of both) are timed with every candidate tile shape and with the one the table picks, on
+group sizes drawn from uniform top-k routing. Prints TFLOP/s per (product, candidate) and writes
+JSON; the table in ``moe_lowering/kernels/grouped_matmul/triton_launch.py`` is set from these
+numbers by hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
 import sys
 from pathlib import Path
 
@@ -19,23 +19,13 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_layer import CONFIGS as LAYER_CONFIGS, _time_ms  # noqa: E402
+from moe_layer import CONFIGS as LAYER_CONFIGS, LayerConfig, _time_ms  # noqa: E402
 from sonic import SHAPES as SONIC_SHAPES  # noqa: E402
 
 from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
 
-
-@dataclass(frozen=True)
-class LayerShape:
-    T: int
-    d: int
-    f: int
-    E: int
-    k: int
-
-
-CONFIGS = {name: LayerShape(c.T, c.d, c.f, c.E, c.k) for name, c in LAYER_CONFIGS.items()}
-CONFIGS |= {name: LayerShape(s.T, s.d, s.n, s.E, s.K) for name, s in SONIC_SHAPES.items()}
+CONFIGS = LAYER_CONFIGS | {name: LayerConfig(name, T=s.T, d=s.d, f=s.n, E=s.E, k=s.K)
+                           for name, s in SONIC_SHAPES.items()}
 """The layer configs of ``moe_layer.py`` and SonicMoE's twelve shapes (``sonic.py``), by name."""
 
 CANDIDATES = {
