@@ -233,12 +233,15 @@ def _match_swiglu(node, users: Counter) -> SwigluFusion | None:
 
 
 def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None,
-             swiglu_max_width: int | None = None) -> jax.Array:
+             swiglu_max_width: int | None = None, output_matmul=None) -> jax.Array:
     """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``.
 
     With ``swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, group_offset, pet)`` every SwiGLU
     up-projection (:func:`find_swiglu_fusions`) up to ``swiglu_max_width`` wide (``None``: any) is
     computed by it in one product instead of two grouped products and the elementwise activation.
+    With ``output_matmul`` (same arguments as ``grouped_matmul``), a program whose output is an
+    ``ExpertMatmul`` has that product computed by it, and its result is what this returns (the
+    sparse MoE combines the rows in it: :func:`last_product_weight`).
     """
     values: dict[int, jax.Array] = {}
     fused_at: dict[int, SwigluFusion] = {}
@@ -275,7 +278,8 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
         elif isinstance(node, RowInput):
             out = context.rows
         elif isinstance(node, ExpertMatmul):
-            out = grouped_matmul(
+            product = output_matmul if output_matmul is not None and node is program.output else grouped_matmul
+            out = product(
                 values[id(node.source)], params[node.weight], context.group_sizes, context.group_offset,
                 node.preferred_element_type,
             )
@@ -292,6 +296,12 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             out = node.primitive.bind(*operands, **dict(node.params))
         values[id(node)] = out
     return values[id(program.output)]
+
+
+def last_product_weight(program: ExpertProgram, params):
+    """The weight of the product that is ``program``'s output (``None`` where the output is anything
+    else): the product a sparse MoE can combine its rows in."""
+    return params[program.output.weight] if isinstance(program.output, ExpertMatmul) else None
 
 
 def _row_param(value, kind: ParamKind, context: RowContext, like):

@@ -582,6 +582,192 @@ for _name, _impl, _shape in (("combine", _combine_impl, _combine_shape), ("sprea
 combine_p, spread_p, combine_weights_ct_p = (_COMBINE_FAMILY[n] for n in ("combine", "spread", "combine_weights_ct"))
 
 
+# --------------------------------------------------------------------------- the last product and the combine
+# ``expert_combine(rows, weight, weights, group_sizes, inverse, token_of_row, order, num_valid)`` is
+# ``combine(gmm(rows, weight), weights)``: the expert program's last product and the weighted combine
+# as one piece, so that its backward is computed the way SonicMoE does it. Apart, the combine's
+# transpose writes ``spread(ct, weights)`` (an ``[N, D]`` scaled copy of the output's cotangent) for
+# the product's two transposes to read, and its weights' cotangent re-reads the product's ``[N, D]``
+# output. Here the tangent is one primitive, linear in the three tangents together, whose transpose
+# gathers the cotangent's rows inside the products' loads (``gather_gmm``, ``gather_tgmm``) and gets
+# the weights' cotangent from the same product in ``gather_gmm``'s epilogue:
+# ``d_weights[t, j] = ct[t] . (rows[r] @ weight[e]) = (ct[t] @ weight[e]^T) . rows[r]``.
+# The fused backward pieces differentiate (forward mode, higher orders) through their unfused
+# composition of the primitives above, so the set stays closed under differentiation.
+
+
+def _expert_combine_impl(rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid, *,
+                         kernels, preferred_element_type):
+    # The dropped rows (past num_valid, outside the groups) are never read by combine: not zeroed.
+    out_rows = kernels.gmm(rows, weight, group_sizes, group_offset=0, transpose_rhs=False,
+                           preferred_element_type=preferred_element_type, zero_outside=False, expected_rows=None)
+    return _combine_impl(out_rows, route_weights, inverse, token_of_row, order, num_valid, dtype=out_rows.dtype)
+
+
+def _expert_combine_unfused(rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid, *,
+                            kernels, preferred_element_type):
+    """``expert_combine`` as the two primitives it fuses (what its pieces differentiate through)."""
+    out_rows = gmm_p.bind(rows, weight, group_sizes, kernels=kernels, group_offset=0, transpose_rhs=False,
+                          preferred_element_type=preferred_element_type, zero_outside=True, expected_rows=None,
+                          batch=())
+    return combine_p.bind(out_rows, route_weights, inverse, token_of_row, order, num_valid, dtype=out_rows.dtype,
+                          batch=())
+
+
+def _expert_combine_shape(rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid, *,
+                          preferred_element_type, **_):
+    return [((inverse.shape[0], weight.shape[2]), _out_dtype(preferred_element_type, rows.dtype, weight.dtype))]
+
+
+def _expert_combine_jvp(primals, tangents, *, batch, **params):
+    out = expert_combine_p.bind(*primals, batch=batch, **params)
+    present = tuple(_nonzero(t) for t in tangents[:3])
+    if not any(present):
+        return out, _compat.zero_tangent(out)
+    linear = [t for t, given in zip(tangents[:3], present) if given]
+    sources = [i for i, given in enumerate(present) if given]
+    t_out = expert_combine_tangent_p.bind(*linear, *primals, present=present,
+                                          batch=_levels(batch, *sources, *range(8)), **params)
+    return out, t_out
+
+
+def _tangent_terms(combine_fn, operands, present, params):
+    """The tangent of the trilinear ``combine_fn(rows, weight, weights, ...)``: one term per given tangent."""
+    tangents = iter(operands[:sum(present)])
+    primals = list(operands[sum(present):])
+    terms = []
+    for position, given in enumerate(present):
+        if given:
+            substituted = list(primals)
+            substituted[position] = next(tangents)
+            terms.append(combine_fn(*substituted, **params))
+    return functools.reduce(operator.add, terms)
+
+
+def _expert_combine_tangent_impl(*operands, present, **params):
+    return _tangent_terms(_expert_combine_impl, operands, present, params)
+
+
+def _expert_combine_tangent_unfused(*operands, present, **params):
+    return _tangent_terms(_expert_combine_unfused, operands, present, params)
+
+
+def _expert_combine_tangent_shape(*operands, present, **params):
+    return _expert_combine_shape(*operands[sum(present):], **params)
+
+
+def _expert_combine_tangent_transpose(ct, *operands, kernels, preferred_element_type, present, batch):
+    """All the tangents' cotangents at once: ``gather_gmm`` gives the rows' (the cotangent's rows
+    gathered by token, scaled by their routing weight) and, in its epilogue, the routing weights';
+    ``gather_tgmm`` the weight's."""
+    num_linear = sum(present)
+    if not _nonzero(ct):
+        return [None] * len(operands)
+    linear = dict(zip((i for i, given in enumerate(present) if given), operands[:num_linear]))
+    wanted = {i: i in linear and _compat.is_undefined_primal(linear[i]) for i in range(3)}
+    rows, weight, route_weights = operands[num_linear:num_linear + 3]
+    num_groups = _core_shape(weight.aval, batch, num_linear + 1)[0]
+    rows_dtype, weight_dtype, weights_dtype = rows.aval.dtype, weight.aval.dtype, route_weights.aval.dtype
+
+    def cotangents(ct, rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid):
+        row_scale = _spread_row_weights(route_weights, order, num_valid, accumulation_dtype(ct.dtype))
+        d_rows = d_weight = d_weights = None
+        if wanted[0] or wanted[2]:
+            d_rows, dots = gather_gmm_p.bind(ct, weight, row_scale, rows, token_of_row, group_sizes, kernels=kernels,
+                                             transpose_rhs=True, preferred_element_type=rows_dtype,
+                                             with_dots=wanted[2], batch=())
+            if wanted[2]:
+                valid = _copy_is_valid(inverse, num_valid)
+                d_weights = jnp.where(valid, _take_rows(dots, inverse), 0).astype(weights_dtype)
+        if wanted[1]:
+            d_weight = gather_tgmm_p.bind(rows, ct, row_scale, token_of_row, group_sizes, kernels=kernels,
+                                          num_groups=num_groups, preferred_element_type=weight_dtype, batch=())
+        return d_rows if wanted[0] else None, d_weight, d_weights
+
+    primal_levels = _levels(batch, ALL, *range(num_linear, num_linear + 8))
+    found = _call_batched(cotangents, primal_levels, ct, *operands[num_linear:])
+    out = [None] * len(operands)
+    for index, position in enumerate(sorted(linear)):
+        if wanted[position]:
+            out[index] = _sum_unbatched(found[position], batch, index)
+    return out
+
+
+def _composition_jvp(primitive, composition, num_differentiable: int):
+    """JVP of a fused primitive through ``composition`` (the same function as primitives with rules of
+    their own), differentiating its first ``num_differentiable`` operands: forward mode and higher
+    orders need no rules of the fused kernels' own."""
+
+    def jvp(primals, tangents, *, batch, **params):
+        out = primitive.bind(*primals, batch=batch, **params)
+        n = num_differentiable(params) if callable(num_differentiable) else num_differentiable
+        rest = primals[n:]
+
+        def composed(*differentiable):
+            return _call_batched(functools.partial(composition, **params), batch, *differentiable, *rest)
+
+        tangents_in = [_compat.instantiate_zeros(t) for t in tangents[:n]]
+        _, t_out = jax.jvp(composed, tuple(primals[:n]), tuple(tangents_in))
+        return out, (list(t_out) if primitive.multiple_results else t_out)
+
+    return jvp
+
+
+def _gather_gmm_impl(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, kernels, transpose_rhs,
+                     preferred_element_type, with_dots):
+    out, dots = kernels.gather_gmm(lhs, rhs, row_index, row_scale, dot_with if with_dots else None, group_sizes,
+                                   group_offset=0, transpose_rhs=transpose_rhs,
+                                   preferred_element_type=preferred_element_type)
+    return out, (dots if with_dots else jnp.zeros(row_index.shape, accumulation_dtype(out.dtype)))
+
+
+def _gather_gmm_unfused(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, kernels, transpose_rhs,
+                        preferred_element_type, with_dots):
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
+    acc = accumulation_dtype(out_dtype)
+    product = gmm_p.bind(jnp.take(lhs, row_index, axis=0, mode="clip"), rhs, group_sizes, kernels=kernels,
+                         group_offset=0, transpose_rhs=transpose_rhs, preferred_element_type=acc, zero_outside=True,
+                         expected_rows=None, batch=())
+    out = (product * row_scale.astype(acc)[:, None]).astype(out_dtype)
+    dots = jnp.sum(product * dot_with.astype(acc), axis=1) if with_dots else jnp.zeros(row_index.shape, acc)
+    return out, dots
+
+
+def _gather_gmm_shape(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, transpose_rhs, preferred_element_type,
+                      **_):
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
+    return [((row_index.shape[0], n), out_dtype), (row_index.shape, accumulation_dtype(out_dtype))]
+
+
+def _gather_tgmm_impl(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups, preferred_element_type):
+    return kernels.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups, group_offset=0,
+                               preferred_element_type=preferred_element_type)
+
+
+def _gather_tgmm_unfused(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups,
+                         preferred_element_type):
+    acc = accumulation_dtype(grad.dtype)
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc) * grad_scale.astype(acc)[:, None]
+    return tgmm_p.bind(lhs, rows.astype(grad.dtype), group_sizes, kernels=kernels, num_groups=num_groups,
+                       group_offset=0, preferred_element_type=preferred_element_type, expected_rows=None, batch=())
+
+
+def _gather_tgmm_shape(lhs, grad, grad_scale, grad_index, group_sizes, *, num_groups, preferred_element_type, **_):
+    return [((num_groups, lhs.shape[1], grad.shape[1]), _out_dtype(preferred_element_type, lhs.dtype, grad.dtype))]
+
+
+expert_combine_p = _define("moe_expert_combine", _expert_combine_impl, _expert_combine_shape, jvp=_expert_combine_jvp)
+expert_combine_tangent_p = _define("moe_expert_combine_tangent", _expert_combine_tangent_impl,
+                                   _expert_combine_tangent_shape, transpose=_expert_combine_tangent_transpose)
+_compat.primitive_jvps[expert_combine_tangent_p] = _composition_jvp(
+    expert_combine_tangent_p, _expert_combine_tangent_unfused, lambda params: sum(params["present"]) + 3)
+gather_gmm_p = _define("moe_gather_gmm", _gather_gmm_impl, _gather_gmm_shape, multiple_results=True)
+_compat.primitive_jvps[gather_gmm_p] = _composition_jvp(gather_gmm_p, _gather_gmm_unfused, 4)
+gather_tgmm_p = _define("moe_gather_tgmm", _gather_tgmm_impl, _gather_tgmm_shape)
+_compat.primitive_jvps[gather_tgmm_p] = _composition_jvp(gather_tgmm_p, _gather_tgmm_unfused, 3)
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -637,6 +823,16 @@ def combine(rows, weights, inverse, token_of_row, order, num_valid):
     float32 (or wider); copies in rows ``[num_valid, N)`` (dropped) contribute nothing."""
     return combine_p.bind(rows, weights, inverse, token_of_row, order, jnp.asarray(num_valid, jnp.int32),
                           dtype=jnp.dtype(rows.dtype), batch=())
+
+
+def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, order, group_sizes, kernels, *,
+                   preferred_element_type=None):
+    """``combine(gmm(rows, weight), route_weights)`` (all groups local, dropped copies past
+    ``group_sizes.sum()``), its backward on ``kernels.gather_gmm`` / ``gather_tgmm``."""
+    num_valid = jnp.sum(group_sizes).astype(jnp.int32)
+    return expert_combine_p.bind(rows, weight, route_weights, group_sizes, routing_inverse, token_of_row, order,
+                                 num_valid, kernels=kernels,
+                                 preferred_element_type=_dtype_or_none(preferred_element_type), batch=())
 
 
 # --------------------------------------------------------------------------- row gathers on CUDA GPUs

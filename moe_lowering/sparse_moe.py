@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_lowering import primitives
-from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate
+from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate, last_product_weight
 from moe_lowering.kernels import get_backend
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
@@ -213,8 +213,9 @@ swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
 
 
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
-                       group_sizes=None, group_offset=0, expert_of_row=None):
-    """The expert program on sorted ``rows``; the expert-parallel path passes its local groups."""
+                       group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None):
+    """The expert program on sorted ``rows``; the expert-parallel path passes its local groups.
+    ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`."""
     num_experts = routing.group_sizes.shape[0]
     context = RowContext(
         rows=rows,
@@ -232,7 +233,8 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
 
     kernels = get_backend(backend)
     fused = swiglu_matmul if kernels.swiglu_gmm is not None else None
-    return evaluate(program, params, context, matmul, swiglu_matmul=fused, swiglu_max_width=kernels.swiglu_gmm_max_n)
+    return evaluate(program, params, context, matmul, swiglu_matmul=fused, swiglu_max_width=kernels.swiglu_gmm_max_n,
+                    output_matmul=output_matmul)
 
 
 def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
@@ -244,5 +246,33 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
     """
     routing = sort_by_expert(expert_indices, num_experts)
     rows = permute(tokens, routing)
+    kernels = get_backend(backend)
+    if _combines_in_last_product(program, params, kernels, num_experts):
+
+        def last_product_and_combine(lhs, rhs, sizes, offset, preferred_element_type):
+            return primitives.expert_combine(lhs, rhs, expert_weights, routing.inverse, routing.token_of_row,
+                                             routing.order, sizes, kernels,
+                                             preferred_element_type=preferred_element_type)
+
+        return run_expert_program(program, params, rows, routing, backend=backend,
+                                  output_matmul=last_product_and_combine)
     out_rows = run_expert_program(program, params, rows, routing, backend=backend)
     return combine(out_rows, expert_weights, routing)
+
+
+COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = 256
+"""The widest last product (its contraction: the expert's hidden width) run with the combine as one
+``expert_combine`` (0: never, to measure the two apart). On an H100 (``benchmarks/NOTES.md``) the
+gathered backward products saved 5-7% forward+backward at width 256, where the ``[T*K, d]`` copies
+they avoid are a large part of the step, and cost 7% at width 1024, where the products dominate."""
+
+
+def _combines_in_last_product(program: ExpertProgram, params, kernels, num_experts: int) -> bool:
+    """Whether the program's last product and the combine run as one piece: the program ends in a
+    product by a plain ``[E, K, N]`` weight (not one that multiplies itself, e.g. FP8) at most
+    ``COMBINE_IN_LAST_PRODUCT_MAX_WIDTH`` deep, and the backend has the gathered products that
+    piece's backward runs on."""
+    weight = last_product_weight(program, params)
+    return (kernels.gather_gmm is not None and kernels.gather_tgmm is not None and weight is not None
+            and not hasattr(weight, "grouped_matmul") and jnp.ndim(weight) == 3
+            and jnp.shape(weight)[0] == num_experts and jnp.shape(weight)[1] <= COMBINE_IN_LAST_PRODUCT_MAX_WIDTH)

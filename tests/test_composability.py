@@ -173,19 +173,22 @@ def _recording_backend(calls):
 
     def recording(name, product):
         def run(*args, **options):
-            calls.append((name, tuple(a.shape for a in args), options))
+            calls.append((name, tuple(None if a is None else a.shape for a in args), options))
             return product(*args, **options)
 
         return run
 
     return dataclasses.replace(xla, name="recording", gmm=recording("gmm", xla.gmm), tgmm=recording("tgmm", xla.tgmm),
-                               swiglu_gmm=None)
+                               gather_gmm=recording("gather_gmm", xla.gather_gmm),
+                               gather_tgmm=recording("gather_tgmm", xla.gather_tgmm), swiglu_gmm=None)
 
 
 def test_grad_runs_the_hand_written_backward_kernels(monkeypatch):
-    """Reverse mode transposes the primitives into the backward the ``custom_vjp`` wrote out:
-    ``gmm`` with the weights transposed (rows) and ``tgmm`` (weights), in the operands' dtypes.
-    Forward mode runs grouped products of the tangents, never the backward kernels."""
+    """Reverse mode transposes the primitives into the hand-written backward: ``gmm`` with the
+    weights transposed (rows) and ``tgmm`` (weights), in the operands' dtypes; through the last
+    product, combined with the routing weights (``expert_combine``), their gathered forms, which
+    read the output's cotangent by token (``[T, D]``), and the routing weights' cotangent with the
+    rows'. Forward mode runs grouped products of the tangents, never the backward kernels."""
     from moe_lowering import sparse_moe as sparse_moe_module
 
     calls = []
@@ -210,9 +213,10 @@ def test_grad_runs_the_hand_written_backward_kernels(monkeypatch):
     assert backward == sorted([
         ("gmm", ((rows, D), (E, D, F), (E,)), False, "None"),  # forward: up-projection
         ("gmm", ((rows, F), (E, F, D), (E,)), False, "None"),  # forward: down-projection
-        ("gmm", ((rows, D), (E, F, D), (E,)), True, "float32"),  # d_hidden = d_out @ w_down^T
+        # d_hidden = w * d_out[token] @ w_down^T, and d_w (the dots with the hidden rows)
+        ("gather_gmm", ((T, D), (E, F, D), (rows,), (rows,), (rows, F), (E,)), True, "float32"),
         ("gmm", ((rows, F), (E, D, F), (E,)), True, "float32"),  # d_rows = d_up @ w_up^T
-        ("tgmm", ((rows, F), (rows, D), (E,)), False, "float32"),  # d_w_down
+        ("gather_tgmm", ((rows, F), (T, D), (rows,), (rows,), (E,)), False, "float32"),  # d_w_down
         ("tgmm", ((rows, D), (rows, F), (E,)), False, "float32"),  # d_w_up
     ]), calls
     assert all(options.get("num_groups", E) == E for _, _, options in calls)
@@ -241,8 +245,8 @@ def test_grad_jaxpr_has_only_the_sparse_backward():
                         walk(inner)
 
     walk(jaxpr.jaxpr)
-    assert {primitives.gmm_p, primitives.tgmm_p, primitives.unpermute_p, primitives.spread_p,
-            primitives.combine_weights_ct_p} <= seen
+    assert {primitives.gmm_p, primitives.tgmm_p, primitives.unpermute_p, primitives.gather_gmm_p,
+            primitives.gather_tgmm_p} <= seen
     assert "ragged_dot_general" not in {p.name for p in seen}
 
 

@@ -281,3 +281,42 @@ def test_grouped_products_under_vmap_jvp_and_grad(batched):
         grads = (jax.grad(loss(f), (0, 1))(*operands[:2]) for f in (got_fn, want_fn))
         for got, want in zip(*grads):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_last_product_and_combine_match_them_apart(monkeypatch):
+    """``expert_combine`` (the last product and the combine as one primitive, its backward on the
+    gathered products) against the two apart: outputs, every gradient, each operand's alone (the
+    transpose computes only the cotangents asked for), forward mode, a Hessian-vector product (second
+    order through the fused pieces' compositions) and ``vmap`` of the gradient, with dropped copies."""
+    import moe_lowering.sparse_moe as sparse_moe_module
+
+    keys = jax.random.split(jax.random.key(5), 6)
+    x = jax.random.normal(keys[0], (T, D))
+    w_up = jax.random.normal(keys[1], (E, D, F)) / np.sqrt(D)
+    w_down = jax.random.normal(keys[2], (E, F, D)) / np.sqrt(F)
+    idx = jax.random.randint(keys[3], (T, K), 0, E + 1)
+    assert int((idx == E).sum()) > 0
+    w = jax.random.uniform(keys[4], (T, K), minval=0.2)
+    operands = (x, w, w_up, w_down)
+    program = _relu_program()
+
+    def loss(x, w, w_up, w_down):
+        return jnp.sum(jnp.sin(sparse_moe(x, idx, w, [w_up, w_down], program, num_experts=E, backend="xla")))
+
+    def results():
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*operands))
+        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*operands)
+        alone = [jax.grad(loss, argnums=i)(*operands) for i in range(4)]
+        tangent = jax.jvp(loss, operands, operands)[1]
+        hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), operands, operands)[1]
+        batched = jax.vmap(jax.grad(loss, argnums=(1, 3)), in_axes=(0, 0, None, None))(
+            jnp.stack([x, -x]), jnp.stack([w, 1 - w]), w_up, w_down)
+        return jaxpr, (loss(*operands), *grads, *alone, tangent, *hvp, *batched)
+
+    fused_jaxpr, fused = results()
+    monkeypatch.setattr(sparse_moe_module, "COMBINE_IN_LAST_PRODUCT_MAX_WIDTH", 0)
+    apart_jaxpr, apart = results()
+    assert "moe_gather_gmm" in fused_jaxpr and "moe_gather_tgmm" in fused_jaxpr and "moe_spread" not in fused_jaxpr
+    assert "moe_gather_gmm" not in apart_jaxpr
+    for got, want in zip(fused, apart):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

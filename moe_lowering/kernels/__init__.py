@@ -60,6 +60,12 @@ class KernelBackend:
     expected_rows)``: ``lhs_a @ rhs_a[g]^T + lhs_b @ rhs_b[g]^T`` written once, the rows' cotangent
     of ``gmm_pair`` (and of the fused SwiGLU product); ``None``: two transposed ``gmm`` calls added
     in float32.
+    ``gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_offset, transpose_rhs,
+    preferred_element_type)`` and ``gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *,
+    num_groups, group_offset, preferred_element_type)``: ``gmm`` and ``tgmm`` of gathered, scaled
+    rows, the combine's backward through the expert's last product without the scaled copy of the
+    output's cotangent (contracts in :mod:`.grouped_matmul.reference`); ``None`` (both): that
+    backward is ``spread``, ``gmm``, ``tgmm`` and ``combine_weights_ct`` apart.
     """
 
     name: str
@@ -71,6 +77,8 @@ class KernelBackend:
     swiglu_rows_grads: Callable | None = None
     gmm_pair: Callable | None = None
     gmm_sum: Callable | None = None
+    gather_gmm: Callable | None = None
+    gather_tgmm: Callable | None = None
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
@@ -113,10 +121,11 @@ def _load_xla() -> KernelBackend:
     """The portable backend: the references, grouped products as XLA tile loops. It offers the
     SwiGLU up-projection as its jnp reference too: on a CPU that was measured no slower than the
     unfused products forward and faster forward+backward (``benchmarks/NOTES.md``)."""
-    from moe_lowering.kernels.grouped_matmul.reference import gmm, tgmm
+    from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_tgmm, gmm, tgmm
     from moe_lowering.kernels.swiglu_gmm.reference import swiglu_gmm_reference
 
-    return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference)
+    return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference, gather_gmm=gather_gmm,
+                         gather_tgmm=gather_tgmm)
 
 
 def _load_triton() -> KernelBackend:
@@ -149,6 +158,8 @@ def _load_triton() -> KernelBackend:
         swiglu_rows=sequential_under_vmap(swiglu_rows.swiglu_rows),
         swiglu_rows_grads=sequential_under_vmap(swiglu_rows.swiglu_rows_grads),
         gmm_pair=sequential_under_vmap(grouped_matmul.gmm_pair),
+        gather_gmm=sequential_under_vmap(grouped_matmul.gather_gmm),
+        gather_tgmm=sequential_under_vmap(grouped_matmul.gather_tgmm),
     )
 
 

@@ -303,3 +303,78 @@ def test_gmm_sum_matches_both_products(case, dtype):
     expected = (_gmm_reference(f32[0], f32[2], group_sizes, group_offset, True)
                 + _gmm_reference(f32[1], f32[3], group_sizes, group_offset, True))
     assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
+def _gathered(key, num_rows, width, dtype):
+    """A ``[num_rows // 2 + 1, width]`` source, each row's index into it and its scale."""
+    keys = jax.random.split(key, 3)
+    source = _random(keys[0], (num_rows // 2 + 1, width), dtype)
+    index = jax.random.randint(keys[1], (num_rows,), 0, source.shape[0])
+    scale = jax.random.uniform(keys[2], (num_rows,), minval=0.5, maxval=1.5)
+    return source, index, scale
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_gmm_and_gather_tgmm_match_reference(case, dtype):
+    """The combine's backward products: rows gathered and scaled as they are loaded, the dots from
+    the epilogue's column-tile partials (zero outside the local groups), both weight-gradient kernels."""
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    k, n = 200, 328
+    keys = jax.random.split(jax.random.key(hash(("gather", case)) % 2**31), 4)
+    source, index, scale = _gathered(keys[0], num_rows, k, dtype)
+    rhs = _random(keys[1], (num_local, n, k), dtype)
+    dot_with = _random(keys[2], (num_rows, n), dtype)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    gathered = np.asarray(source.astype(jnp.float32))[np.asarray(index)]
+    product = _gmm_reference(gathered, rhs.astype(jnp.float32), group_sizes, group_offset, True)
+    _poison((num_rows, n), dtype)
+    out, dots = tgm.gather_gmm(source, rhs, index, scale, dot_with, sizes, group_offset=group_offset,
+                               transpose_rhs=True)
+    assert out.dtype == dtype and dots.dtype == jnp.float32
+    assert _relative_error(out.astype(jnp.float32), product * np.asarray(scale)[:, None]) < TOLERANCE[dtype]
+    want_dots = (product * np.asarray(dot_with.astype(jnp.float32), np.float64)).sum(axis=1)
+    assert _relative_error(dots, want_dots) < TOLERANCE[dtype]
+
+    lhs = _random(keys[3], (num_rows, k), dtype)
+    grad_source, grad_index, grad_scale = _gathered(keys[0], num_rows, n, dtype)
+    _poison((num_local, k, n), dtype)
+    d_weight = tgm.gather_tgmm(lhs, grad_source, grad_index, grad_scale, sizes, num_groups=num_local,
+                               group_offset=group_offset)
+    grad = np.asarray(grad_source.astype(jnp.float32))[np.asarray(grad_index)] * np.asarray(grad_scale)[:, None]
+    expected = _tgmm_reference(lhs.astype(jnp.float32), grad, group_sizes, group_offset, num_local)
+    assert _relative_error(d_weight.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
+def test_layer_combined_in_its_last_product_equals_them_apart(monkeypatch):
+    """The sparse MoE with ``expert_combine`` (gathered backward products) against the last product and
+    the combine apart on the Triton backend, dropped copies included: outputs and every gradient to
+    bf16 rounding, no ``[N, D]`` spread in the fused program."""
+    from moe_lowering import sparse_moe as sparse_moe_module
+    from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput, topological_nodes
+
+    keys = jax.random.split(jax.random.key(7), 6)
+    t, d, f, e, k = 600, 256, 192, 8, 2
+    tokens = _random(keys[0], (t, d), jnp.bfloat16)
+    idx = jax.random.randint(keys[1], (t, k), 0, e + 1)  # e: a dropped copy
+    weights = jax.nn.softmax(jax.random.normal(keys[2], (t, k)))
+    w_up = _random(keys[3], (e, d, f), jnp.bfloat16) * 0.1
+    w_down = _random(keys[4], (e, f, d), jnp.bfloat16) * 0.1
+    out_node = ExpertMatmul(ExpertMatmul(RowInput(), 0), 1)
+    program = ExpertProgram(out_node, (ParamKind.EXPERT_WEIGHT,) * 2, topological_nodes(out_node))
+
+    def loss(tokens, weights, w_up, w_down):
+        out = sparse_moe_module.sparse_moe(tokens, idx, weights, [w_up, w_down], program, num_experts=e,
+                                           backend="triton")
+        return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(sparse_moe_module, "COMBINE_IN_LAST_PRODUCT_MAX_WIDTH", 256 if fused else 0)
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+        text = str(jax.make_jaxpr(fn)(tokens, weights, w_up, w_down))
+        assert ("moe_gather_gmm" in text) is fused and ("moe_spread" in text) is not fused
+        results[fused] = fn(tokens, weights, w_up, w_down)
+    for got, want in zip(jax.tree_util.tree_leaves(results[True]), jax.tree_util.tree_leaves(results[False])):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.isfinite(got).all() and np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -187,3 +187,35 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
     parts = [gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=True, preferred_element_type=acc_dtype)
              for lhs, rhs in ((lhs_a, rhs_a), (lhs_b, rhs_b))]
     return (parts[0] + parts[1]).astype(out_dtype)
+
+
+def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_offset=0, transpose_rhs=False,
+               preferred_element_type=None):
+    """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - group_offset])``, zero outside
+    the local groups, and with ``dot_with [M, N]`` (else ``None``) also ``dots[r] = (lhs[row_index[r]] @ rhs[g]) .
+    dot_with[r]`` (the unscaled product; float32 or wider, zero outside), else ``dots`` is ``None``.
+
+    The combine's backward through the expert's last product: ``lhs`` is the layer output's
+    cotangent, ``row_index`` each row's token and ``row_scale`` its routing weight, and with the
+    product's input rows as ``dot_with`` the dots are the routing weights' cotangent. The GPU
+    kernel (``triton_launch.gather_gmm``) gathers the rows as it loads them and computes the dots
+    in its epilogue."""
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    acc_dtype = jnp.promote_types(out_dtype, jnp.float32)
+    rows = jnp.take(lhs, row_index, axis=0, mode="clip")
+    product = gmm(rows, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                  preferred_element_type=acc_dtype)
+    out = (product * row_scale.astype(acc_dtype)[:, None]).astype(out_dtype)
+    dots = None if dot_with is None else jnp.sum(product * dot_with.astype(acc_dtype), axis=1)
+    return out, dots
+
+
+def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
+                preferred_element_type=None):
+    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (computed in float32 or
+    wider, rounded to ``grad``'s type): the expert's last product's weight gradient read from the
+    layer output's cotangent. The GPU kernel gathers and scales the rows as it loads them."""
+    acc_dtype = jnp.promote_types(grad.dtype, jnp.float32)
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]
+    return tgmm(lhs, rows.astype(grad.dtype), group_sizes, num_groups=num_groups, group_offset=group_offset,
+                preferred_element_type=preferred_element_type)

@@ -110,17 +110,27 @@ def _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_til
 @triton.jit
 def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
                   N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr):
+                  BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr, row_index_ptr=None,
+                  LHS_SOURCE_ROWS: tl.constexpr = 0):
     """float32 ``lhs[row0 : row0 + BLOCK_M, k_begin:k_end] @ rhs[local_group][k_begin:k_end, cols]``
     (rows past ``M`` read clamped). ``k_begin`` and ``k_end`` are multiples of ``BLOCK_K`` or ``K``:
-    the main kernels pass the constants ``0, K``, so their loop keeps constant bounds."""
+    the main kernels pass the constants ``0, K``, so their loop keeps constant bounds.
+
+    With ``LHS_SOURCE_ROWS > 0`` the product's row ``r`` is ``lhs[row_index[r]]`` of a
+    ``[LHS_SOURCE_ROWS, K]`` ``lhs`` (indices clamped into it): the rows are gathered as they
+    are loaded, so no gathered copy is ever written."""
     in_m = tl.arange(0, BLOCK_M)
     in_k = tl.arange(0, BLOCK_K)
     # Rows past the group (or past M) are read clamped and never stored. Column indices stay
     # unclamped along the contiguous axis (a clamp would hide their contiguity from the
     # compiler and cost the 16-byte pipelined loads); a remainder there is masked instead.
     tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
-    a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + k_begin + in_k[None, :]
+    if LHS_SOURCE_ROWS > 0:
+        source = tl.load(row_index_ptr + row0 + tile_rows)
+        source = tl.minimum(tl.maximum(source, 0), LHS_SOURCE_ROWS - 1)
+        a_ptrs = lhs_ptr + tl.cast(source, tl.int64)[:, None] * K + k_begin + in_k[None, :]
+    else:
+        a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + k_begin + in_k[None, :]
     weight_ptr = rhs_ptr + tl.cast(local_group, tl.int64) * (K * N)
     if TRANSPOSE_RHS:
         b_ptrs = weight_ptr + tl.minimum(cols, N - 1)[None, :] * K + k_begin + in_k[:, None]
@@ -216,6 +226,71 @@ def gmm_kernel(
     if ZERO_OUTSIDE:
         _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
                              NUM_PROGRAMS)
+
+
+@triton.jit
+def gather_gmm_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    row_index_ptr,
+    row_scale_ptr,
+    dot_with_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    dots_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    LHS_SOURCE_ROWS: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    TRANSPOSE_RHS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    WITH_DOTS: tl.constexpr,
+):
+    """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - offset])`` for rows of local
+    groups, zero elsewhere; ``lhs`` is ``[LHS_SOURCE_ROWS, K]``.
+
+    The combine's backward through the expert's last product: ``lhs`` is the layer output's
+    cotangent, ``row_index`` each row's token and ``row_scale`` its routing weight, so the
+    ``[M, K]`` scaled copy of the cotangent (``spread``) is never written. With ``WITH_DOTS`` the
+    epilogue also stores ``dots[c, r]``, the unscaled product's row ``r`` times ``dot_with[r]``
+    summed over column tile ``c`` (unwritten outside the local groups): with ``dot_with`` the
+    product's own input rows, the routing weights' cotangent, without re-reading the forward's output.
+    """
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
+    in_m = tl.arange(0, BLOCK_M)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
+        row0 = group_start + pm * BLOCK_M
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
+                            BLOCK_N, BLOCK_K, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS)
+        rows = row0 + in_m
+        in_rows = rows < group_end
+        offsets = tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+        store_mask = in_rows[:, None] & (cols < N)[None, :]
+        scale = tl.load(row_scale_ptr + rows, mask=in_rows, other=0.0)
+        tl.store(out_ptr + offsets, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
+        if WITH_DOTS:
+            other = tl.load(dot_with_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
+            tl.store(dots_ptr + pn * M + rows, tl.sum(acc * other, axis=1), mask=in_rows)
+
+    _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
+                         NUM_PROGRAMS)
 
 
 @triton.jit
@@ -547,24 +622,56 @@ def _transposed_dot(a, b, acc, COMPUTE_F32: tl.constexpr):
 
 
 @triton.jit
+def _source_rows(src_ptr, index_ptr, rows, rows_ok, cols, N: tl.constexpr, SOURCE_ROWS: tl.constexpr):
+    """``src[index[r], cols]`` for ``rows`` (zero where not ``rows_ok``; indices clamped into the
+    ``SOURCE_ROWS`` rows)."""
+    source = tl.minimum(tl.maximum(tl.load(index_ptr + rows, mask=rows_ok, other=0), 0), SOURCE_ROWS - 1)
+    return tl.load(src_ptr + tl.cast(source, tl.int64)[:, None] * N + cols[None, :],
+                   mask=rows_ok[:, None] & (cols < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _scaled(values, scale_ptr, rows, rows_ok):
+    """``scale[r] * values[r]`` computed in float32, rounded to ``values``' type (zero where not ``rows_ok``)."""
+    scale = tl.load(scale_ptr + rows, mask=rows_ok, other=0.0)
+    return (values.to(tl.float32) * scale[:, None]).to(values.dtype)
+
+
+@triton.jit
+def _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N: tl.constexpr, BLOCK_N: tl.constexpr, grad_index_ptr,
+               GRAD_SOURCE_ROWS: tl.constexpr):
+    """``grad[r0 + in_r, cols]`` (zero where not ``rows_ok``), or with ``GRAD_SOURCE_ROWS > 0``
+    ``grad[grad_index[r0 + in_r], cols]`` of a ``[GRAD_SOURCE_ROWS, N]`` ``grad``, gathered as loaded."""
+    if GRAD_SOURCE_ROWS > 0:
+        return _source_rows(grad_ptr, grad_index_ptr, r0 + in_r, rows_ok, cols, N, GRAD_SOURCE_ROWS)
+    b_ptrs = grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :]
+    if N % BLOCK_N == 0:
+        return tl.load(b_ptrs, mask=rows_ok[:, None], other=0.0)
+    return tl.load(b_ptrs, mask=rows_ok[:, None] & (cols < N)[None, :], other=0.0)
+
+
+@triton.jit
 def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: tl.constexpr, N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                       COMPUTE_F32: tl.constexpr):
-    """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time."""
+                       COMPUTE_F32: tl.constexpr, grad_index_ptr=None, grad_scale_ptr=None,
+                       GRAD_SOURCE_ROWS: tl.constexpr = 0):
+    """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time.
+
+    With ``GRAD_SOURCE_ROWS > 0`` row ``r``'s term is ``(grad_scale[r] * lhs[r])^T grad[grad_index[r]]``:
+    the gradient's rows are gathered as loaded and the scale goes on the narrower ``lhs`` block, so the
+    gathered block reaches the tensor cores as loaded."""
     in_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r0 in range(group_start, group_end, BLOCK_R):
-        in_group = (r0 + in_r < group_end)[:, None]
+        rows_ok = r0 + in_r < group_end
         a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
-        b_ptrs = grad_ptr + tl.cast(r0, tl.int64) * N + in_r[:, None] * N + cols[None, :]
         if K % BLOCK_K == 0:
-            a = tl.load(a_ptrs, mask=in_group, other=0.0)
+            a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=in_group & (ks < K)[None, :], other=0.0)
-        if N % BLOCK_N == 0:
-            b = tl.load(b_ptrs, mask=in_group, other=0.0)
-        else:
-            b = tl.load(b_ptrs, mask=in_group & (cols < N)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
+        if GRAD_SOURCE_ROWS > 0:
+            a = _scaled(a, grad_scale_ptr, r0 + in_r, rows_ok)
+        b = _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
         acc = _transposed_dot(a, b, acc, COMPUTE_F32)
     return acc
 
@@ -573,6 +680,29 @@ def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: t
 def _store_weight_tile(out_group_ptr, acc, ks, cols, K: tl.constexpr, N: tl.constexpr):
     tl.store(out_group_ptr + ks[:, None] * N + cols[None, :], acc.to(out_group_ptr.dtype.element_ty),
              mask=(ks < K)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
+                M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
+                NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """The body of ``tgmm_kernel`` and ``gather_tgmm_kernel``."""
+    pid = tl.program_id(0)
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    tiles_per_group = k_tiles * n_tiles
+    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
+    for tile in range(pid, NUM_LOCAL_GROUPS * tiles_per_group, NUM_PROGRAMS):
+        local_group = tile // tiles_per_group
+        pk, pn = _band_swizzle(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
+        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
+        ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
+                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS)
+        _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
 
 
 @triton.jit
@@ -600,48 +730,92 @@ def tgmm_kernel(
     Each tile is a ``BLOCK_K x BLOCK_N`` block of one local group's ``[K, N]`` output, reduced
     over that group's rows ``BLOCK_R`` at a time.
     """
-    pid = tl.program_id(0)
-    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    tiles_per_group = k_tiles * n_tiles
-    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
-    for tile in range(pid, NUM_LOCAL_GROUPS * tiles_per_group, NUM_PROGRAMS):
-        local_group = tile // tiles_per_group
-        pk, pn = _band_swizzle(tile % tiles_per_group, k_tiles, n_tiles, GROUP_M)
-        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
-        ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
-                                 BLOCK_R, COMPUTE_F32)
-        _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
+    _tgmm_tiles(lhs_ptr, grad_ptr, grad_ptr, grad_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K, N, 0,
+                NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, NUM_PROGRAMS,
+                COMPUTE_F32)
+
+
+@triton.jit
+def gather_tgmm_kernel(
+    lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
+    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
+):
+    """``tgmm_kernel`` with row ``r`` of the gradient ``grad_scale[r] * grad[grad_index[r]]`` of a
+    ``[GRAD_SOURCE_ROWS, N]`` ``grad``: the weight gradient of the expert's last product read from the
+    layer output's cotangent, without its scaled ``[M, N]`` copy."""
+    _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K,
+                N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
+                NUM_PROGRAMS, COMPUTE_F32)
 
 
 @triton.jit
 def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K: tl.constexpr,
                            N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                           WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr):
+                           WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr, grad_index_ptr, grad_scale_ptr,
+                           GRAD_SOURCE_ROWS: tl.constexpr):
     """Every ``BLOCK_K`` tile of one group's output columns ``cols``, from one load of the group's
     ``grad`` rows: ``BLOCK_R`` of them (``lo``), and where ``WITH_HI`` the next ``BLOCK_R // 2`` (``hi``)."""
     in_k = tl.arange(0, BLOCK_K)
-    lo_rows = group_start + tl.arange(0, BLOCK_R)
-    lo_ok = (lo_rows < group_end)[:, None]
-    cols_ok = (cols < N)[None, :]
-    b_lo = tl.load(grad_ptr + tl.cast(lo_rows, tl.int64)[:, None] * N + cols[None, :], mask=lo_ok & cols_ok, other=0.0)
+    in_lo = tl.arange(0, BLOCK_R)
+    lo_rows = group_start + in_lo
+    lo_ok = lo_rows < group_end
+    b_lo = _grad_rows(grad_ptr, group_start, in_lo, lo_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
+    if GRAD_SOURCE_ROWS > 0:  # scaled once: the block is reused for every K tile
+        b_lo = _scaled(b_lo, grad_scale_ptr, lo_rows, lo_ok)
     if WITH_HI:
-        hi_rows = group_start + BLOCK_R + tl.arange(0, BLOCK_R // 2)
-        hi_ok = (hi_rows < group_end)[:, None]
-        b_hi = tl.load(grad_ptr + tl.cast(hi_rows, tl.int64)[:, None] * N + cols[None, :], mask=hi_ok & cols_ok,
-                       other=0.0)
+        in_hi = tl.arange(0, BLOCK_R // 2)
+        hi_rows = group_start + BLOCK_R + in_hi
+        hi_ok = hi_rows < group_end
+        b_hi = _grad_rows(grad_ptr, group_start + BLOCK_R, in_hi, hi_ok, cols, N, BLOCK_N, grad_index_ptr,
+                          GRAD_SOURCE_ROWS)
+        if GRAD_SOURCE_ROWS > 0:
+            b_hi = _scaled(b_hi, grad_scale_ptr, hi_rows, hi_ok)
     for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         ks = pk * BLOCK_K + in_k
         ks_ok = (ks < K)[None, :]
-        a_lo = tl.load(lhs_ptr + tl.cast(lo_rows, tl.int64)[:, None] * K + ks[None, :], mask=lo_ok & ks_ok, other=0.0)
+        a_lo = tl.load(lhs_ptr + tl.cast(lo_rows, tl.int64)[:, None] * K + ks[None, :], mask=lo_ok[:, None] & ks_ok,
+                       other=0.0)
         acc = _transposed_dot(a_lo, b_lo, tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32), COMPUTE_F32)
         if WITH_HI:
-            a_hi = tl.load(lhs_ptr + tl.cast(hi_rows, tl.int64)[:, None] * K + ks[None, :], mask=hi_ok & ks_ok,
-                           other=0.0)
+            a_hi = tl.load(lhs_ptr + tl.cast(hi_rows, tl.int64)[:, None] * K + ks[None, :],
+                           mask=hi_ok[:, None] & ks_ok, other=0.0)
             acc = _transposed_dot(a_hi, b_hi, acc, COMPUTE_F32)
         _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
+
+
+@triton.jit
+def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr,
+                         out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
+                         NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """The body of ``tgmm_resident_kernel`` and ``gather_tgmm_resident_kernel``."""
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
+    for item in range(pid, NUM_LOCAL_GROUPS * n_tiles, NUM_PROGRAMS):
+        local_group = item // n_tiles
+        cols = (item % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
+        out_group_ptr = out_ptr + tl.cast(local_group, tl.int64) * (K * N)
+        rows = group_end - group_start
+        if rows <= BLOCK_R:
+            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
+                                   BLOCK_N, BLOCK_R, False, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
+                                   GRAD_SOURCE_ROWS)
+        elif rows <= BLOCK_R + BLOCK_R // 2:
+            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
+                                   BLOCK_N, BLOCK_R, True, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
+                                   GRAD_SOURCE_ROWS)
+        else:
+            for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+                acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
+                                         BLOCK_N, BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
+                                         GRAD_SOURCE_ROWS)
+                _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
 
 
 @triton.jit
@@ -671,27 +845,22 @@ def tgmm_resident_kernel(
     ``lhs`` per tile: 2/3 less operand traffic at ``BLOCK_K = BLOCK_N = BLOCK_R``. Groups of up
     to 1.5 ``BLOCK_R`` rows keep a second, half-height block; larger groups loop over their rows.
     """
-    pid = tl.program_id(0)
-    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
-    group_ids, offset, starts, ends = _group_rows(group_sizes_ptr, group_offset_ptr, NUM_GROUPS, GROUPS_PAD)
-    for item in range(pid, NUM_LOCAL_GROUPS * n_tiles, NUM_PROGRAMS):
-        local_group = item // n_tiles
-        cols = (item % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        group_start, group_end = _local_group_rows(group_ids, offset, starts, ends, local_group, M)
-        out_group_ptr = out_ptr + tl.cast(local_group, tl.int64) * (K * N)
-        rows = group_end - group_start
-        if rows <= BLOCK_R:
-            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
-                                   BLOCK_N, BLOCK_R, False, COMPUTE_F32)
-        elif rows <= BLOCK_R + BLOCK_R // 2:
-            _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
-                                   BLOCK_N, BLOCK_R, True, COMPUTE_F32)
-        else:
-            for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-                ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
-                acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
-                                         BLOCK_N, BLOCK_R, COMPUTE_F32)
-                _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
+    _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_ptr, grad_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K, N,
+                         0, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, NUM_PROGRAMS,
+                         COMPUTE_F32)
+
+
+@triton.jit
+def gather_tgmm_resident_kernel(
+    lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
+    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
+):
+    """``tgmm_resident_kernel`` with the gathered, scaled gradient rows of ``gather_tgmm_kernel``."""
+    _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr,
+                         out_ptr, M, K, N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K,
+                         BLOCK_N, BLOCK_R, NUM_PROGRAMS, COMPUTE_F32)
 
 
 # ---------------------------------------------------------------------------------------------

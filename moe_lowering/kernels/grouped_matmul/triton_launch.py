@@ -17,6 +17,9 @@ import jax_triton
 
 from moe_lowering.kernels.grouped_matmul import reference
 from moe_lowering.kernels.grouped_matmul.triton_kernels import (
+    gather_gmm_kernel,
+    gather_tgmm_kernel,
+    gather_tgmm_resident_kernel,
     gmm_kernel,
     gmm_pair_tail_kernel,
     gmm_push_kernel,
@@ -303,6 +306,54 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
     )
 
 
+def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_offset=0, transpose_rhs=False,
+               preferred_element_type=None, config: TileConfig | None = None):
+    """``(out, dots)`` of :func:`.reference.gather_gmm`: ``row_scale[r] * (lhs[row_index[r]] @ rhs[g])``
+    with the rows gathered as the kernel loads them, and the dots with ``dot_with`` summed from
+    the epilogue's per-column-tile partials (``None`` without ``dot_with``)."""
+    if lhs.ndim != 2 or row_index.ndim != 1 or row_scale.shape != row_index.shape:
+        raise ValueError(f"gather_gmm: expected lhs [T, K], row_index [M] and row_scale [M], got {lhs.shape}, "
+                         f"{row_index.shape} and {row_scale.shape}")
+    num_rows = row_index.shape[0]
+    rows = jax.ShapeDtypeStruct((num_rows, lhs.shape[1]), lhs.dtype)
+    _, k, n, num_local_groups, out_dtype = _gmm_shapes(rows, rhs, group_sizes, transpose_rhs, preferred_element_type,
+                                                       "gather_gmm")
+    if dot_with is not None and dot_with.shape != (num_rows, n):
+        raise ValueError(f"gather_gmm: dot_with must be [{num_rows}, {n}], got {dot_with.shape}")
+    dtypes = (lhs.dtype, rhs.dtype, out_dtype) + (() if dot_with is None else (dot_with.dtype,))
+    if min(num_rows, k, n, num_local_groups, lhs.shape[0]) == 0 or not has_kernel(*dtypes):
+        return reference.gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes,
+                                    group_offset=group_offset, transpose_rhs=transpose_rhs,
+                                    preferred_element_type=preferred_element_type)
+    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
+    n_tiles = -(-n // launch["BLOCK_N"])
+    row_scale = row_scale.astype(jnp.float32)
+    out, partial_dots = jax_triton.triton_call(
+        lhs,
+        rhs,
+        row_index.astype(jnp.int32),
+        row_scale,
+        row_scale if dot_with is None else dot_with,
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=gather_gmm_kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+                   jax.ShapeDtypeStruct((n_tiles, num_rows) if dot_with is not None else (1,), jnp.float32)),
+        LHS_SOURCE_ROWS=lhs.shape[0],
+        TRANSPOSE_RHS=bool(transpose_rhs),
+        WITH_DOTS=dot_with is not None,
+        **launch,
+    )
+    if dot_with is None:
+        return out, None
+    # rows outside the local groups have no partials written: zero there
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    first = jnp.where(group_offset > 0, ends[max(group_offset - 1, 0)], 0)
+    last = ends[group_offset + num_local_groups - 1]
+    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
+    return out, jnp.where((row_ids >= first) & (row_ids < last), partial_dots.sum(axis=0), 0.0)
+
+
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
     """The tail kernels' float32 partial units (one per program) and their zeroed per-unit counters
     (at most one unit per program, also for the pair's: units are cut only when every piece has a
@@ -415,7 +466,29 @@ def tgmm(
     """
     if lhs.ndim != 2 or grad.ndim != 2 or lhs.shape[0] != grad.shape[0]:
         raise ValueError(f"tgmm: expected lhs [M, K] and grad [M, N], got {lhs.shape} and {grad.shape}")
-    _check_group_sizes(group_sizes, "tgmm")
+    return _tgmm_call(lhs, grad, None, group_sizes, num_groups, group_offset, preferred_element_type, config,
+                      expected_rows, "tgmm")
+
+
+def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
+                preferred_element_type=None, config: TileConfig | None = None):
+    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (rounded to ``grad``'s
+    type), gathered and scaled as the kernel loads it: no ``[M, N]`` copy of ``g`` is written."""
+    if lhs.ndim != 2 or grad.ndim != 2 or grad_index.shape != (lhs.shape[0],) or grad_scale.shape != grad_index.shape:
+        raise ValueError(f"gather_tgmm: expected lhs [M, K], grad [T, N], grad_index [M] and grad_scale [M], got "
+                         f"{lhs.shape}, {grad.shape}, {grad_index.shape} and {grad_scale.shape}")
+    if grad.shape[0] == 0 or not has_kernel(lhs.dtype, grad.dtype):
+        return reference.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups,
+                                     group_offset=group_offset, preferred_element_type=preferred_element_type)
+    gather = (grad_index.astype(jnp.int32), grad_scale.astype(jnp.float32))
+    return _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config, None,
+                      "gather_tgmm")
+
+
+def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config,
+               expected_rows, name: str):
+    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels'."""
+    _check_group_sizes(group_sizes, name)
     num_rows, k = lhs.shape
     n = grad.shape[1]
     num_local_groups = group_sizes.shape[0] if num_groups is None else num_groups
@@ -423,23 +496,34 @@ def tgmm(
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
         return jnp.zeros((num_local_groups, k, n), out_dtype)
     if not has_kernel(lhs.dtype, grad.dtype, out_dtype):
-        log.debug("tgmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, grad.dtype, out_dtype)
-        return reference.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
-                              preferred_element_type=preferred_element_type)
+        log.debug("%s: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", name, lhs.dtype, grad.dtype,
+                  out_dtype)
+        options = dict(num_groups=num_groups, group_offset=group_offset, preferred_element_type=preferred_element_type)
+        if gather is None:
+            return reference.tgmm(lhs, grad, group_sizes, **options)
+        return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
     config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
-    if _small_groups(rows_for_shape, num_local_groups):
+    resident = _small_groups(rows_for_shape, num_local_groups)
+    if resident:
         work_items = num_local_groups * -(-n // config.block_n)  # (group, column block); each walks all of K
-        kernel, swizzle = tgmm_resident_kernel, {}
+        swizzle = {}
     else:
         work_items = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
-        kernel, swizzle = tgmm_kernel, {"GROUP_M": config.group_m}
+        swizzle = {"GROUP_M": config.group_m}
+    if gather is None:
+        kernel = tgmm_resident_kernel if resident else tgmm_kernel
+        operands, source_rows = (), {}
+    else:
+        kernel = gather_tgmm_resident_kernel if resident else gather_tgmm_kernel
+        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0]}
     num_programs = _grid_size(work_items, config)
     total_groups = group_sizes.shape[0]
     return jax_triton.triton_call(
         lhs,
         grad,
+        *operands,
         group_sizes.astype(jnp.int32),
         _offset_array(group_offset),
         kernel=kernel,
@@ -458,5 +542,6 @@ def tgmm(
         BLOCK_R=config.block_k,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
+        **source_rows,
         **swizzle,
     )

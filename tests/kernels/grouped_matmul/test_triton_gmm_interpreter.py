@@ -309,6 +309,76 @@ def _run_gmm_sum(kernels, case, k, programs):
     return out, expected
 
 
+# The gathered products (the combine's backward through the last product): rows gathered from a
+# source with fewer rows than the product (indices repeat, and some point outside: clamped), scaled
+# per row; gather_gmm's per-column-tile dots (N = 40: three 16-column tiles, the last partial).
+GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
+                   for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
+                   for dots in (True, False)}
+GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
+                                                                          "gather_tgmm_resident_kernel")
+                        for case in ("empty-group", "several-steps", "resident-blocks")}
+
+
+def _gather_operands(rng, num_rows, width):
+    sources = max(num_rows // 2, 1)
+    source = rng.standard_normal((sources, width)).astype(np.float32)
+    index = rng.integers(0, sources, num_rows).astype(np.int32)
+    index[::7] = sources + 3  # out of range: read clamped to the last source row
+    scale = rng.uniform(0.5, 1.5, num_rows).astype(np.float32)
+    gathered = source[np.minimum(index, sources - 1)].astype(np.float64) * scale[:, None]
+    return source, index, scale, gathered
+
+
+def _run_gather_gmm(kernels, case, with_dots):
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
+    k = 24
+    group_sizes = np.asarray(group_sizes, np.int32)
+    source, index, scale, _ = _gather_operands(rng, num_rows, k)
+    rhs = rng.standard_normal((num_local, N, k)).astype(np.float32)
+    dot_with = rng.standard_normal((num_rows, N)).astype(np.float32)
+    n_tiles = -(-N // BLOCK["BLOCK_N"])
+    out = np.full((num_rows, N), np.nan, np.float32)
+    dots = np.full((n_tiles, num_rows), np.nan, np.float32)
+    kernels.gather_gmm_kernel[(NUM_PROGRAMS,)](
+        HostTensor(source), HostTensor(rhs), HostTensor(index), HostTensor(scale), HostTensor(dot_with),
+        HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)), HostTensor(out), HostTensor(dots),
+        M=num_rows, K=k, N=N, LHS_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local,
+        NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, TRANSPOSE_RHS=True, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True,
+        WITH_DOTS=with_dots, **BLOCK,
+    )
+    product = gmm_reference(source[np.minimum(index, source.shape[0] - 1)], rhs, group_sizes, group_offset, True)
+    in_groups = harness.row_groups(group_sizes, num_rows) - group_offset
+    in_groups = (in_groups >= 0) & (in_groups < num_local) & (harness.row_groups(group_sizes, num_rows) >= 0)
+    result = harness.summary(out, product * scale[:, None])
+    if with_dots:
+        got = np.where(in_groups, np.nan_to_num(dots).sum(axis=0), 0.0)
+        result["dots_unwritten"] = int(np.isnan(dots[:, in_groups]).sum())
+        result["dots_error"] = float(np.abs(got - (product * dot_with).sum(axis=1)).max(initial=0.0))
+    else:
+        result["dots_untouched"] = bool(np.isnan(dots).all())
+    return result
+
+
+def _run_gather_tgmm(kernels, kernel, case):
+    group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
+    k, n = 24, 40
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    source, index, scale, gathered = _gather_operands(rng, num_rows, n)
+    out = np.full((num_local, k, n), np.nan, np.float32)
+    swizzle = {"GROUP_M": 2} if kernel == "gather_tgmm_kernel" else {}
+    getattr(kernels, kernel)[(3,)](
+        HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(scale), HostTensor(group_sizes),
+        HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=n,
+        GRAD_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, **swizzle,
+    )
+    return harness.summary(out, _tgmm_reference(lhs, gathered, group_sizes, group_offset, num_local))
+
+
 def _jobs():
     """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels.grouped_matmul import triton_kernels as kernels
@@ -325,12 +395,17 @@ def _jobs():
                  for name, variant in PAIR_VARIANTS.items()})
     jobs.update({f"sum-{name}": (lambda v=variant: harness.summary(*_run_gmm_sum(kernels, *v)))
                  for name, variant in SUM_VARIANTS.items()})
+    jobs.update({f"gather-{name}": (lambda v=variant: _run_gather_gmm(kernels, *v))
+                 for name, variant in GATHER_VARIANTS.items()})
+    jobs.update({f"gather-tgmm-{name}": (lambda v=variant: _run_gather_tgmm(kernels, *v))
+                 for name, variant in GATHER_TGMM_VARIANTS.items()})
     return jobs
 
 
 JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
             + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
-            + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS])
+            + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS]
+            + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS])
 
 
 if __name__ == "__main__":
@@ -348,6 +423,24 @@ else:
     def test_gmm_sum_kernel_matches_reference(interpreter_report, name):
         """Both products in one accumulator, every row written (zeros outside the local groups)."""
         result = interpreter_report[f"sum-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+
+    @pytest.mark.parametrize("name", sorted(GATHER_VARIANTS))
+    def test_gather_gmm_kernel_matches_reference(interpreter_report, name):
+        """Gathered, scaled rows; the dots' column-tile partials cover every row of the local groups
+        and add up to the unscaled product's dots; without dots the partials are not written."""
+        result = interpreter_report[f"gather-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+        if name.endswith("-dots"):
+            assert result["dots_unwritten"] == 0 and result["dots_error"] < 1e-4, result
+        else:
+            assert result["dots_untouched"], result
+
+    @pytest.mark.parametrize("name", sorted(GATHER_TGMM_VARIANTS))
+    def test_gather_tgmm_kernels_match_reference(interpreter_report, name):
+        result = interpreter_report[f"gather-tgmm-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
