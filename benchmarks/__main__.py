@@ -29,6 +29,7 @@ layer configs:
 SonicMoE:
   sonic         sonic.py                SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers
   sonic-ab      sonic_ab.py             kernel-backend variants A/B on those shapes, alternated, with a per-kernel profile
+  gather-products gather_products.py    the combine's gathered backward products per tile shape, against plain ones
 
 expert parallelism:
   ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
