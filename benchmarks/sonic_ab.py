@@ -4,9 +4,8 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 ``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend
 as it is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` /
 ``gather_tgmm``, so no ``expert_combine``); ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new``
-with the fused kernel off, ``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute``,
-``spread`` and ``unpermute`` left to XLA's gather; ``xlaunpermute``: ``new`` with ``unpermute`` alone
-left to XLA). The rewritten layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
+with the fused kernel off, ``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather). The rewritten
+layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
 every variant sees the same machine state. ``--profile`` adds the GPU time per kernel of one
@@ -40,11 +39,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "nosum", "pair", "xlagather", "xlaunpermute")
-
-
-ROW_GATHERS = {"base": (), "xlagather": (), "xlaunpermute": ("permute", "spread")}
-"""The permutations a variant lowers to the Triton row gathers on CUDA (others: all of them)."""
+VARIANTS = ("base", "new", "apart", "nosum", "pair", "xlagather")
 
 
 def backend_for(variant: str):
@@ -57,7 +52,7 @@ def backend_for(variant: str):
                                    gather_tgmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "xlaunpermute"):
+    if variant in ("new", "xlagather"):
         return triton
     if variant == "nosum":
         return dataclasses.replace(triton, name="triton-nosum", gmm_sum=None)
@@ -110,7 +105,6 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
 
     out_dir.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
-    saved_row_gathers = primitives.GPU_ROW_GATHER
     rows = []
     for name in names:
         shape = SHAPES[name]
@@ -120,10 +114,10 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         compiled, results = {}, {}
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
-            primitives.GPU_ROW_GATHER = ROW_GATHERS.get(variant, saved_row_gathers)  # read when lowering
+            primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
             fwd = jax.jit(layer).lower(params, x).compile()
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER = saved_row_gathers
+            primitives.GPU_ROW_GATHER = True
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())

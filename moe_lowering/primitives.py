@@ -836,57 +836,43 @@ def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, o
 
 
 # --------------------------------------------------------------------------- row gathers on CUDA GPUs
-# ``permute`` copies whole token rows into expert order, ``spread`` (the combine's backward in its
-# rows) does the same to the output's cotangent, times each row's routing weight, and ``unpermute``
-# (the permutation's transpose) adds up each token's copies. XLA's gather fusion of ``jnp.take`` ran
-# the permutation at about 1.3 TB/s on an H100 (0.43 ms for the 0.5 GB of rows of SonicMoE's
-# 1.4B-n256 layer); where Triton and jax_triton load, CUDA lowers them to the row-gather kernels
-# instead (``kernels/gather_rows``, 0.32 ms there). ``spread`` could only move there once the dropped
-# rows' mask was part of the combine family (``num_valid``): with a separate ``where`` on the rows, its
-# transpose stayed an XLA select pass over all rows and the kernel lost. Other platforms, batched uses
-# and odd dtypes keep the jnp code.
+# ``permute`` copies whole token rows into expert order, and ``spread`` (the combine's backward in
+# its rows) does the same to the output's cotangent, times each row's routing weight. XLA's gather
+# fusion of ``jnp.take`` ran the permutation at about 1.3 TB/s on an H100 (0.43 ms for the 0.5 GB of
+# rows of SonicMoE's 1.4B-n256 layer); where Triton and jax_triton load, CUDA lowers both to a
+# row-gather kernel instead (``kernels/gather_rows``, 0.32 ms there). ``spread`` could only move
+# there once the dropped rows' mask was part of the combine family (``num_valid``): with a separate
+# ``where`` on the rows, its transpose stayed an XLA select pass over all rows and the kernel lost.
+# Other platforms, batched uses and odd dtypes keep the jnp code.
 
-GPU_ROW_GATHER = ("permute", "spread", "unpermute")
-"""Which of the permutations CUDA lowers to the Triton row-gather kernels (the rest: XLA's gather)."""
+GPU_ROW_GATHER = True
+"""Whether CUDA lowers ``permute`` and ``spread`` to the Triton row gather (False: XLA's gather)."""
 
 
 @functools.cache
 def _triton_gather_rows():
     try:
-        from moe_lowering.kernels.gather_rows import triton_launch
+        from moe_lowering.kernels.gather_rows.triton_launch import gather_rows
     except ImportError:
         return None
-    return triton_launch
-
-
-def _row_gather_kernels(name: str, batch, *operands):
-    """The row-gather launcher module where ``name`` lowers to it here, else ``None``."""
-    kernels = _triton_gather_rows() if name in GPU_ROW_GATHER else None
-    return None if kernels is None or batch or operands[0].ndim != 2 else kernels
+    return gather_rows
 
 
 def _permute_cuda(tokens, token_of_row, inverse, *, batch):
-    kernels = _row_gather_kernels("permute", batch, tokens)
-    if kernels is None:
+    gather = _triton_gather_rows() if GPU_ROW_GATHER else None
+    if gather is None or batch or tokens.ndim != 2:
         return permute_p.impl(tokens, token_of_row, inverse, batch=batch)
-    return kernels.gather_rows(tokens, token_of_row)
-
-
-def _unpermute_cuda(rows, token_of_row, inverse, *, dtype, batch):
-    kernels = _row_gather_kernels("unpermute", batch, rows)
-    if kernels is None:
-        return unpermute_p.impl(rows, token_of_row, inverse, dtype=dtype, batch=batch)
-    return kernels.gather_sum_rows(rows, inverse, dtype)
+    return gather(tokens, token_of_row)
 
 
 def _spread_cuda(x, weights, inverse, token_of_row, order, num_valid, *, dtype, batch):
-    kernels = _row_gather_kernels("spread", batch, x)
-    if kernels is None:
+    gather = _triton_gather_rows() if GPU_ROW_GATHER else None
+    if gather is None or batch or x.ndim != 2:
         return spread_p.impl(x, weights, inverse, token_of_row, order, num_valid, dtype=dtype, batch=batch)
     acc = accumulation_dtype(x.dtype, weights.dtype)
-    return kernels.gather_rows(x, token_of_row, _spread_row_weights(weights, order, num_valid, acc), dtype)
+    return gather(x, token_of_row, _spread_row_weights(weights, order, num_valid, acc), dtype)
 
 
-for _primitive, _lowering in ((permute_p, _permute_cuda), (spread_p, _spread_cuda), (unpermute_p, _unpermute_cuda)):
+for _primitive, _lowering in ((permute_p, _permute_cuda), (spread_p, _spread_cuda)):
     _compat._mlir.register_lowering(_primitive, _compat._mlir.lower_fun(_lowering, multiple_results=False),
                                     platform="cuda", cacheable=False)

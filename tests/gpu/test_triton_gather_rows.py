@@ -1,6 +1,6 @@
-"""The Triton row gathers on a CUDA GPU: ``permute``, ``spread`` and ``unpermute`` lowered to them give
-exactly what XLA's gather gives (the sparse MoE's forward; its gradients to rounding), and the
-launchers against the references."""
+"""The Triton row gather on a CUDA GPU: ``permute`` and ``spread`` lowered to it give exactly what
+XLA's gather gives (the sparse MoE's forward; its gradients to rounding), and the launcher against
+the reference."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ except BackendUnavailable as err:
     pytest.skip(f"Triton backend unavailable: {err}", allow_module_level=True)
 
 from moe_lowering import primitives, sparse_moe  # noqa: E402
-from moe_lowering.kernels.gather_rows import gather_rows_reference, gather_sum_rows_reference  # noqa: E402
-from moe_lowering.kernels.gather_rows.triton_launch import gather_rows, gather_sum_rows  # noqa: E402
+from moe_lowering.kernels.gather_rows import gather_rows_reference  # noqa: E402
+from moe_lowering.kernels.gather_rows.triton_launch import gather_rows  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -37,22 +37,9 @@ def test_gather_rows_matches_reference(rows, d, dtype):
     np.testing.assert_array_equal(got, gather_rows_reference(src, index, scale, jnp.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("rows, k, d", [(1000, 8, 200), (7, 2, 768), (0, 4, 64), (33, 1, 96)])
-def test_gather_sum_rows_matches_reference(rows, k, d, dtype):
-    """Each row the float32 sum of its ``k`` sources (repeated ones included), rounded once."""
-    keys = jax.random.split(jax.random.key(rows + k + d), 2)
-    src = jax.random.normal(keys[0], (300, d)).astype(dtype)
-    index = jax.random.randint(keys[1], (rows, k), 0, 300)
-    jnp.full((rows, d), jnp.nan, dtype).block_until_ready()
-    got = np.asarray(jax.jit(gather_sum_rows)(src, index), np.float32)
-    want = np.asarray(gather_sum_rows_reference(src, index), np.float32)
-    np.testing.assert_allclose(got, want, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-6, atol=1e-6)
-
-
 def test_layer_with_the_row_gather_equals_xla_gather(monkeypatch):
-    """``sparse_moe`` compiled with and without the Triton row gathers (``permute`` forward, ``spread``
-    and ``unpermute`` backward, some copies dropped): the same forward bit for bit (the gather is exact), gradients to
+    """``sparse_moe`` compiled with and without the Triton row gather (``permute`` forward, ``spread``
+    backward, some copies dropped): the same forward bit for bit (the gather is exact), gradients to
     bf16 rounding (XLA may fuse the code around it differently)."""
     keys = jax.random.split(jax.random.key(0), 6)
     t, d, f, e, k = 300, 192, 96, 8, 2
@@ -71,11 +58,11 @@ def test_layer_with_the_row_gather_equals_xla_gather(monkeypatch):
     routing = sparse_moe.sort_by_expert(idx, e)
     results, kernel_calls = {}, {}
     for flag in (False, True):
-        monkeypatch.setattr(primitives, "GPU_ROW_GATHER", ("permute", "spread", "unpermute") if flag else ())
+        monkeypatch.setattr(primitives, "GPU_ROW_GATHER", flag)
         fn = jax.jit(jax.value_and_grad(lambda *a: loss(*a), argnums=(0, 1, 2, 3)))
         kernel_calls[flag] = fn.lower(tokens, weights, params[0], w_down).as_text().count("triton_kernel_call")
         results[flag] = fn(tokens, weights, params[0], w_down)
-    assert kernel_calls[True] == kernel_calls[False] + 3, kernel_calls  # the permute, the spread, the unpermute
+    assert kernel_calls[True] == kernel_calls[False] + 2, kernel_calls  # the permute and the spread
     np.testing.assert_array_equal(results[True][0], results[False][0])
     for got, want in zip(jax.tree_util.tree_leaves(results[True][1]), jax.tree_util.tree_leaves(results[False][1])):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

@@ -25,22 +25,3 @@ def gather_rows_kernel(src_ptr, index_ptr, scale_ptr, out_ptr, R: tl.constexpr, 
         if HAS_SCALE:
             values = values.to(tl.float32) * scale[:, None]
         tl.store(out_rows + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def gather_sum_rows_kernel(src_ptr, index_ptr, out_ptr, R: tl.constexpr, K: tl.constexpr, D: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``out[r] = sum_j src[index[r, j]]`` (``index`` is ``[R, K]``) for the ``BLOCK_R`` rows of this
-    program, ``BLOCK_D`` columns at a time, added in float32 in ``j`` order."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    out_rows = out_ptr + tl.cast(rows, tl.int64)[:, None] * D
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        mask = row_ok[:, None] & (cols < D)[None, :]
-        total = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-        for j in range(0, K):
-            source = tl.load(index_ptr + rows * K + j, mask=row_ok, other=0)
-            total += tl.load(src_ptr + tl.cast(source, tl.int64)[:, None] * D + cols[None, :], mask=mask,
-                             other=0.0).to(tl.float32)
-        tl.store(out_rows + cols[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)

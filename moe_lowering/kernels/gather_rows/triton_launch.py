@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import jax_triton
 
 from moe_lowering.kernels.gather_rows import reference
-from moe_lowering.kernels.gather_rows.triton_kernels import gather_rows_kernel, gather_sum_rows_kernel
+from moe_lowering.kernels.gather_rows.triton_kernels import gather_rows_kernel
 
 _DTYPES = {jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)}
 BLOCK_R = 16
@@ -36,28 +36,4 @@ def gather_rows(src, index, scale=None, out_dtype=None):
         BLOCK_R=BLOCK_R,
         BLOCK_D=block_d,
         HAS_SCALE=scale is not None,
-    )
-
-
-def gather_sum_rows(src, index, out_dtype=None):
-    """``out[r] = sum_j src[index[r, j]]``, ``[R, D]`` from ``src [S, D]`` and ``index [R, K]``."""
-    out_dtype = jnp.dtype(out_dtype or src.dtype)
-    num_rows, d = index.shape[0], src.shape[1]
-    if num_rows == 0 or d == 0 or src.shape[0] == 0 or index.shape[1] == 0:
-        return jnp.zeros((num_rows, d), out_dtype)
-    if src.ndim != 2 or index.ndim != 2 or not {jnp.dtype(src.dtype), out_dtype} <= _DTYPES:
-        return reference.gather_sum_rows_reference(src, index, out_dtype)
-    return jax_triton.triton_call(
-        src,
-        index.astype(jnp.int32),
-        kernel=gather_sum_rows_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, d), out_dtype),
-        grid=(-(-num_rows // BLOCK_R),),
-        num_warps=4,
-        num_stages=1,
-        R=num_rows,
-        K=index.shape[1],
-        D=d,
-        BLOCK_R=BLOCK_R,
-        BLOCK_D=min(256, 1 << max(0, (d - 1).bit_length())),
     )
