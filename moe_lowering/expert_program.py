@@ -233,7 +233,7 @@ def _match_swiglu(node, users: Counter) -> SwigluFusion | None:
 
 
 def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None,
-             swiglu_max_width: int | None = None, output_matmul=None) -> jax.Array:
+             swiglu_max_width: int | None = None, output_matmul=None, row_swiglu_matmul=None) -> jax.Array:
     """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``.
 
     With ``swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, group_offset, pet)`` every SwiGLU
@@ -241,7 +241,9 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
     computed by it in one product instead of two grouped products and the elementwise activation.
     With ``output_matmul`` (same arguments as ``grouped_matmul``), a program whose output is an
     ``ExpertMatmul`` has that product computed by it, and its result is what this returns (the
-    sparse MoE combines the rows in it: :func:`last_product_weight`).
+    sparse MoE combines the rows in it: :func:`last_product_weight`). With ``row_swiglu_matmul(gate_rhs,
+    up_rhs, group_sizes, group_offset, pet)``, a fused SwiGLU up-projection of the routed rows
+    themselves is computed by it (the sparse MoE reads the rows from the tokens there).
     """
     values: dict[int, jax.Array] = {}
     fused_at: dict[int, SwigluFusion] = {}
@@ -271,10 +273,12 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             continue
         if id(node) in fused_at:
             fusion = fused_at[id(node)]
-            out = swiglu_matmul(
-                values[id(fusion.source)], params[fusion.gate.weight], params[fusion.up.weight], context.group_sizes,
-                context.group_offset, fusion.gate.preferred_element_type,
-            )
+            weights = (params[fusion.gate.weight], params[fusion.up.weight], context.group_sizes, context.group_offset,
+                       fusion.gate.preferred_element_type)
+            if row_swiglu_matmul is not None and isinstance(fusion.source, RowInput):
+                out = row_swiglu_matmul(*weights)
+            else:
+                out = swiglu_matmul(values[id(fusion.source)], *weights)
         elif isinstance(node, RowInput):
             out = context.rows
         elif isinstance(node, ExpertMatmul):

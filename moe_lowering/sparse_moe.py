@@ -213,9 +213,11 @@ swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
 
 
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
-                       group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None):
+                       group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None, tokens=None):
     """The expert program on sorted ``rows``; the expert-parallel path passes its local groups.
-    ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`."""
+    ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`. With ``tokens`` (``rows`` being
+    ``permute(tokens, routing)``), a fused SwiGLU up-projection of the rows reads them from the tokens
+    where the backend can (``gather_swiglu_gmm``): the permuted rows are then left unused."""
     num_experts = routing.group_sizes.shape[0]
     context = RowContext(
         rows=rows,
@@ -233,8 +235,16 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
 
     kernels = get_backend(backend)
     fused = swiglu_matmul if kernels.swiglu_gmm is not None else None
+    row_swiglu = None
+    if (tokens is not None and fused is not None and kernels.gather_swiglu_gmm is not None
+            and kernels.gather_lhs_tgmm is not None and group_sizes is None and group_offset == 0):
+
+        def row_swiglu(gate_rhs, up_rhs, sizes, offset, preferred_element_type):
+            return primitives.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, sizes, routing.token_of_row, routing.inverse,
+                                                kernels, preferred_element_type=preferred_element_type)
+
     return evaluate(program, params, context, matmul, swiglu_matmul=fused, swiglu_max_width=kernels.swiglu_gmm_max_n,
-                    output_matmul=output_matmul)
+                    output_matmul=output_matmul, row_swiglu_matmul=row_swiglu)
 
 
 def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
@@ -255,8 +265,8 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
                                              preferred_element_type=preferred_element_type)
 
         return run_expert_program(program, params, rows, routing, backend=backend,
-                                  output_matmul=last_product_and_combine)
-    out_rows = run_expert_program(program, params, rows, routing, backend=backend)
+                                  output_matmul=last_product_and_combine, tokens=tokens)
+    out_rows = run_expert_program(program, params, rows, routing, backend=backend, tokens=tokens)
     return combine(out_rows, expert_weights, routing)
 
 

@@ -167,3 +167,30 @@ def test_backend_fuses_only_narrow_experts(n, fused, monkeypatch):
     tsw.swiglu_gmm_or_pair(lhs, weights, weights, jnp.asarray([30, 34], jnp.int32))
     assert seen == (["fused"] if fused else ["pair"])
     assert get_backend("triton").swiglu_gmm is not None
+
+
+@pytest.mark.parametrize("with_preactivations", [False, True], ids=["fused", "with-preactivations"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_swiglu_gmm_and_gather_lhs_tgmm_match_reference(case, dtype, with_preactivations):
+    """The up projection and its weight gradient reading the rows from fewer token rows (indices
+    repeating) as they load them, against the products of the gathered rows."""
+    lhs, gate, up, cotangent, sizes, offset = _operands(case, dtype)
+    group_sizes = np.asarray(sizes)
+    keys = jax.random.split(jax.random.key(3), 2)
+    tokens = jax.random.normal(keys[0], (lhs.shape[0] // 2 + 1, lhs.shape[1]), jnp.float32).astype(dtype)
+    index = jax.random.randint(keys[1], (lhs.shape[0],), 0, tokens.shape[0])
+    rows32 = np.asarray(tokens.astype(jnp.float32))[np.asarray(index)]
+    jnp.full((lhs.shape[0], 3 * gate.shape[2]), jnp.nan, dtype).block_until_ready()
+    got = tsw.gather_swiglu_gmm(tokens, gate, up, index, sizes, group_offset=offset,
+                                with_preactivations=with_preactivations)
+    gate32, up32 = _f32(gate, up)
+    gate_ref = _products(rows32, gate32, group_sizes, offset)
+    up_ref = _products(rows32, up32, group_sizes, offset)
+    outputs = got if with_preactivations else (got,)
+    for output, expected in zip(outputs, (_silu(gate_ref) * up_ref, gate_ref, up_ref)):
+        assert output.shape == expected.shape and output.dtype == dtype
+        assert _relative_error(output.astype(jnp.float32), expected) < TOLERANCE[dtype]
+    d_weight = tgm.gather_lhs_tgmm(tokens, cotangent, index, sizes, num_groups=gate.shape[0], group_offset=offset)
+    expected = _weight_grads(rows32, *_f32(cotangent), group_sizes, offset, gate.shape[0])
+    assert _relative_error(d_weight.astype(jnp.float32), expected) < TOLERANCE[dtype]

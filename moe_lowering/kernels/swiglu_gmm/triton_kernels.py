@@ -40,8 +40,12 @@ def _swiglu_gmm_tiles(
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     STORE_PREACTIVATIONS: tl.constexpr,
+    row_index_ptr=None,
+    LHS_SOURCE_ROWS: tl.constexpr = 0,
 ):
-    """The body of both kernels below; ``gate_out`` / ``up_out`` are written only with ``STORE_PREACTIVATIONS``."""
+    """The body of the kernels below; ``gate_out`` / ``up_out`` are written only with
+    ``STORE_PREACTIVATIONS``; with ``LHS_SOURCE_ROWS > 0`` row ``r`` is ``lhs[row_index[r]]`` of a
+    ``[LHS_SOURCE_ROWS, K]`` ``lhs``, gathered as loaded (indices clamped into it)."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
@@ -61,7 +65,11 @@ def _swiglu_gmm_tiles(
         # contiguous axis keeps its 16-byte pipelined loads.
         tile_rows = tl.minimum(row0 + in_m, M - 1) - row0
         cols = pn * BLOCK_N + in_n
-        a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
+        if LHS_SOURCE_ROWS > 0:
+            source = tl.minimum(tl.maximum(tl.load(row_index_ptr + row0 + tile_rows), 0), LHS_SOURCE_ROWS - 1)
+            a_ptrs = lhs_ptr + tl.cast(source, tl.int64)[:, None] * K + in_k[None, :]
+        else:
+            a_ptrs = lhs_ptr + tl.cast(row0, tl.int64) * K + tile_rows[:, None] * K + in_k[None, :]
         weight_offset = tl.cast(group - offset, tl.int64) * (K * N) + in_k[:, None] * N + cols[None, :]
         g_ptrs = gate_ptr + weight_offset
         u_ptrs = up_ptr + weight_offset
@@ -141,3 +149,19 @@ def swiglu_gmm_preactivations_kernel(
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr,
                       up_out_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
                       GROUP_M, NUM_PROGRAMS, COMPUTE_F32, True)
+
+
+@triton.jit
+def gather_swiglu_gmm_kernel(
+    lhs_ptr, gate_ptr, up_ptr, row_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr, up_out_ptr,
+    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
+    STORE_PREACTIVATIONS: tl.constexpr,
+):
+    """``swiglu_gmm_kernel`` (with ``STORE_PREACTIVATIONS``, ``swiglu_gmm_preactivations_kernel``) whose
+    row ``r`` is ``lhs[row_index[r]]`` of the ``[LHS_SOURCE_ROWS, K]`` token rows: the permutation of
+    the tokens into expert order happens in the loads, so its ``[M, K]`` copy is never written."""
+    _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr,
+                      up_out_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, NUM_PROGRAMS, COMPUTE_F32, STORE_PREACTIVATIONS, row_index_ptr, LHS_SOURCE_ROWS)

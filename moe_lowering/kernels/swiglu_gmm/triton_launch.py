@@ -27,7 +27,11 @@ from moe_lowering.kernels.grouped_matmul.triton_launch import (
     gmm_pair,
 )
 from moe_lowering.kernels.swiglu_gmm import reference
-from moe_lowering.kernels.swiglu_gmm.triton_kernels import swiglu_gmm_kernel, swiglu_gmm_preactivations_kernel
+from moe_lowering.kernels.swiglu_gmm.triton_kernels import (
+    gather_swiglu_gmm_kernel,
+    swiglu_gmm_kernel,
+    swiglu_gmm_preactivations_kernel,
+)
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +121,56 @@ def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, pr
     acc = jnp.promote_types(out_dtype, jnp.float32)
     out = (jax.nn.silu(gate.astype(acc)) * up.astype(acc)).astype(out_dtype)
     return (out, gate, up) if with_preactivations else out
+
+
+def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset=0, preferred_element_type=None,
+                      with_preactivations: bool = False, config: TileConfig | None = None):
+    """``swiglu_gmm_or_pair`` of the rows ``tokens[row_index[r]]``: up to ``FUSED_MAX_N`` wide the
+    fused kernel gathers them as it loads them (no ``[M, K]`` permuted copy); wider, the rows are
+    gathered first (XLA) and ``swiglu_gmm_or_pair`` runs on them."""
+    reference.check_swiglu_operands(tokens, gate_rhs, up_rhs, "gather_swiglu_gmm")
+    _check_group_sizes(group_sizes, "gather_swiglu_gmm")
+    num_rows, k = row_index.shape[0], tokens.shape[1]
+    num_local_groups, _, n = gate_rhs.shape
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(tokens.dtype, gate_rhs.dtype, up_rhs.dtype))
+    dtypes = {tokens.dtype, gate_rhs.dtype, up_rhs.dtype, out_dtype}
+    if (n > FUSED_MAX_N or min(num_rows, n, k, num_local_groups, tokens.shape[0]) == 0
+            or not dtypes <= set(_KERNEL_DTYPES)):
+        rows = jnp.take(tokens, row_index, axis=0, mode="clip")
+        return swiglu_gmm_or_pair(rows, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                                  preferred_element_type=preferred_element_type,
+                                  with_preactivations=with_preactivations)
+    compute_f32 = _compute_f32(tokens.dtype, gate_rhs.dtype, up_rhs.dtype)
+    config = config or swiglu_config(num_rows, k, n, num_local_groups, compute_f32)
+    num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
+    num_groups = group_sizes.shape[0]
+    out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
+    unused = jax.ShapeDtypeStruct((1,), out_dtype)
+    outs = jax_triton.triton_call(
+        tokens,
+        gate_rhs,
+        up_rhs,
+        row_index.astype(jnp.int32),
+        group_sizes.astype(jnp.int32),
+        _offset_array(group_offset),
+        kernel=gather_swiglu_gmm_kernel,
+        out_shape=(out_shape, out_shape, out_shape) if with_preactivations else (out_shape, unused, unused),
+        grid=(num_programs,),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        M=num_rows,
+        K=k,
+        N=n,
+        LHS_SOURCE_ROWS=tokens.shape[0],
+        NUM_LOCAL_GROUPS=num_local_groups,
+        NUM_GROUPS=num_groups,
+        GROUPS_PAD=_next_power_of_two(num_groups),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        NUM_PROGRAMS=num_programs,
+        COMPUTE_F32=compute_f32,
+        STORE_PREACTIVATIONS=with_preactivations,
+    )
+    return tuple(outs) if with_preactivations else outs[0]
