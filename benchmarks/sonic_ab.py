@@ -4,7 +4,7 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 ``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend
 as it is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` /
 ``gather_tgmm``, so no ``expert_combine``); ``permuted``: ``new`` with the up projection reading the
-permuted copy of the tokens (no ``gather_swiglu_gmm`` / ``gather_lhs_tgmm``); ``nosum``: ``new``
+permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
@@ -51,9 +51,9 @@ def backend_for(variant: str):
     triton = get_backend("triton")
     if variant == "base":
         return dataclasses.replace(triton, name="triton-base", swiglu_gmm=None, gmm_sum=None, gather_gmm=None,
-                                   gather_tgmm=None, gather_swiglu_gmm=None, gather_lhs_tgmm=None)
+                                   gather_tgmm=None, gather_swiglu_gmm=None)
     if variant == "permuted":  # the up projection of the permuted copy of the tokens
-        return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None, gather_lhs_tgmm=None)
+        return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
     if variant in ("new", "xlagather"):

@@ -584,73 +584,11 @@ combine_p, spread_p, combine_weights_ct_p = (_COMBINE_FAMILY[n] for n in ("combi
 
 # --------------------------------------------------------------------------- the up projection of the token rows
 # ``gather_swiglu_gmm(tokens, gate, up, group_sizes, token_of_row, inverse)`` is
-# ``swiglu_gmm(permute(tokens), gate, up)``: the up projection reads the token rows in expert order
-# straight from the tokens, so the permuted ``[N, D]`` copy is never written (forward) nor kept for
-# the weight gradients (backward). Its JVP is ``swiglu_gmm``'s with the rows' tangent permuted
-# (``permute``, whose transpose adds each token's copies) and the weights' tangents multiplied by the
-# gathered rows (``gather_lhs_gmm``, which transposes into ``gather_lhs_tgmm``, the weight gradient
-# read from the tokens). ``gather_lhs_gmm`` and ``gather_lhs_tgmm`` are bilinear and transpose into
-# each other and into ``gmm`` followed by ``unpermute`` (the tokens' cotangent).
-
-
-def _gather_lhs_gmm_impl(tokens, rhs, token_of_row, inverse, group_sizes, *, kernels, preferred_element_type):
-    # Evaluated in forward mode only (reverse mode transposes it): the rows are gathered here.
-    return kernels.gmm(_take_rows(tokens, token_of_row), rhs, group_sizes, group_offset=0, transpose_rhs=False,
-                       preferred_element_type=preferred_element_type, zero_outside=True, expected_rows=None)
-
-
-def _gather_lhs_gmm_shape(tokens, rhs, token_of_row, inverse, group_sizes, *, preferred_element_type, **_):
-    return [((token_of_row.shape[0], rhs.shape[2]), _out_dtype(preferred_element_type, tokens.dtype, rhs.dtype))]
-
-
-def _unpermuted_product(lhs, rhs, token_of_row, inverse, group_sizes, kernels, dtype, batch, sources):
-    """``unpermute(lhs @ rhs[g]^T)``: the tokens' cotangent of a product of their rows in expert order
-    (``sources``: the batch sources of ``lhs, rhs, token_of_row, inverse, group_sizes``)."""
-    rows = gmm_p.bind(lhs, rhs, group_sizes, kernels=kernels, group_offset=0, transpose_rhs=True,
-                      preferred_element_type=dtype, zero_outside=True, expected_rows=None,
-                      batch=_levels(batch, sources[0], sources[1], sources[4]))
-    return unpermute_p.bind(rows, token_of_row, inverse, dtype=dtype, batch=_levels(batch, ALL, sources[2], sources[3]))
-
-
-def _gather_lhs_gmm_transpose(ct, tokens, rhs, token_of_row, inverse, group_sizes, *, kernels, preferred_element_type,
-                              batch):
-    del preferred_element_type
-    if not _nonzero(ct):
-        return [None] * 5
-    if _compat.is_undefined_primal(tokens):
-        d_tokens = _unpermuted_product(ct, rhs, token_of_row, inverse, group_sizes, kernels, tokens.aval.dtype, batch,
-                                       (ALL, 1, 2, 3, 4))
-        return [_sum_unbatched(d_tokens, batch, 0), None, None, None, None]
-    d_rhs = gather_lhs_tgmm_p.bind(tokens, ct, token_of_row, inverse, group_sizes, kernels=kernels,
-                                   num_groups=_core_shape(rhs.aval, batch, 1)[0], preferred_element_type=rhs.aval.dtype,
-                                   batch=_levels(batch, 0, ALL, 2, 3, 4))
-    return [None, _sum_unbatched(d_rhs, batch, 1), None, None, None]
-
-
-def _gather_lhs_tgmm_impl(tokens, grad, token_of_row, inverse, group_sizes, *, kernels, num_groups,
-                          preferred_element_type):
-    return kernels.gather_lhs_tgmm(tokens, grad, token_of_row, group_sizes, num_groups=num_groups, group_offset=0,
-                                   preferred_element_type=preferred_element_type)
-
-
-def _gather_lhs_tgmm_shape(tokens, grad, token_of_row, inverse, group_sizes, *, num_groups, preferred_element_type,
-                           **_):
-    return [((num_groups, tokens.shape[1], grad.shape[1]),
-             _out_dtype(preferred_element_type, tokens.dtype, grad.dtype))]
-
-
-def _gather_lhs_tgmm_transpose(ct, tokens, grad, token_of_row, inverse, group_sizes, *, kernels, num_groups,
-                               preferred_element_type, batch):
-    del num_groups, preferred_element_type
-    if not _nonzero(ct):
-        return [None] * 5
-    if _compat.is_undefined_primal(tokens):  # d_tokens = unpermute(grad[r] @ ct[g]^T)
-        d_tokens = _unpermuted_product(grad, ct, token_of_row, inverse, group_sizes, kernels, tokens.aval.dtype, batch,
-                                       (1, ALL, 2, 3, 4))
-        return [_sum_unbatched(d_tokens, batch, 0), None, None, None, None]
-    d_grad = gather_lhs_gmm_p.bind(tokens, ct, token_of_row, inverse, group_sizes, kernels=kernels,
-                                   preferred_element_type=grad.aval.dtype, batch=_levels(batch, 0, ALL, 2, 3, 4))
-    return [None, _sum_unbatched(d_grad, batch, 1), None, None, None]
+# ``swiglu_gmm(permute(tokens), gate, up)``, the rows read from the tokens as the kernel loads them, so
+# a forward pass never writes the permuted ``[N, D]`` copy. Its JVP is ``swiglu_gmm``'s of the permuted
+# rows: the rows' tangent is permuted, and the weights' tangents multiply the permuted copy, which
+# reverse mode therefore keeps for the weight gradients (read from the tokens inside ``tgmm``, they ran
+# 47% slower than the copy costs: ``benchmarks/NOTES.md``).
 
 
 def _gather_swiglu_gmm_impl(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, *, kernels,
@@ -669,23 +607,17 @@ def _gather_swiglu_gmm_shape(tokens, gate_rhs, up_rhs, group_sizes, token_of_row
 
 
 def _gather_swiglu_tangent_terms(primals, tangents, batch, options):
-    """``_pair_tangent_terms`` of the gathered rows: the tokens' tangent permuted, then both products;
-    each weight's tangent multiplied by the rows read from the tokens."""
+    """``_pair_tangent_terms`` of the permuted rows: the tokens' tangent permuted, and the permuted
+    tokens where a weight has a tangent."""
     tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse = primals
-    kernels, out_dtype = options["kernels"], options["preferred_element_type"]
-    terms_a, terms_b = [], []
-    if _nonzero(tangents[0]):
-        rows_dot = permute_p.bind(tangents[0], token_of_row, inverse, batch=_levels(batch, 0, 4, 5))
-        t_a, t_b = gmm_pair_p.bind(rows_dot, gate_rhs, up_rhs, group_sizes, batch=_levels(batch, ALL, 1, 2, 3),
-                                   **options)
-        terms_a.append(t_a)
-        terms_b.append(t_b)
-    for terms, index in ((terms_a, 1), (terms_b, 2)):
-        if _nonzero(tangents[index]):
-            terms.append(gather_lhs_gmm_p.bind(tokens, tangents[index], token_of_row, inverse, group_sizes,
-                                               kernels=kernels, preferred_element_type=out_dtype,
-                                               batch=_levels(batch, 0, index, 4, 5, 3)))
-    return terms_a, terms_b
+
+    def permuted(x):
+        return permute_p.bind(x, token_of_row, inverse, batch=_levels(batch, 0, 4, 5))
+
+    rows = permuted(tokens) if _nonzero(tangents[1]) or _nonzero(tangents[2]) else None
+    rows_dot = permuted(tangents[0]) if _nonzero(tangents[0]) else tangents[0]
+    return _pair_tangent_terms(rows, gate_rhs, up_rhs, group_sizes, (rows_dot, *tangents[1:3]),
+                               _levels(batch, 0, 1, 2, 3), options)
 
 
 def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type, with_preactivations, batch):
@@ -704,10 +636,6 @@ def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type
     return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
 
 
-gather_lhs_gmm_p = _define("moe_gather_lhs_gmm", _gather_lhs_gmm_impl, _gather_lhs_gmm_shape, jvp="bilinear",
-                           transpose=_gather_lhs_gmm_transpose)
-gather_lhs_tgmm_p = _define("moe_gather_lhs_tgmm", _gather_lhs_tgmm_impl, _gather_lhs_tgmm_shape, jvp="bilinear",
-                            transpose=_gather_lhs_tgmm_transpose)
 gather_swiglu_gmm_p = _define("moe_gather_swiglu_gmm", _gather_swiglu_gmm_impl, _gather_swiglu_gmm_shape,
                               multiple_results=True, jvp=_gather_swiglu_gmm_jvp)
 

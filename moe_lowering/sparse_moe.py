@@ -236,8 +236,8 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
     kernels = get_backend(backend)
     fused = swiglu_matmul if kernels.swiglu_gmm is not None else None
     row_swiglu = None
-    if (tokens is not None and fused is not None and kernels.gather_swiglu_gmm is not None
-            and kernels.gather_lhs_tgmm is not None and group_sizes is None and group_offset == 0):
+    if (tokens is not None and fused is not None and kernels.gather_swiglu_gmm is not None and group_sizes is None
+            and group_offset == 0):
 
         def row_swiglu(gate_rhs, up_rhs, sizes, offset, preferred_element_type):
             return primitives.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, sizes, routing.token_of_row, routing.inverse,

@@ -67,10 +67,9 @@ class KernelBackend:
     output's cotangent (contracts in :mod:`.grouped_matmul.reference`); ``None`` (both): that
     backward is ``spread``, ``gmm``, ``tgmm`` and ``combine_weights_ct`` apart.
     ``gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset,
-    preferred_element_type, with_preactivations)`` and ``gather_lhs_tgmm(tokens, grad, row_index,
-    group_sizes, *, num_groups, group_offset, preferred_element_type)``: ``swiglu_gmm`` and ``tgmm`` of
-    the token rows in expert order, ``tokens[row_index]``, read from the tokens (the SwiGLU
-    up-projection without the permuted copy of the tokens); ``None`` (both): the rows are permuted first.
+    preferred_element_type, with_preactivations)``: ``swiglu_gmm`` of the token rows in expert order,
+    ``tokens[row_index]``, read from the tokens (a forward pass without the permuted copy of the
+    tokens); ``None``: the rows are permuted first.
     """
 
     name: str
@@ -85,7 +84,6 @@ class KernelBackend:
     gather_gmm: Callable | None = None
     gather_tgmm: Callable | None = None
     gather_swiglu_gmm: Callable | None = None
-    gather_lhs_tgmm: Callable | None = None
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
@@ -128,12 +126,11 @@ def _load_xla() -> KernelBackend:
     """The portable backend: the references, grouped products as XLA tile loops. It offers the
     SwiGLU up-projection as its jnp reference too: on a CPU that was measured no slower than the
     unfused products forward and faster forward+backward (``benchmarks/NOTES.md``)."""
-    from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_lhs_tgmm, gather_tgmm, gmm, tgmm
+    from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_tgmm, gmm, tgmm
     from moe_lowering.kernels.swiglu_gmm.reference import gather_swiglu_gmm_reference, swiglu_gmm_reference
 
     return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference, gather_gmm=gather_gmm,
-                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference,
-                         gather_lhs_tgmm=gather_lhs_tgmm)
+                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference)
 
 
 def _load_triton() -> KernelBackend:
@@ -169,7 +166,6 @@ def _load_triton() -> KernelBackend:
         gather_gmm=sequential_under_vmap(grouped_matmul.gather_gmm),
         gather_tgmm=sequential_under_vmap(grouped_matmul.gather_tgmm),
         gather_swiglu_gmm=sequential_under_vmap(swiglu_gmm.gather_swiglu_gmm),
-        gather_lhs_tgmm=sequential_under_vmap(grouped_matmul.gather_lhs_tgmm),
     )
 
 

@@ -219,12 +219,3 @@ def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: i
     rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]
     return tgmm(lhs, rows.astype(grad.dtype), group_sizes, num_groups=num_groups, group_offset=group_offset,
                 preferred_element_type=preferred_element_type)
-
-
-def gather_lhs_tgmm(tokens, grad, row_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
-                    preferred_element_type=None):
-    """``tgmm(tokens[row_index], grad)``: the weight gradient of a product of the token rows in expert
-    order, read from the tokens (the GPU kernel gathers them as it loads them)."""
-    rows = jnp.take(tokens, row_index, axis=0, mode="clip")
-    return tgmm(rows, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
-                preferred_element_type=preferred_element_type)

@@ -651,43 +651,24 @@ def _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def _lhs_rows(lhs_ptr, rows, rows_ok, ks, K: tl.constexpr, BLOCK_K: tl.constexpr, lhs_index_ptr,
-              LHS_SOURCE_ROWS: tl.constexpr):
-    """``lhs[rows, ks]`` (zero where not ``rows_ok``), or with ``LHS_SOURCE_ROWS > 0``
-    ``lhs[lhs_index[rows], ks]`` of a ``[LHS_SOURCE_ROWS, K]`` ``lhs``, gathered as loaded."""
-    if LHS_SOURCE_ROWS > 0:
-        source = tl.minimum(tl.maximum(tl.load(lhs_index_ptr + rows, mask=rows_ok, other=0), 0), LHS_SOURCE_ROWS - 1)
-        a_ptrs = lhs_ptr + tl.cast(source, tl.int64)[:, None] * K + ks[None, :]
-    else:
-        a_ptrs = lhs_ptr + tl.cast(rows, tl.int64)[:, None] * K + ks[None, :]
-    if K % BLOCK_K == 0:
-        return tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
-    return tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
-
-
-@triton.jit
 def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: tl.constexpr, N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        COMPUTE_F32: tl.constexpr, grad_index_ptr=None, grad_scale_ptr=None,
-                       GRAD_SOURCE_ROWS: tl.constexpr = 0, lhs_index_ptr=None, LHS_SOURCE_ROWS: tl.constexpr = 0):
+                       GRAD_SOURCE_ROWS: tl.constexpr = 0):
     """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time.
 
     With ``GRAD_SOURCE_ROWS > 0`` row ``r``'s term is ``(grad_scale[r] * lhs[r])^T grad[grad_index[r]]``:
     the gradient's rows are gathered as loaded and the scale goes on the narrower ``lhs`` block, so the
-    gathered block reaches the tensor cores as loaded. With ``LHS_SOURCE_ROWS > 0`` it is
-    ``lhs[lhs_index[r]]^T grad[r]`` (no scale)."""
+    gathered block reaches the tensor cores as loaded."""
     in_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r0 in range(group_start, group_end, BLOCK_R):
         rows_ok = r0 + in_r < group_end
-        if LHS_SOURCE_ROWS > 0:
-            a = _lhs_rows(lhs_ptr, r0 + in_r, rows_ok, ks, K, BLOCK_K, lhs_index_ptr, LHS_SOURCE_ROWS)
+        a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
+        if K % BLOCK_K == 0:
+            a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
         else:
-            a_ptrs = lhs_ptr + tl.cast(r0, tl.int64) * K + in_r[:, None] * K + ks[None, :]
-            if K % BLOCK_K == 0:
-                a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
         if GRAD_SOURCE_ROWS > 0:
             a = _scaled(a, grad_scale_ptr, r0 + in_r, rows_ok)
         b = _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
@@ -706,8 +687,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
                 M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                 NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, lhs_index_ptr=None,
-                LHS_SOURCE_ROWS: tl.constexpr = 0):
+                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_kernel`` and ``gather_tgmm_kernel``."""
     pid = tl.program_id(0)
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
@@ -721,8 +701,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
         ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
-                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS,
-                                 lhs_index_ptr, LHS_SOURCE_ROWS)
+                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS)
         _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
 
 
@@ -775,7 +754,7 @@ def gather_tgmm_kernel(
 def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K: tl.constexpr,
                            N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr, grad_index_ptr, grad_scale_ptr,
-                           GRAD_SOURCE_ROWS: tl.constexpr, lhs_index_ptr, LHS_SOURCE_ROWS: tl.constexpr):
+                           GRAD_SOURCE_ROWS: tl.constexpr):
     """Every ``BLOCK_K`` tile of one group's output columns ``cols``, from one load of the group's
     ``grad`` rows: ``BLOCK_R`` of them (``lo``), and where ``WITH_HI`` the next ``BLOCK_R // 2`` (``hi``)."""
     in_k = tl.arange(0, BLOCK_K)
@@ -793,28 +772,17 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
                           GRAD_SOURCE_ROWS)
         if GRAD_SOURCE_ROWS > 0:
             b_hi = _scaled(b_hi, grad_scale_ptr, hi_rows, hi_ok)
-    lhs_lo = _lhs_row_offsets(lo_rows, lo_ok, lhs_index_ptr, LHS_SOURCE_ROWS)
-    if WITH_HI:
-        lhs_hi = _lhs_row_offsets(hi_rows, hi_ok, lhs_index_ptr, LHS_SOURCE_ROWS)
     for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         ks = pk * BLOCK_K + in_k
         ks_ok = (ks < K)[None, :]
-        a_lo = tl.load(lhs_ptr + lhs_lo[:, None] * K + ks[None, :], mask=lo_ok[:, None] & ks_ok, other=0.0)
+        a_lo = tl.load(lhs_ptr + tl.cast(lo_rows, tl.int64)[:, None] * K + ks[None, :], mask=lo_ok[:, None] & ks_ok,
+                       other=0.0)
         acc = _transposed_dot(a_lo, b_lo, tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32), COMPUTE_F32)
         if WITH_HI:
-            a_hi = tl.load(lhs_ptr + lhs_hi[:, None] * K + ks[None, :], mask=hi_ok[:, None] & ks_ok, other=0.0)
+            a_hi = tl.load(lhs_ptr + tl.cast(hi_rows, tl.int64)[:, None] * K + ks[None, :],
+                           mask=hi_ok[:, None] & ks_ok, other=0.0)
             acc = _transposed_dot(a_hi, b_hi, acc, COMPUTE_F32)
         _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
-
-
-@triton.jit
-def _lhs_row_offsets(rows, rows_ok, lhs_index_ptr, LHS_SOURCE_ROWS: tl.constexpr):
-    """The ``lhs`` rows that ``rows`` read (int64): themselves, or ``lhs_index[rows]`` clamped into the
-    ``LHS_SOURCE_ROWS`` rows."""
-    if LHS_SOURCE_ROWS > 0:
-        source = tl.load(lhs_index_ptr + rows, mask=rows_ok, other=0)
-        return tl.cast(tl.minimum(tl.maximum(source, 0), LHS_SOURCE_ROWS - 1), tl.int64)
-    return tl.cast(rows, tl.int64)
 
 
 @triton.jit
@@ -822,8 +790,7 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
                          out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                          NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, lhs_index_ptr=None,
-                         LHS_SOURCE_ROWS: tl.constexpr = 0):
+                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_resident_kernel`` and ``gather_tgmm_resident_kernel``."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -837,17 +804,17 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
         if rows <= BLOCK_R:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, False, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, lhs_index_ptr, LHS_SOURCE_ROWS)
+                                   GRAD_SOURCE_ROWS)
         elif rows <= BLOCK_R + BLOCK_R // 2:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, True, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, lhs_index_ptr, LHS_SOURCE_ROWS)
+                                   GRAD_SOURCE_ROWS)
         else:
             for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
                 acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
                                          BLOCK_N, BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                         GRAD_SOURCE_ROWS, lhs_index_ptr, LHS_SOURCE_ROWS)
+                                         GRAD_SOURCE_ROWS)
                 _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
 
 
@@ -981,30 +948,3 @@ def gmm_sum_kernel(
 
     _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
                          NUM_PROGRAMS)
-
-
-@triton.jit
-def gather_lhs_tgmm_kernel(
-    lhs_ptr, grad_ptr, lhs_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
-    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-):
-    """``tgmm_kernel`` with row ``r`` of ``lhs`` read from ``lhs[lhs_index[r]]`` of the
-    ``[LHS_SOURCE_ROWS, K]`` token rows: the up projection's weight gradient without the permuted copy."""
-    _tgmm_tiles(lhs_ptr, grad_ptr, grad_ptr, grad_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K, N, 0,
-                NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M, NUM_PROGRAMS,
-                COMPUTE_F32, lhs_index_ptr, LHS_SOURCE_ROWS)
-
-
-@triton.jit
-def gather_lhs_tgmm_resident_kernel(
-    lhs_ptr, grad_ptr, lhs_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
-    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
-    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-):
-    """``tgmm_resident_kernel`` with the gathered ``lhs`` rows of ``gather_lhs_tgmm_kernel``."""
-    _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_ptr, grad_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K, N,
-                         0, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, NUM_PROGRAMS,
-                         COMPUTE_F32, lhs_index_ptr, LHS_SOURCE_ROWS)

@@ -18,8 +18,6 @@ import jax_triton
 from moe_lowering.kernels.grouped_matmul import reference
 from moe_lowering.kernels.grouped_matmul.triton_kernels import (
     gather_gmm_kernel,
-    gather_lhs_tgmm_kernel,
-    gather_lhs_tgmm_resident_kernel,
     gather_tgmm_kernel,
     gather_tgmm_resident_kernel,
     gmm_kernel,
@@ -487,26 +485,11 @@ def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: i
                       "gather_tgmm")
 
 
-def gather_lhs_tgmm(tokens, grad, row_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
-                    preferred_element_type=None, config: TileConfig | None = None):
-    """``tgmm(tokens[row_index], grad)``, the rows gathered as the kernel loads them: the up
-    projection's weight gradient without the permuted ``[M, K]`` copy of the tokens."""
-    if tokens.ndim != 2 or grad.ndim != 2 or row_index.shape != (grad.shape[0],):
-        raise ValueError(f"gather_lhs_tgmm: expected tokens [T, K], grad [M, N] and row_index [M], got "
-                         f"{tokens.shape}, {grad.shape} and {row_index.shape}")
-    if tokens.shape[0] == 0 or not has_kernel(tokens.dtype, grad.dtype):
-        return reference.gather_lhs_tgmm(tokens, grad, row_index, group_sizes, num_groups=num_groups,
-                                         group_offset=group_offset, preferred_element_type=preferred_element_type)
-    return _tgmm_call(tokens, grad, None, group_sizes, num_groups, group_offset, preferred_element_type, config, None,
-                      "gather_lhs_tgmm", lhs_index=row_index.astype(jnp.int32))
-
-
 def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config,
-               expected_rows, name: str, lhs_index=None):
-    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered-gradient kernels',
-    with ``lhs_index`` the gathered-``lhs`` kernels' (``lhs`` then holds the source rows)."""
+               expected_rows, name: str):
+    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels'."""
     _check_group_sizes(group_sizes, name)
-    num_rows, k = (lhs.shape[0], lhs.shape[1]) if lhs_index is None else (lhs_index.shape[0], lhs.shape[1])
+    num_rows, k = lhs.shape
     n = grad.shape[1]
     num_local_groups = group_sizes.shape[0] if num_groups is None else num_groups
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
@@ -516,8 +499,6 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         log.debug("%s: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", name, lhs.dtype, grad.dtype,
                   out_dtype)
         options = dict(num_groups=num_groups, group_offset=group_offset, preferred_element_type=preferred_element_type)
-        if lhs_index is not None:
-            return reference.gather_lhs_tgmm(lhs, grad, lhs_index, group_sizes, **options)
         if gather is None:
             return reference.tgmm(lhs, grad, group_sizes, **options)
         return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
@@ -531,10 +512,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
     else:
         work_items = num_local_groups * -(-k // config.block_m) * -(-n // config.block_n)
         swizzle = {"GROUP_M": config.group_m}
-    if lhs_index is not None:
-        kernel = gather_lhs_tgmm_resident_kernel if resident else gather_lhs_tgmm_kernel
-        operands, source_rows = (lhs_index,), {"LHS_SOURCE_ROWS": lhs.shape[0]}
-    elif gather is None:
+    if gather is None:
         kernel = tgmm_resident_kernel if resident else tgmm_kernel
         operands, source_rows = (), {}
     else:

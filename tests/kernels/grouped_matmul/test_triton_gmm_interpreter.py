@@ -315,9 +315,8 @@ def _run_gmm_sum(kernels, case, k, programs):
 GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
                    for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
                    for dots in (True, False)}
-GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case)
-                        for kernel in ("gather_tgmm_kernel", "gather_tgmm_resident_kernel", "gather_lhs_tgmm_kernel",
-                                       "gather_lhs_tgmm_resident_kernel")
+GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
+                                                                          "gather_tgmm_resident_kernel")
                         for case in ("empty-group", "several-steps", "resident-blocks")}
 
 
@@ -367,22 +366,16 @@ def _run_gather_tgmm(kernels, kernel, case):
     rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
     k, n = 24, 40
     group_sizes = np.asarray(group_sizes, np.int32)
-    out = np.full((num_local, k, n), np.nan, np.float32)
-    common = dict(M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-                  BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True,
-                  **({} if "resident" in kernel else {"GROUP_M": 2}))
-    sizes_and_offset = (HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)))
-    if kernel.startswith("gather_lhs"):  # the lhs rows gathered (no scale)
-        tokens, index, _, _ = _gather_operands(rng, num_rows, k)
-        grad = rng.standard_normal((num_rows, n)).astype(np.float32)
-        getattr(kernels, kernel)[(3,)](HostTensor(tokens), HostTensor(grad), HostTensor(index), *sizes_and_offset,
-                                       HostTensor(out), LHS_SOURCE_ROWS=tokens.shape[0], **common)
-        lhs = tokens[np.minimum(index, tokens.shape[0] - 1)]
-        return harness.summary(out, _tgmm_reference(lhs, grad, group_sizes, group_offset, num_local))
     lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
     source, index, scale, gathered = _gather_operands(rng, num_rows, n)
-    getattr(kernels, kernel)[(3,)](HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(scale),
-                                   *sizes_and_offset, HostTensor(out), GRAD_SOURCE_ROWS=source.shape[0], **common)
+    out = np.full((num_local, k, n), np.nan, np.float32)
+    swizzle = {"GROUP_M": 2} if kernel == "gather_tgmm_kernel" else {}
+    getattr(kernels, kernel)[(3,)](
+        HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(scale), HostTensor(group_sizes),
+        HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=n,
+        GRAD_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, **swizzle,
+    )
     return harness.summary(out, _tgmm_reference(lhs, gathered, group_sizes, group_offset, num_local))
 
 
