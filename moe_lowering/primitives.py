@@ -585,59 +585,41 @@ combine_p, spread_p, combine_weights_ct_p = (_COMBINE_FAMILY[n] for n in ("combi
 # --------------------------------------------------------------------------- the up projection of the token rows
 # ``gather_swiglu_gmm(tokens, gate, up, group_sizes, token_of_row, inverse)`` is
 # ``swiglu_gmm(permute(tokens), gate, up)``, the rows read from the tokens as the kernel loads them, so
-# a forward pass never writes the permuted ``[N, D]`` copy. Its JVP is ``swiglu_gmm``'s of the permuted
-# rows: the rows' tangent is permuted, and the weights' tangents multiply the permuted copy, which
-# reverse mode therefore keeps for the weight gradients (read from the tokens inside ``tgmm``, they ran
-# 47% slower than the copy costs: ``benchmarks/NOTES.md``).
+# a forward pass never writes the permuted ``[N, D]`` copy. Differentiated, it is exactly that
+# composition (its JVP is ``swiglu_gmm``'s of the permuted rows): the weight gradients read the
+# permuted copy, which reverse mode keeps anyway (read from the tokens inside ``tgmm`` they ran 47%
+# slower than the copy costs, and computing the forward from the tokens beside the copy raised the
+# peak memory: ``benchmarks/NOTES.md``).
 
 
 def _gather_swiglu_gmm_impl(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, *, kernels,
-                            preferred_element_type, with_preactivations):
-    out = kernels.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, token_of_row, group_sizes, group_offset=0,
-                                    preferred_element_type=preferred_element_type,
-                                    with_preactivations=with_preactivations)
-    return tuple(out) if with_preactivations else (out,)
+                            preferred_element_type):
+    return kernels.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, token_of_row, group_sizes, group_offset=0,
+                                     preferred_element_type=preferred_element_type)
 
 
 def _gather_swiglu_gmm_shape(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, *, preferred_element_type,
-                             with_preactivations, **_):
-    out = ((token_of_row.shape[0], gate_rhs.shape[2]),
-           _out_dtype(preferred_element_type, tokens.dtype, gate_rhs.dtype, up_rhs.dtype))
-    return [out] * (3 if with_preactivations else 1)
+                             **_):
+    return [((token_of_row.shape[0], gate_rhs.shape[2]),
+             _out_dtype(preferred_element_type, tokens.dtype, gate_rhs.dtype, up_rhs.dtype))]
 
 
-def _gather_swiglu_tangent_terms(primals, tangents, batch, options):
-    """``_pair_tangent_terms`` of the permuted rows: the tokens' tangent permuted, and the permuted
-    tokens where a weight has a tangent."""
+def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type, batch):
     tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse = primals
 
     def permuted(x):
         return permute_p.bind(x, token_of_row, inverse, batch=_levels(batch, 0, 4, 5))
 
-    rows = permuted(tokens) if _nonzero(tangents[1]) or _nonzero(tangents[2]) else None
     rows_dot = permuted(tangents[0]) if _nonzero(tangents[0]) else tangents[0]
-    return _pair_tangent_terms(rows, gate_rhs, up_rhs, group_sizes, (rows_dot, *tangents[1:3]),
-                               _levels(batch, 0, 1, 2, 3), options)
-
-
-def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type, with_preactivations, batch):
-    """As ``_swiglu_gmm_jvp``, the rows being the gathered tokens."""
-    out, gate, up = gather_swiglu_gmm_p.bind(*primals, kernels=kernels, preferred_element_type=preferred_element_type,
-                                             with_preactivations=True, batch=batch)
-    primal_outs = [out, gate, up] if with_preactivations else [out]
-    if not any(_nonzero(t) for t in tangents[:3]):
-        return primal_outs, [_compat.zero_tangent(v) for v in primal_outs]
-    options = dict(kernels=kernels, group_offset=0, preferred_element_type=out.dtype, zero_outside=True,
-                   expected_rows=None)
-    gate_terms, up_terms = _gather_swiglu_tangent_terms(primals, tangents, batch, options)
-    gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
-    up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
-    out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
-    return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
+    (out,), (out_dot,) = _swiglu_gmm_jvp((permuted(tokens), gate_rhs, up_rhs, group_sizes),
+                                         (rows_dot, *tangents[1:4]), kernels=kernels, group_offset=0,
+                                         preferred_element_type=preferred_element_type, with_preactivations=False,
+                                         batch=_levels(batch, 0, 1, 2, 3))
+    return out, out_dot
 
 
 gather_swiglu_gmm_p = _define("moe_gather_swiglu_gmm", _gather_swiglu_gmm_impl, _gather_swiglu_gmm_shape,
-                              multiple_results=True, jvp=_gather_swiglu_gmm_jvp)
+                              jvp=_gather_swiglu_gmm_jvp)
 
 
 # --------------------------------------------------------------------------- the last product and the combine
@@ -887,10 +869,8 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inver
                       preferred_element_type=None):
     """``swiglu_gmm(permute(tokens), gate_rhs, up_rhs)`` (all groups local) with the rows read from the
     tokens, through ``kernels.gather_swiglu_gmm``."""
-    (out,) = gather_swiglu_gmm_p.bind(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, kernels=kernels,
-                                      preferred_element_type=_dtype_or_none(preferred_element_type),
-                                      with_preactivations=False, batch=())
-    return out
+    return gather_swiglu_gmm_p.bind(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, kernels=kernels,
+                                    preferred_element_type=_dtype_or_none(preferred_element_type), batch=())
 
 
 def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, order, group_sizes, kernels, *,

@@ -323,9 +323,9 @@ def test_last_product_and_combine_match_them_apart(monkeypatch):
 
 
 def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatch):
-    """``gather_swiglu_gmm`` (the SwiGLU up-projection reading the routed rows from the tokens) against
-    the same layer on permuted rows: outputs, every gradient, forward mode, a Hessian-vector product and
-    ``vmap`` of the gradient, on the zoo's Mixtral idiom."""
+    """``gather_swiglu_gmm`` (the SwiGLU up-projection reading the routed rows from the tokens; its JVP
+    is the permuted rows' product) against the same layer on permuted rows: outputs, every gradient,
+    forward mode, a Hessian-vector product and ``vmap`` of the gradient, on the zoo's Mixtral idiom."""
     import dataclasses
 
     from moe_lowering import moe_optimize
@@ -343,7 +343,7 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
         return jnp.sum(jnp.sin(layer(p, x)))
 
     def results():
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+        jaxpr = str(jax.make_jaxpr(layer)(params, x))
         grads = jax.grad(loss, argnums=(0, 1))(params, x)
         tangent = jax.jvp(loss, (params, x), (params, x))[1]
         hvp = jax.jvp(jax.grad(loss, argnums=(0, 1)), (params, x), (params, x))[1]

@@ -67,7 +67,7 @@ class KernelBackend:
     output's cotangent (contracts in :mod:`.grouped_matmul.reference`); ``None`` (both): that
     backward is ``spread``, ``gmm``, ``tgmm`` and ``combine_weights_ct`` apart.
     ``gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset,
-    preferred_element_type, with_preactivations)``: ``swiglu_gmm`` of the token rows in expert order,
+    preferred_element_type)``: ``swiglu_gmm`` of the token rows in expert order,
     ``tokens[row_index]``, read from the tokens (a forward pass without the permuted copy of the
     tokens); ``None``: the rows are permuted first.
     """

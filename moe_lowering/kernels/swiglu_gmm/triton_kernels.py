@@ -153,15 +153,14 @@ def swiglu_gmm_preactivations_kernel(
 
 @triton.jit
 def gather_swiglu_gmm_kernel(
-    lhs_ptr, gate_ptr, up_ptr, row_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr, up_out_ptr,
+    lhs_ptr, gate_ptr, up_ptr, row_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    STORE_PREACTIVATIONS: tl.constexpr,
 ):
-    """``swiglu_gmm_kernel`` (with ``STORE_PREACTIVATIONS``, ``swiglu_gmm_preactivations_kernel``) whose
-    row ``r`` is ``lhs[row_index[r]]`` of the ``[LHS_SOURCE_ROWS, K]`` token rows: the permutation of
-    the tokens into expert order happens in the loads, so its ``[M, K]`` copy is never written."""
-    _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr,
-                      up_out_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                      GROUP_M, NUM_PROGRAMS, COMPUTE_F32, STORE_PREACTIVATIONS, row_index_ptr, LHS_SOURCE_ROWS)
+    """``swiglu_gmm_kernel`` whose row ``r`` is ``lhs[row_index[r]]`` of the ``[LHS_SOURCE_ROWS, K]``
+    token rows: the permutation of the tokens into expert order happens in the loads, so its
+    ``[M, K]`` copy is never written."""
+    _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, out_ptr, out_ptr, M, K, N,
+                      NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+                      COMPUTE_F32, False, row_index_ptr, LHS_SOURCE_ROWS)

@@ -124,7 +124,7 @@ def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, pr
 
 
 def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset=0, preferred_element_type=None,
-                      with_preactivations: bool = False, config: TileConfig | None = None):
+                      config: TileConfig | None = None):
     """``swiglu_gmm_or_pair`` of the rows ``tokens[row_index[r]]``: up to ``FUSED_MAX_N`` wide the
     fused kernel gathers them as it loads them (no ``[M, K]`` permuted copy); wider, the rows are
     gathered first (XLA) and ``swiglu_gmm_or_pair`` runs on them."""
@@ -138,15 +138,12 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
             or not dtypes <= set(_KERNEL_DTYPES)):
         rows = jnp.take(tokens, row_index, axis=0, mode="clip")
         return swiglu_gmm_or_pair(rows, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                  preferred_element_type=preferred_element_type,
-                                  with_preactivations=with_preactivations)
+                                  preferred_element_type=preferred_element_type)
     compute_f32 = _compute_f32(tokens.dtype, gate_rhs.dtype, up_rhs.dtype)
     config = config or swiglu_config(num_rows, k, n, num_local_groups, compute_f32)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
-    out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
-    unused = jax.ShapeDtypeStruct((1,), out_dtype)
-    outs = jax_triton.triton_call(
+    return jax_triton.triton_call(
         tokens,
         gate_rhs,
         up_rhs,
@@ -154,7 +151,7 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
         group_sizes.astype(jnp.int32),
         _offset_array(group_offset),
         kernel=gather_swiglu_gmm_kernel,
-        out_shape=(out_shape, out_shape, out_shape) if with_preactivations else (out_shape, unused, unused),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
         grid=(num_programs,),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -171,6 +168,4 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
-        STORE_PREACTIVATIONS=with_preactivations,
     )
-    return tuple(outs) if with_preactivations else outs[0]
