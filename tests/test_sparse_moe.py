@@ -337,18 +337,19 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
     params, x = model.args(jax.random.key(6))
     xla = get_backend("xla")
     permuted = dataclasses.replace(xla, name="xla-permuted", gather_swiglu_gmm=None)
-    layer = moe_optimize(model.fn, strict=True, backend="xla")
-
-    def loss(p, x):
-        return jnp.sum(jnp.sin(layer(p, x)))
 
     def results():
+        layer = moe_optimize(model.fn, strict=True, backend="xla")  # one per backend: its trace is cached
+
+        def loss(p, x):
+            return jnp.sum(jnp.sin(layer(p, x)))
+
         jaxpr = str(jax.make_jaxpr(layer)(params, x))
         grads = jax.grad(loss, argnums=(0, 1))(params, x)
         tangent = jax.jvp(loss, (params, x), (params, x))[1]
         hvp = jax.jvp(jax.grad(loss, argnums=(0, 1)), (params, x), (params, x))[1]
         batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x]))
-        return jaxpr, jax.tree_util.tree_leaves((loss(params, x), grads, tangent, hvp, batched))
+        return jaxpr, jax.tree_util.tree_leaves((layer(params, x), loss(params, x), grads, tangent, hvp, batched))
 
     gathered_jaxpr, gathered = results()
     monkeypatch.setattr(sparse_moe_module, "get_backend", lambda name: permuted if name == "xla" else get_backend(name))
