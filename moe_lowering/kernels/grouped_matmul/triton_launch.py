@@ -472,8 +472,10 @@ def tgmm(
 
 def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
                 preferred_element_type=None, config: TileConfig | None = None):
-    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (rounded to ``grad``'s
-    type), gathered and scaled as the kernel loads it: no ``[M, N]`` copy of ``g`` is written."""
+    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]``, gathered as the kernel
+    loads it: no ``[M, N]`` copy of ``g`` is written. The kernel puts the scale on ``lhs``'s rows
+    instead (the narrower block; rounded once to ``lhs``'s type, where the reference rounds the scaled
+    gradient rows: the same product to that rounding)."""
     if lhs.ndim != 2 or grad.ndim != 2 or grad_index.shape != (lhs.shape[0],) or grad_scale.shape != grad_index.shape:
         raise ValueError(f"gather_tgmm: expected lhs [M, K], grad [T, N], grad_index [M] and grad_scale [M], got "
                          f"{lhs.shape}, {grad.shape}, {grad_index.shape} and {grad_scale.shape}")
