@@ -14,7 +14,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import jax
 import jax.numpy as jnp
@@ -173,11 +173,14 @@ def _children(node: Node) -> tuple:
 class RowContext:
     """What the program needs to know about the sorted rows it runs on."""
 
-    rows: jax.Array  # [N, D] token rows, sorted by expert
+    rows: jax.Array | None  # [N, D] token rows, sorted by expert (None: ``make_rows`` makes them)
     group_sizes: jax.Array  # [E] (or the local experts' when group_offset is used)
     expert_of_row: jax.Array  # [N] expert of each sorted row, clipped into range
     token_of_row: jax.Array  # [N] token of each sorted row
     group_offset: Any = 0
+    # Where ``rows`` is None: makes them, called only if the program reads the rows themselves (not
+    # only through a fusion that reads them from the tokens), so no unused permutation is traced.
+    make_rows: Callable[[], jax.Array] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -257,6 +260,13 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             skipped.update(id(node) for node in fusion.inner)
     if fused_at:
         log.debug("evaluating %d SwiGLU up-projection(s) with the fused grouped product", len(fused_at))
+    nodes = program.nodes or topological_nodes(program.output)
+    if row_swiglu_matmul is not None:
+        # The rows themselves are not needed where every reader of them is a fused product that reads the
+        # tokens instead: they are then never made (``RowContext.make_rows``).
+        readers = [n for n in nodes if any(isinstance(child, RowInput) for child in _children(n))]
+        if not isinstance(program.output, RowInput) and all(id(n) in skipped for n in readers):
+            skipped.update(id(n) for n in nodes if isinstance(n, RowInput))
 
     def operand(op, like, primitive):
         if isinstance(op, Literal):
@@ -268,7 +278,7 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
         # lax.select_n wants every case at full shape; the dense program's were, the rows' must be too
         return jnp.broadcast_to(value, like.shape) if primitive is lax.select_n_p else value
 
-    for node in program.nodes or topological_nodes(program.output):
+    for node in nodes:
         if id(node) in skipped:
             continue
         if id(node) in fused_at:
@@ -280,7 +290,7 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             else:
                 out = swiglu_matmul(values[id(fusion.source)], *weights)
         elif isinstance(node, RowInput):
-            out = context.rows
+            out = context.rows if context.rows is not None else context.make_rows()
         elif isinstance(node, ExpertMatmul):
             product = output_matmul if output_matmul is not None and node is program.output else grouped_matmul
             out = product(

@@ -215,12 +215,13 @@ swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
                        group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None, tokens=None):
     """The expert program on sorted ``rows``; the expert-parallel path passes its local groups.
-    ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`. With ``tokens`` (``rows`` being
-    ``permute(tokens, routing)``), a fused SwiGLU up-projection of the rows reads them from the tokens
-    where the backend can (``gather_swiglu_gmm``): the permuted rows are then left unused."""
+    ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`. With ``tokens`` (``rows`` None),
+    a fused SwiGLU up-projection of the rows reads them from the tokens where the backend can
+    (``gather_swiglu_gmm``), and ``permute(tokens, routing)`` is made only if something else reads them."""
     num_experts = routing.group_sizes.shape[0]
     context = RowContext(
         rows=rows,
+        make_rows=None if rows is not None else functools.partial(permute, tokens, routing),
         group_sizes=routing.group_sizes if group_sizes is None else group_sizes,
         expert_of_row=jnp.minimum(routing.expert_of_row, num_experts - 1) if expert_of_row is None else expert_of_row,
         token_of_row=routing.token_of_row,
@@ -255,7 +256,6 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
     that copy: it is not computed and contributes nothing), ``expert_weights [T, k]``.
     """
     routing = sort_by_expert(expert_indices, num_experts)
-    rows = permute(tokens, routing)
     kernels = get_backend(backend)
     if _combines_in_last_product(program, params, kernels, num_experts):
 
@@ -264,9 +264,9 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
                                              routing.order, sizes, kernels,
                                              preferred_element_type=preferred_element_type)
 
-        return run_expert_program(program, params, rows, routing, backend=backend,
+        return run_expert_program(program, params, None, routing, backend=backend,
                                   output_matmul=last_product_and_combine, tokens=tokens)
-    out_rows = run_expert_program(program, params, rows, routing, backend=backend, tokens=tokens)
+    out_rows = run_expert_program(program, params, None, routing, backend=backend, tokens=tokens)
     return combine(out_rows, expert_weights, routing)
 
 
