@@ -163,18 +163,16 @@ def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: 
 @triton.jit
 def _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles, tile_ends, n_tiles, M: tl.constexpr,
               K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr,
-              row_index_ptr=None, LHS_SOURCE_ROWS: tl.constexpr = 0):
-    """Work item ``tile`` of a row-tiled grouped product: ``(float32 tile, first row, columns, group end,
-    column tile)`` (``lhs`` rows gathered as in :func:`_tile_product`)."""
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr):
+    """Work item ``tile`` of a row-tiled grouped product: ``(float32 tile, first row, columns, group end)``."""
     group, group_start, group_end, pm, pn = _tile_position(
         tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
     )
     row0 = group_start + pm * BLOCK_M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
-                        BLOCK_N, BLOCK_K, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS)
-    return acc, row0, cols, group_end, pn
+                        BLOCK_N, BLOCK_K, COMPUTE_F32)
+    return acc, row0, cols, group_end
 
 
 @triton.jit
@@ -217,9 +215,9 @@ def gmm_kernel(
 
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        acc, row0, cols, group_end, _ = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
-                                                  tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
-                                                  BLOCK_K, GROUP_M, COMPUTE_F32)
+        acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
+                                               tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K,
+                                               GROUP_M, COMPUTE_F32)
         rows = row0 + in_m
         out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
         store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
@@ -274,9 +272,13 @@ def gather_gmm_kernel(
     )
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        acc, row0, cols, group_end, pn = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
-                                                   tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N,
-                                                   BLOCK_K, GROUP_M, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS)
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
+        row0 = group_start + pm * BLOCK_M
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
+                            BLOCK_N, BLOCK_K, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS)
         rows = row0 + in_m
         in_rows = rows < group_end
         offsets = tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
@@ -349,9 +351,9 @@ def gmm_push_kernel(
     rank = tl.load(rank_ptr)
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        acc, row0, cols, group_end, _ = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
-                                                  tile_ends, n_tiles, M, K, N, False, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                  GROUP_M, COMPUTE_F32)
+        acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
+                                               tile_ends, n_tiles, M, K, N, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                               COMPUTE_F32)
         _store_on_peers(acc, row0 + in_m, cols, group_end, dest_device_ptr, dest_row_ptr, peer_address_ptr, done_ptr, N)
     signal_peers(peer_address_ptr, rank, NUM_PEERS)
 
