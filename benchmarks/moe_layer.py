@@ -151,6 +151,24 @@ def _time_ms(compiled, args, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+BACK_TO_BACK_CALLS = 10
+
+
+def _time_back_to_back_ms(compiled, args, reps: int, calls: int = BACK_TO_BACK_CALLS) -> float:
+    """Median over ``reps`` of the time per call of ``calls`` calls issued back to back, one sync at
+    the end: the GPU's time per step as a training loop (or ``triton.testing.do_bench``, which times
+    each repetition between CUDA events) sees it, without ``_time_ms``'s per-call dispatch and sync."""
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        outs = [compiled(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) * 1e3 / calls)
+        del outs
+    return statistics.median(times)
+
+
 def _peak_bytes(compiled) -> int | None:
     analysis = compiled.memory_analysis()
     if analysis is None:
@@ -175,7 +193,10 @@ def _fwd_bwd(fn):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def bench_one(config: LayerConfig, impl: str, dense_fn, params, x, cotangent, reps: int, matmul_tflops: float):
+def bench_one(config: LayerConfig, impl: str, dense_fn, params, x, cotangent, reps: int, matmul_tflops: float,
+              back_to_back: bool = False):
+    """One implementation's forward and forward+backward times (``_time_ms``; with ``back_to_back``
+    also ``_time_back_to_back_ms``), peak bytes and useful TFLOP/s."""
     row = {"config": config.name, "impl": impl, "T": config.T, "d": config.d, "f": config.f, "E": config.E,
            "k": config.k}
     if impl == "dense":
@@ -190,10 +211,14 @@ def bench_one(config: LayerConfig, impl: str, dense_fn, params, x, cotangent, re
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     forward = jax.jit(fn).lower(params, x).compile()
     row["fwd_ms"] = _time_ms(forward, (params, x), reps)
+    if back_to_back:
+        row["fwd_back_to_back_ms"] = _time_back_to_back_ms(forward, (params, x), reps)
     del forward
     both = jax.jit(_fwd_bwd(fn)).lower(params, x, cotangent).compile()
     row["peak_bytes"] = _peak_bytes(both)
     row["fwdbwd_ms"] = _time_ms(both, (params, x, cotangent), reps)
+    if back_to_back:
+        row["fwdbwd_back_to_back_ms"] = _time_back_to_back_ms(both, (params, x, cotangent), reps)
     row["fwd_tflops"] = config.useful_flops(False) / (row["fwd_ms"] * 1e-3) / 1e12
     row["fwdbwd_tflops"] = config.useful_flops(True) / (row["fwdbwd_ms"] * 1e-3) / 1e12
     row["pct_of_matmul"] = 100.0 * row["fwdbwd_tflops"] / matmul_tflops

@@ -6,12 +6,15 @@ as it is; ``apart``: ``new`` with the last product and the combine apart (no ``g
 ``gather_tgmm``, so no ``expert_combine``); ``permuted``: ``new`` with the up projection reading the
 permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
-``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather). The rewritten
+``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
+fused SwiGLU kernel for experts up to 2048 wide). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
-every variant sees the same machine state. ``--profile`` adds the GPU time per kernel of one
-forward and one forward+backward step (``jax.profiler``) for each variant.
+every variant sees the same machine state. ``--pipelined`` also times calls issued back to back
+(``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a training loop runs), which leaves
+out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
+forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle time between kernels.
 
     python benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 --variants base new --out /tmp/ab
 
@@ -41,7 +44,8 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather")
+VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide")
+WIDE_MAX_N = 2048
 
 
 def backend_for(variant: str):
@@ -58,6 +62,8 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
     if variant in ("new", "xlagather"):
         return triton
+    if variant == "wide":  # swiglu_launch.FUSED_MAX_N is raised around its tracing too (run)
+        return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N)
     if variant == "nosum":
         return dataclasses.replace(triton, name="triton-nosum", gmm_sum=None)
     if variant == "pair":
@@ -102,11 +108,14 @@ def _rel(a, b) -> float:
     return math.sqrt(float(diff)) / max(math.sqrt(float(ref)), 1e-30)
 
 
-def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, hlo: bool = False):
+def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, hlo: bool = False,
+        pipelined: bool = False):
     from ep_overlap import profile_summary
     from moe_lowering import primitives
+    from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_launch
     from moe_lowering.testing.zoo import Sizes, build_mixtral
 
+    fused_max_n = swiglu_launch.FUSED_MAX_N
     out_dir.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
     rows = []
@@ -119,9 +128,10 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
+            swiglu_launch.FUSED_MAX_N = WIDE_MAX_N if variant == "wide" else fused_max_n  # read when tracing
             fwd = jax.jit(layer).lower(params, x).compile()
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER = True
+            primitives.GPU_ROW_GATHER, swiglu_launch.FUSED_MAX_N = True, fused_max_n
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())
@@ -148,6 +158,10 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 entry = row["variants"][variant]
                 entry["fwd_ms"].append(moe_layer._time_ms(fwd, (params, x), reps))
                 entry["fwdbwd_ms"].append(moe_layer._time_ms(both, (params, x, cotangent), reps))
+                if pipelined:
+                    entry.setdefault("fwd_pipelined_ms", []).append(moe_layer._time_back_to_back_ms(fwd, (params, x), reps))
+                    entry.setdefault("fwdbwd_pipelined_ms", []).append(
+                        moe_layer._time_back_to_back_ms(both, (params, x, cotangent), reps))
         for variant in variants:
             entry = row["variants"][variant]
             entry["fwd_ms_best"] = min(entry["fwd_ms"])
@@ -155,11 +169,12 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
             entry["ratio_fwdbwd"] = row["sonic_fwdbwd_ms"] / entry["fwdbwd_ms_best"]
             if profile:
                 fwd, both = compiled[variant]
-                entry["profile_fwd"] = profile_summary(fwd, (params, x), out_dir / f"trace_{name}_{variant}_fwd",
-                                                       steps=3).get("top_kernels_ms")
-                entry["profile_fwdbwd"] = profile_summary(both, (params, x, cotangent),
-                                                          out_dir / f"trace_{name}_{variant}_fwdbwd",
-                                                          steps=3).get("top_kernels_ms")
+                for key, fn, args in (("fwd", fwd, (params, x)), ("fwdbwd", both, (params, x, cotangent))):
+                    summary = profile_summary(fn, args, out_dir / f"trace_{name}_{variant}_{key}", steps=3)
+                    entry[f"profile_{key}"] = summary.get("top_kernels_ms")
+                    entry[f"gpu_{key}"] = {
+                        "busy_ms": summary.get("compute_ms"), "idle_inside_ms": summary.get("idle_inside_steps_ms"),
+                        "kernels": sum(s["events"] for s in summary.get("streams", {}).values()) / 3}
         rows.append(row)
         (out_dir / "sonic_ab_partial.json").write_text(json.dumps(rows, indent=1))  # what a cut-off run keeps
         log.info("%s", json.dumps({k: v for k, v in row.items() if k != "variants"}))
@@ -188,6 +203,14 @@ def print_row(row):
         print(f"  {variant:6s} fwd [{fwd}] fwd+bwd [{both}] ratio {e['ratio_fwdbwd']:.3f} "
               f"err out {e['rel_error_out']:.1e} grads {e['rel_error_grads']:.1e} finite {e['finite']} "
               f"peak {(e['peak_bytes'] or 0) / 1e9:.2f} GB")
+        if "fwd_pipelined_ms" in e:
+            print(f"    pipelined fwd [{' '.join(f'{t:.3f}' for t in e['fwd_pipelined_ms'])}] "
+                  f"fwd+bwd [{' '.join(f'{t:.3f}' for t in e['fwdbwd_pipelined_ms'])}]")
+        for key in ("gpu_fwd", "gpu_fwdbwd"):
+            if e.get(key):
+                g = e[key]
+                print(f"    {key}: busy {g['busy_ms']:.3f} ms, idle between kernels {g['idle_inside_ms']:.3f} ms, "
+                      f"{g['kernels']:.0f} kernels")
         for key in ("profile_fwd", "profile_fwdbwd"):
             if e.get(key):
                 top = ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in list(e[key].items())[:14])
@@ -201,11 +224,12 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--pipelined", action="store_true", help="also time calls issued back to back")
     parser.add_argument("--hlo", action="store_true", help="also write each variant's optimized HLO to --out")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    run(args.shapes, args.variants, args.reps, args.rounds, args.profile, args.out, args.hlo)
+    run(args.shapes, args.variants, args.reps, args.rounds, args.profile, args.out, args.hlo, args.pipelined)
 
 
 if __name__ == "__main__":
