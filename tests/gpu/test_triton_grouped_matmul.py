@@ -344,6 +344,85 @@ def test_gather_gmm_and_gather_tgmm_match_reference(case, dtype):
     grad = np.asarray(grad_source.astype(jnp.float32))[np.asarray(grad_index)] * np.asarray(grad_scale)[:, None]
     expected = _tgmm_reference(lhs.astype(jnp.float32), grad, group_sizes, group_offset, num_local)
     assert _relative_error(d_weight.astype(jnp.float32), expected) < TOLERANCE[dtype]
+    _poison((num_local, k, n), dtype)
+    unscaled = tgm.gather_tgmm(lhs, grad_source, grad_index, None, sizes, num_groups=num_local,
+                               group_offset=group_offset)
+    expected = _tgmm_reference(lhs.astype(jnp.float32), grad / np.asarray(grad_scale)[:, None], group_sizes,
+                               group_offset, num_local)
+    assert _relative_error(unscaled.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_dgated_gmm_matches_reference(case, dtype):
+    """SwiGLU's backward in the gathered product's epilogue against the jnp reference: both
+    pre-activations' cotangents, the dots with the recomputed activation and the scaled activation,
+    zero outside the local groups; and without the extras."""
+    from moe_lowering.kernels.swiglu_gmm.reference import gather_dgated_gmm as dgated_reference
+
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    k, n = 200, 328
+    keys = jax.random.split(jax.random.key(hash(("dgated", case)) % 2**31), 4)
+    source, index, scale = _gathered(keys[0], num_rows, k, dtype)
+    rhs = _random(keys[1], (num_local, n, k), dtype)
+    gate, up = _random(keys[2], (num_rows, n), dtype), _random(keys[3], (num_rows, n), dtype)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    f32 = [x.astype(jnp.float32) for x in (source, rhs, gate, up)]
+    want = dgated_reference(f32[0], f32[1], index, scale, f32[2], f32[3], sizes, with_dots=True,
+                            with_scaled_act=True, group_offset=group_offset)
+    for extras in (True, False):
+        _poison((num_rows, n), dtype)
+        got = tgm.gather_dgated_gmm(source, rhs, index, scale, gate, up, sizes, with_dots=extras,
+                                    with_scaled_act=extras, group_offset=group_offset)
+        assert all(g is None for g in got[2:]) is not extras
+        for g, w in zip(got, want):
+            if g is not None:
+                assert _relative_error(g.astype(jnp.float32), w) < TOLERANCE[dtype]
+
+
+def test_layer_swiglu_expert_and_combine_equal_them_apart(monkeypatch):
+    """The sparse MoE of a SwiGLU expert as one ``swiglu_expert_combine`` (SwiGLU's backward in the
+    down projection gradient's epilogue) against the pieces apart on the Triton backend, dropped copies
+    included: outputs and every gradient to bf16 rounding."""
+    import dataclasses
+
+    from moe_lowering import sparse_moe as sparse_moe_module
+    from moe_lowering.expert_program import Elementwise, ExpertMatmul, ExpertProgram, ParamKind, RowInput
+    from moe_lowering.expert_program import topological_nodes
+    from moe_lowering.kernels import get_backend
+
+    keys = jax.random.split(jax.random.key(8), 7)
+    t, d, f, e, k = 600, 256, 192, 8, 2
+    tokens = _random(keys[0], (t, d), jnp.bfloat16)
+    idx = jax.random.randint(keys[1], (t, k), 0, e + 1)  # e: a dropped copy
+    weights = jax.nn.softmax(jax.random.normal(keys[2], (t, k)))
+    w_gate, w_up = (_random(key, (e, d, f), jnp.bfloat16) * 0.1 for key in keys[3:5])
+    w_down = _random(keys[5], (e, f, d), jnp.bfloat16) * 0.1
+    eqns = jax.make_jaxpr(lambda g, u: g * jax.lax.logistic(g) * u)(jnp.ones(3), jnp.ones(3)).eqns
+    gate, up = ExpertMatmul(RowInput(), 0), ExpertMatmul(RowInput(), 1)
+    logistic = Elementwise(eqns[0].primitive, tuple(eqns[0].params.items()), (gate,))
+    silu = Elementwise(eqns[1].primitive, tuple(eqns[1].params.items()), (gate, logistic))
+    out_node = ExpertMatmul(Elementwise(eqns[2].primitive, tuple(eqns[2].params.items()), (silu, up)), 2)
+    program = ExpertProgram(out_node, (ParamKind.EXPERT_WEIGHT,) * 3, topological_nodes(out_node))
+    triton = get_backend("triton")
+    backends = {True: triton, False: dataclasses.replace(triton, name="triton-apart", gather_dgated_gmm=None)}
+
+    results = {}
+    for whole, backend in backends.items():
+        monkeypatch.setattr(sparse_moe_module, "get_backend", lambda name, b=backend: b)
+
+        def loss(tokens, weights, w_gate, w_up, w_down):  # one per backend: JAX caches traces by function
+            out = sparse_moe_module.sparse_moe(tokens, idx, weights, [w_gate, w_up, w_down], program,
+                                               num_experts=e, backend="triton")
+            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+        text = str(jax.make_jaxpr(fn)(tokens, weights, w_gate, w_up, w_down))
+        assert ("moe_gather_dgated_gmm" in text) is whole
+        results[whole] = fn(tokens, weights, w_gate, w_up, w_down)
+    for got, want in zip(jax.tree_util.tree_leaves(results[True]), jax.tree_util.tree_leaves(results[False])):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.isfinite(got).all() and np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
 def test_layer_combined_in_its_last_product_equals_them_apart(monkeypatch):
