@@ -4,8 +4,7 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 ``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend
 as it is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` /
 ``gather_tgmm``, so no ``expert_combine``); ``permuted``: ``new`` with the up projection reading the
-permuted copy of the tokens (no ``gather_swiglu_gmm``); ``dgatedapart``: ``new`` with SwiGLU's backward
-apart from the down projection's gradient (no ``gather_dgated_gmm``, so no ``swiglu_expert_combine``); ``nosum``: ``new``
+permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
 fused SwiGLU kernel for experts up to 2048 wide). The rewritten
@@ -45,7 +44,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "dgatedapart", "nosum", "pair", "xlagather", "wide")
+VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide")
 WIDE_MAX_N = 2048
 
 
@@ -56,11 +55,9 @@ def backend_for(variant: str):
     triton = get_backend("triton")
     if variant == "base":
         return dataclasses.replace(triton, name="triton-base", swiglu_gmm=None, gmm_sum=None, gather_gmm=None,
-                                   gather_tgmm=None, gather_swiglu_gmm=None, gather_dgated_gmm=None)
+                                   gather_tgmm=None, gather_swiglu_gmm=None)
     if variant == "permuted":  # the up projection of the permuted copy of the tokens
         return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
-    if variant == "dgatedapart":  # SwiGLU's backward apart (no swiglu_expert_combine)
-        return dataclasses.replace(triton, name="triton-dgatedapart", gather_dgated_gmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
     if variant in ("new", "xlagather"):
