@@ -236,8 +236,7 @@ def _match_swiglu(node, users: Counter) -> SwigluFusion | None:
 
 
 def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul, swiglu_matmul=None,
-             swiglu_max_width: int | None = None, output_matmul=None, row_swiglu_matmul=None,
-             row_swiglu_output_matmul=None) -> jax.Array:
+             swiglu_max_width: int | None = None, output_matmul=None, row_swiglu_matmul=None) -> jax.Array:
     """Runs ``program`` on sorted rows; ``grouped_matmul(lhs, rhs, group_sizes, group_offset, pet)``.
 
     With ``swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, group_offset, pet)`` every SwiGLU
@@ -247,11 +246,7 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
     ``ExpertMatmul`` has that product computed by it, and its result is what this returns (the
     sparse MoE combines the rows in it: :func:`last_product_weight`). With ``row_swiglu_matmul(gate_rhs,
     up_rhs, group_sizes, group_offset, pet)``, a fused SwiGLU up-projection of the routed rows
-    themselves is computed by it (the sparse MoE reads the rows from the tokens there). With
-    ``row_swiglu_output_matmul(gate_rhs, up_rhs, down_rhs, group_sizes, group_offset, act_pet, pet)`` as
-    well, a program that is such a product followed by its output product (nothing else reading the
-    activation) is computed by it whole, and that is what this returns (the sparse MoE runs the expert
-    and its combine as one piece there).
+    themselves is computed by it (the sparse MoE reads the rows from the tokens there).
     """
     values: dict[int, jax.Array] = {}
     fused_at: dict[int, SwigluFusion] = {}
@@ -272,10 +267,6 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
         readers = [n for n in nodes if any(isinstance(child, RowInput) for child in _children(n))]
         if not isinstance(program.output, RowInput) and all(id(n) in skipped for n in readers):
             skipped.update(id(n) for n in nodes if isinstance(n, RowInput))
-    whole_expert = _whole_swiglu_expert(program, nodes, fused_at) if (
-        row_swiglu_matmul is not None and row_swiglu_output_matmul is not None) else None
-    if whole_expert is not None:
-        skipped.add(id(whole_expert.output))
 
     def operand(op, like, primitive):
         if isinstance(op, Literal):
@@ -300,10 +291,6 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
                 out = swiglu_matmul(values[id(fusion.source)], *weights)
         elif isinstance(node, RowInput):
             out = context.rows if context.rows is not None else context.make_rows()
-        elif whole_expert is not None and node is program.output:
-            out = row_swiglu_output_matmul(params[whole_expert.gate.weight], params[whole_expert.up.weight],
-                                           params[node.weight], context.group_sizes, context.group_offset,
-                                           whole_expert.gate.preferred_element_type, node.preferred_element_type)
         elif isinstance(node, ExpertMatmul):
             product = output_matmul if output_matmul is not None and node is program.output else grouped_matmul
             out = product(
@@ -323,16 +310,6 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             out = node.primitive.bind(*operands, **dict(node.params))
         values[id(node)] = out
     return values[id(program.output)]
-
-
-def _whole_swiglu_expert(program: ExpertProgram, nodes, fused_at: dict) -> SwigluFusion | None:
-    """The fused SwiGLU up-projection of the routed rows that only ``program``'s output product reads."""
-    output = program.output
-    if not isinstance(output, ExpertMatmul) or id(output.source) not in fused_at:
-        return None
-    fusion = fused_at[id(output.source)]
-    readers = sum(1 for node in nodes for child in _children(node) if child is fusion.output)
-    return fusion if isinstance(fusion.source, RowInput) and readers == 1 else None
 
 
 def last_product_weight(program: ExpertProgram, params):

@@ -70,23 +70,6 @@ def _sum_unbatched(x, batch, i):
     return x.sum(axis=axes) if axes else x
 
 
-def _level_sizes(batch, operands) -> list[int]:
-    """Each level's axis size, read off an operand batched at it."""
-    sizes = []
-    for j, level in enumerate(batch):
-        i = level.index(True)
-        sizes.append(operands[i].shape[sum(1 for outer in batch[:j] if outer[i])])
-    return sizes
-
-
-def _at_every_level(x, batch, i, sizes):
-    """Operand ``i`` with an axis for every level: broadcast along the levels it lacks."""
-    for j, level in enumerate(batch):
-        if not level[i]:
-            x = jnp.broadcast_to(jnp.expand_dims(x, j), x.shape[:j] + (sizes[j],) + x.shape[j:])
-    return x
-
-
 def _core_shape(aval, batch, i):
     return tuple(aval.shape[_batch_ndim(batch, i):])
 
@@ -738,8 +721,7 @@ def _expert_combine_tangent_transpose(ct, *operands, kernels, preferred_element_
                 d_weights = jnp.where(valid, _take_rows(dots, inverse), 0).astype(weights_dtype)
         if wanted[1]:
             d_weight = gather_tgmm_p.bind(rows, ct, row_scale, token_of_row, group_sizes, kernels=kernels,
-                                          num_groups=num_groups, preferred_element_type=weight_dtype, scaled=True,
-                                          batch=())
+                                          num_groups=num_groups, preferred_element_type=weight_dtype, batch=())
         return d_rows if wanted[0] else None, d_weight, d_weights
 
     primal_levels = _levels(batch, ALL, *range(num_linear, num_linear + 8))
@@ -798,18 +780,15 @@ def _gather_gmm_shape(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, 
     return [((row_index.shape[0], n), out_dtype), (row_index.shape, accumulation_dtype(out_dtype))]
 
 
-def _gather_tgmm_impl(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups, preferred_element_type,
-                      scaled):
-    return kernels.gather_tgmm(lhs, grad, grad_index, grad_scale if scaled else None, group_sizes,
-                               num_groups=num_groups, group_offset=0, preferred_element_type=preferred_element_type)
+def _gather_tgmm_impl(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups, preferred_element_type):
+    return kernels.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups, group_offset=0,
+                               preferred_element_type=preferred_element_type)
 
 
 def _gather_tgmm_unfused(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups,
-                         preferred_element_type, scaled):
+                         preferred_element_type):
     acc = accumulation_dtype(grad.dtype)
-    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc)
-    if scaled:
-        rows = rows * grad_scale.astype(acc)[:, None]
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc) * grad_scale.astype(acc)[:, None]
     return tgmm_p.bind(lhs, rows.astype(grad.dtype), group_sizes, kernels=kernels, num_groups=num_groups,
                        group_offset=0, preferred_element_type=preferred_element_type, expected_rows=None, batch=())
 
@@ -827,212 +806,6 @@ gather_gmm_p = _define("moe_gather_gmm", _gather_gmm_impl, _gather_gmm_shape, mu
 _compat.primitive_jvps[gather_gmm_p] = _composition_jvp(gather_gmm_p, _gather_gmm_unfused, 4)
 gather_tgmm_p = _define("moe_gather_tgmm", _gather_tgmm_impl, _gather_tgmm_shape)
 _compat.primitive_jvps[gather_tgmm_p] = _composition_jvp(gather_tgmm_p, _gather_tgmm_unfused, 3)
-
-
-# --------------------------------------------------------------------------- the SwiGLU expert and the combine
-# ``swiglu_expert_combine(tokens, Wg, Wu, Wd, weights, ...)`` is
-# ``expert_combine(gather_swiglu_gmm(tokens, Wg, Wu), Wd, weights)``: a SwiGLU expert's whole program
-# and the combine as one piece, so that its backward runs as SonicMoE's does. Apart, the activation's
-# backward is an elementwise pass of its own (``swiglu_grads``: the product's ``d_act`` and both
-# pre-activations read, their cotangents written) between ``gather_gmm`` (which writes ``d_act``) and
-# the up projection's transposes, and ``gather_tgmm`` scales the activation's rows in its loop. Here the
-# tangent past the up projection's pre-activations is one primitive (``swiglu_combine_tangent``) whose
-# transpose runs ``gather_dgated_gmm``: SwiGLU's backward in the down projection gradient's epilogue,
-# which also writes the scaled activation the weight gradient then reads as it is (``gather_tgmm``
-# unscaled). The forward is the pieces' own (``gather_swiglu_gmm``, ``expert_combine``), and the
-# activation is not kept for the backward: it is recomputed from the pre-activations there.
-
-
-def _swiglu_act(gate, up):
-    """``silu(gate) * up`` in float32 (or wider), rounded to ``gate``'s type as the forward stores it."""
-    acc = accumulation_dtype(gate.dtype)
-    g = gate.astype(acc)
-    return (g * jax.nn.sigmoid(g) * up.astype(acc)).astype(gate.dtype)
-
-
-def _swiglu_expert_combine_impl(tokens, gate_rhs, up_rhs, down_rhs, route_weights, group_sizes, inverse, token_of_row,
-                                order, num_valid, *, kernels, act_dtype, preferred_element_type):
-    act = _gather_swiglu_gmm_impl(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, kernels=kernels,
-                                  preferred_element_type=act_dtype)
-    return _expert_combine_impl(act, down_rhs, route_weights, group_sizes, inverse, token_of_row, order, num_valid,
-                                kernels=kernels, preferred_element_type=preferred_element_type)
-
-
-def _swiglu_expert_combine_shape(tokens, gate_rhs, up_rhs, down_rhs, route_weights, group_sizes, inverse, token_of_row,
-                                 order, num_valid, *, act_dtype, preferred_element_type, **_):
-    act = _out_dtype(act_dtype, tokens.dtype, gate_rhs.dtype, up_rhs.dtype)
-    return [((inverse.shape[0], down_rhs.shape[2]), _out_dtype(preferred_element_type, act, down_rhs.dtype))]
-
-
-def _swiglu_expert_combine_jvp(primals, tangents, *, kernels, act_dtype, preferred_element_type, batch):
-    """The forward through the permuted rows (the up projection's weight gradients read them) and the
-    fused SwiGLU product with its pre-activations; the tangent is the pre-activations' (grouped
-    products, as ``swiglu_gmm``'s) carried through ``swiglu_combine_tangent``."""
-    tokens, gate_rhs, up_rhs, down_rhs, route_weights, group_sizes, inverse, token_of_row, order, num_valid = primals
-    sizes = _level_sizes(batch, primals)
-    # the rows at every level, so every derived piece below has an operand batched at each level
-    rows = permute_p.bind(_at_every_level(tokens, batch, 0, sizes), token_of_row, inverse,
-                          batch=_levels(batch, ALL, 7, 6))
-    act, gate, up = swiglu_gmm_p.bind(rows, gate_rhs, up_rhs, group_sizes, kernels=kernels, group_offset=0,
-                                      preferred_element_type=act_dtype, with_preactivations=True,
-                                      batch=_levels(batch, ALL, 1, 2, 5))
-    out = expert_combine_p.bind(act, down_rhs, route_weights, group_sizes, inverse, token_of_row, order, num_valid,
-                                kernels=kernels, preferred_element_type=preferred_element_type,
-                                batch=_levels(batch, ALL, 3, 4, 5, 6, 7, 8, 9))
-    present = (any(_nonzero(t) for t in tangents[:3]), _nonzero(tangents[3]), _nonzero(tangents[4]))
-    if not any(present):
-        return out, _compat.zero_tangent(out)
-    linear = []
-    if present[0]:
-        rows_dot = (permute_p.bind(_at_every_level(tangents[0], batch, 0, sizes), token_of_row, inverse,
-                                   batch=_levels(batch, ALL, 7, 6))
-                    if _nonzero(tangents[0]) else tangents[0])
-        options = dict(kernels=kernels, group_offset=0, preferred_element_type=act.dtype, zero_outside=True,
-                       expected_rows=None)
-        gate_terms, up_terms = _pair_tangent_terms(rows, gate_rhs, up_rhs, group_sizes,
-                                                   (rows_dot, tangents[1], tangents[2]),
-                                                   _levels(batch, ALL, 1, 2, 5), options)
-        linear += [_compat.instantiate_zeros(_sum(gate_terms, gate)), _compat.instantiate_zeros(_sum(up_terms, up))]
-    sources = [ALL] * len(linear)  # the pre-activations' tangents: products, batched at every level
-    for index, given in ((3, present[1]), (4, present[2])):
-        if given:
-            linear.append(tangents[index])
-            sources.append(index)
-    t_out = swiglu_combine_tangent_p.bind(
-        *linear, gate, up, down_rhs, route_weights, group_sizes, inverse, token_of_row, order, num_valid,
-        kernels=kernels, preferred_element_type=preferred_element_type, present=present,
-        batch=_levels(batch, *sources, ALL, ALL, 3, 4, 5, 6, 7, 8, 9))
-    return out, t_out
-
-
-def _swiglu_combine_tangent_terms(operands, present, combine_fn, swiglu_tangent_fn, params):
-    """The tangent of ``combine_fn(swiglu(gate, up), down, weights)`` in the given linear operands
-    (``(gate_dot, up_dot)`` together, ``down_dot``, ``weights_dot``)."""
-    num_linear = 2 * present[0] + present[1] + present[2]
-    linear = iter(operands[:num_linear])
-    gate, up, down, weights, *indices = operands[num_linear:]
-    act = _swiglu_act(gate, up)
-    terms = []
-    if present[0]:
-        act_dot = swiglu_tangent_fn(next(linear), next(linear), gate, up)
-        terms.append(combine_fn(act_dot, down, weights, *indices, **params))
-    if present[1]:
-        terms.append(combine_fn(act, next(linear), weights, *indices, **params))
-    if present[2]:
-        terms.append(combine_fn(act, down, next(linear), *indices, **params))
-    return functools.reduce(operator.add, terms)
-
-
-def _swiglu_combine_tangent_impl(*operands, present, **params):
-    return _swiglu_combine_tangent_terms(operands, present, _expert_combine_impl, _swiglu_tangent_impl, params)
-
-
-def _swiglu_combine_tangent_unfused(*operands, present, **params):
-    def swiglu_tangent(*args):
-        return swiglu_tangent_p.bind(*args, batch=())
-
-    return _swiglu_combine_tangent_terms(operands, present, _expert_combine_unfused, swiglu_tangent, params)
-
-
-def _swiglu_combine_tangent_shape(*operands, present, preferred_element_type, **_):
-    gate, _, down, _, _, inverse = operands[2 * present[0] + present[1] + present[2]:][:6]
-    return [((inverse.shape[0], down.shape[2]), _out_dtype(preferred_element_type, gate.dtype, down.dtype))]
-
-
-def _swiglu_combine_tangent_transpose(ct, *operands, kernels, preferred_element_type, present, batch):
-    """Every linear operand's cotangent at once: ``gather_dgated_gmm`` gives the pre-activations'
-    (SwiGLU's backward in its epilogue), the routing weights' (its dots) and the scaled activation
-    that ``gather_tgmm`` reads unscaled for the down weight's."""
-    del preferred_element_type
-    num_linear = 2 * present[0] + present[1] + present[2]
-    if not _nonzero(ct):
-        return [None] * len(operands)
-    roles = ("gate", "up") * present[0] + ("down",) * present[1] + ("weights",) * present[2]
-    position = dict(zip(roles, range(num_linear)))
-    wanted = {role: _compat.is_undefined_primal(operands[i]) for role, i in position.items()}
-    want_swiglu, want_down, want_weights = (wanted.get("gate", False) or wanted.get("up", False),
-                                           wanted.get("down", False), wanted.get("weights", False))
-    num_groups = _core_shape(operands[num_linear + 2].aval, batch, num_linear + 2)[0]
-    down_dtype, weights_dtype = operands[num_linear + 2].aval.dtype, operands[num_linear + 3].aval.dtype
-
-    def cotangents(ct, gate, up, down, weights, group_sizes, inverse, token_of_row, order, num_valid):
-        row_scale = _spread_row_weights(weights, order, num_valid, accumulation_dtype(ct.dtype))
-        found = {}
-        if want_swiglu:
-            d_gate, d_up, dots, scaled_act = gather_dgated_gmm_p.bind(
-                ct, down, row_scale, gate, up, token_of_row, group_sizes, kernels=kernels, transpose_rhs=True,
-                with_dots=want_weights, with_scaled_act=want_down, batch=())
-            found.update(gate=d_gate, up=d_up)
-        elif want_down or want_weights:  # no pre-activation cotangent wanted: the activation from jnp
-            act = _swiglu_act(gate, up)
-            scaled_act = (act.astype(row_scale.dtype) * row_scale[:, None]).astype(act.dtype) if want_down else None
-            if want_weights:
-                _, dots = gather_gmm_p.bind(ct, down, row_scale, act, token_of_row, group_sizes, kernels=kernels,
-                                            transpose_rhs=True, preferred_element_type=act.dtype, with_dots=True,
-                                            batch=())
-        if want_weights:
-            valid = _copy_is_valid(inverse, num_valid)
-            found["weights"] = jnp.where(valid, _take_rows(dots, inverse), 0).astype(weights_dtype)
-        if want_down:
-            found["down"] = gather_tgmm_p.bind(scaled_act, ct, row_scale, token_of_row, group_sizes, kernels=kernels,
-                                               num_groups=num_groups, preferred_element_type=down_dtype, scaled=False,
-                                               batch=())
-        return tuple(found.get(role) for role in ("gate", "up", "down", "weights"))
-
-    found = _call_batched(cotangents, _levels(batch, ALL, *range(num_linear, num_linear + 9)), ct,
-                          *operands[num_linear:])
-    found = dict(zip(("gate", "up", "down", "weights"), found))
-    out = [None] * len(operands)
-    for role, index in position.items():
-        if wanted[role]:
-            out[index] = _sum_unbatched(found[role], batch, index)
-    return out
-
-
-def _gather_dgated_gmm_impl(lhs, rhs, row_scale, gate, up, row_index, group_sizes, *, kernels, transpose_rhs,
-                            with_dots, with_scaled_act):
-    d_gate, d_up, dots, scaled_act = kernels.gather_dgated_gmm(
-        lhs, rhs, row_index, row_scale, gate, up, group_sizes, with_dots=with_dots, with_scaled_act=with_scaled_act,
-        group_offset=0, transpose_rhs=transpose_rhs)
-    acc = accumulation_dtype(gate.dtype)
-    return (d_gate, d_up, dots if with_dots else jnp.zeros(row_index.shape, acc),
-            scaled_act if with_scaled_act else jnp.zeros((0, gate.shape[1]), gate.dtype))
-
-
-def _gather_dgated_gmm_unfused(lhs, rhs, row_scale, gate, up, row_index, group_sizes, *, kernels, transpose_rhs,
-                               with_dots, with_scaled_act):
-    """``gather_dgated_gmm`` as ``gmm`` of the gathered rows and jnp (what its JVP differentiates)."""
-    acc = accumulation_dtype(gate.dtype)
-    product = gmm_p.bind(jnp.take(lhs, row_index, axis=0, mode="clip"), rhs, group_sizes, kernels=kernels,
-                         group_offset=0, transpose_rhs=transpose_rhs, preferred_element_type=acc, zero_outside=True,
-                         expected_rows=None, batch=())
-    scale = row_scale.astype(acc)[:, None]
-    d_gate, d_up = swiglu_grads(product * scale, gate, up)  # zero outside the groups: the product is
-    act = _swiglu_act(gate, up).astype(acc)
-    dots = jnp.sum(product * act, axis=1) if with_dots else jnp.zeros(row_index.shape, acc)
-    inside = (jnp.arange(row_index.shape[0]) < jnp.sum(group_sizes[:rhs.shape[0]]))[:, None]
-    scaled_act = (jnp.where(inside, act * scale, 0).astype(gate.dtype) if with_scaled_act
-                  else jnp.zeros((0, gate.shape[1]), gate.dtype))
-    return d_gate, d_up, dots, scaled_act
-
-
-def _gather_dgated_gmm_shape(lhs, rhs, row_scale, gate, up, row_index, group_sizes, *, with_dots, with_scaled_act,
-                             **_):
-    like = (gate.shape, gate.dtype)
-    return [like, like, (row_index.shape, accumulation_dtype(gate.dtype)),
-            like if with_scaled_act else ((0, gate.shape[1]), gate.dtype)]
-
-
-swiglu_expert_combine_p = _define("moe_swiglu_expert_combine", _swiglu_expert_combine_impl,
-                                  _swiglu_expert_combine_shape, jvp=_swiglu_expert_combine_jvp)
-swiglu_combine_tangent_p = _define("moe_swiglu_combine_tangent", _swiglu_combine_tangent_impl,
-                                   _swiglu_combine_tangent_shape, transpose=_swiglu_combine_tangent_transpose)
-_compat.primitive_jvps[swiglu_combine_tangent_p] = _composition_jvp(
-    swiglu_combine_tangent_p, _swiglu_combine_tangent_unfused,
-    lambda params: 2 * params["present"][0] + params["present"][1] + params["present"][2] + 4)
-gather_dgated_gmm_p = _define("moe_gather_dgated_gmm", _gather_dgated_gmm_impl, _gather_dgated_gmm_shape,
-                              multiple_results=True)
-_compat.primitive_jvps[gather_dgated_gmm_p] = _composition_jvp(gather_dgated_gmm_p, _gather_dgated_gmm_unfused, 5)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -1108,17 +881,6 @@ def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, o
     return expert_combine_p.bind(rows, weight, route_weights, group_sizes, routing_inverse, token_of_row, order,
                                  num_valid, kernels=kernels,
                                  preferred_element_type=_dtype_or_none(preferred_element_type), batch=())
-
-
-def swiglu_expert_combine(tokens, gate_rhs, up_rhs, down_rhs, route_weights, routing_inverse, token_of_row, order,
-                          group_sizes, kernels, *, act_dtype=None, preferred_element_type=None):
-    """``expert_combine(gather_swiglu_gmm(tokens, gate_rhs, up_rhs), down_rhs, route_weights)`` (all
-    groups local), its backward with SwiGLU's in ``kernels.gather_dgated_gmm``'s epilogue."""
-    num_valid = jnp.sum(group_sizes).astype(jnp.int32)
-    return swiglu_expert_combine_p.bind(tokens, gate_rhs, up_rhs, down_rhs, route_weights, group_sizes,
-                                        routing_inverse, token_of_row, order, num_valid, kernels=kernels,
-                                        act_dtype=_dtype_or_none(act_dtype),
-                                        preferred_element_type=_dtype_or_none(preferred_element_type), batch=())
 
 
 # --------------------------------------------------------------------------- row gathers on CUDA GPUs

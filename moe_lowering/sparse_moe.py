@@ -213,14 +213,11 @@ swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
 
 
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",
-                       group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None, tokens=None,
-                       swiglu_output_matmul=None):
+                       group_sizes=None, group_offset=0, expert_of_row=None, output_matmul=None, tokens=None):
     """The expert program on sorted ``rows``; the expert-parallel path passes its local groups.
     ``output_matmul``: see :func:`moe_lowering.expert_program.evaluate`. With ``tokens`` (``rows`` None),
     a fused SwiGLU up-projection of the rows reads them from the tokens where the backend can
-    (``gather_swiglu_gmm``), and ``permute(tokens, routing)`` is made only if something else reads them;
-    there ``swiglu_output_matmul`` (see ``evaluate``'s ``row_swiglu_output_matmul``) computes a program
-    that is only that product and its output product."""
+    (``gather_swiglu_gmm``), and ``permute(tokens, routing)`` is made only if something else reads them."""
     num_experts = routing.group_sizes.shape[0]
     context = RowContext(
         rows=rows,
@@ -248,8 +245,7 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
                                                 kernels, preferred_element_type=preferred_element_type)
 
     return evaluate(program, params, context, matmul, swiglu_matmul=fused, swiglu_max_width=kernels.swiglu_gmm_max_n,
-                    output_matmul=output_matmul, row_swiglu_matmul=row_swiglu,
-                    row_swiglu_output_matmul=swiglu_output_matmul if row_swiglu is not None else None)
+                    output_matmul=output_matmul, row_swiglu_matmul=row_swiglu)
 
 
 def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
@@ -268,14 +264,8 @@ def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program
                                              routing.order, sizes, kernels,
                                              preferred_element_type=preferred_element_type)
 
-        def swiglu_expert_and_combine(gate_rhs, up_rhs, down_rhs, sizes, offset, act_dtype, preferred_element_type):
-            return primitives.swiglu_expert_combine(tokens, gate_rhs, up_rhs, down_rhs, expert_weights, routing.inverse,
-                                                    routing.token_of_row, routing.order, sizes, kernels,
-                                                    act_dtype=act_dtype, preferred_element_type=preferred_element_type)
-
-        return run_expert_program(
-            program, params, None, routing, backend=backend, output_matmul=last_product_and_combine, tokens=tokens,
-            swiglu_output_matmul=swiglu_expert_and_combine if kernels.gather_dgated_gmm is not None else None)
+        return run_expert_program(program, params, None, routing, backend=backend,
+                                  output_matmul=last_product_and_combine, tokens=tokens)
     out_rows = run_expert_program(program, params, None, routing, backend=backend, tokens=tokens)
     return combine(out_rows, expert_weights, routing)
 

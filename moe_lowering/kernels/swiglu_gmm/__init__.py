@@ -5,13 +5,11 @@ to the float32 accumulators, so the output is rounded once. ``with_preactivation
 both products, which the backward reuses (``swiglu_grads``).
 
 * :mod:`.reference`: the contract, the jnp version (the CPU path: the XLA backend's
-  ``swiglu_gmm``), ``swiglu_grads``, SwiGLU's elementwise gradient, and ``gather_dgated_gmm``, the
-  down projection's gradient with that gradient in its epilogue (its kernel shares
-  ``grouped_matmul``'s gathered product);
+  ``swiglu_gmm``) and ``swiglu_grads``, SwiGLU's elementwise gradient;
 * :mod:`.triton_kernels`: the fused Triton kernels (no ``[M, N]`` pre-activation goes to memory);
 * :mod:`.triton_launch`: those kernels as XLA custom calls; needs ``triton`` and ``jax_triton``.
-  The Triton backend runs them for experts up to ``triton_launch.FUSED_MAX_N`` wide
-  (``benchmarks/NOTES.md``).
+  The Triton backend does not offer it: it measured no faster than two ``gmm`` calls on an H200
+  (``benchmarks/NOTES.md``, "Fused SwiGLU").
 """
 
 from moe_lowering.kernels.swiglu_gmm.reference import check_swiglu_operands, swiglu_gmm_reference, swiglu_grads

@@ -60,36 +60,6 @@ def swiglu_grads(d_out, gate, up):
     return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
 
 
-def gather_dgated_gmm(lhs, rhs, row_index, row_scale, gate, up, group_sizes, *, with_dots: bool,
-                      with_scaled_act: bool, group_offset=0, transpose_rhs=True):
-    """The backward of ``combine(swiglu(gate, up) @ rhs[g], row_scale)`` up to the pre-activations.
-
-    With ``p[r] = lhs[row_index[r]] @ rhs[g]`` (float32 or wider; ``lhs`` the layer output's
-    cotangent, ``row_index`` each row's token, ``rhs`` taken transposed by default),
-    ``act = silu(gate) * up`` (rounded to ``gate``'s type, as the forward's product stores it) and
-    ``d_act = row_scale[r] * p[r]``, returns ``(d_gate, d_up, dots, scaled_act)``: ``swiglu_grads(d_act,
-    gate, up)``, ``dots[r] = p[r] . act[r]`` (the routing weights' cotangent, float32 or wider) with
-    ``with_dots``, ``scaled_act = row_scale * act`` (``gate``'s type) with ``with_scaled_act``, else
-    ``None``; zero outside the local groups. SonicMoE's down-projection gradient with its SwiGLU
-    epilogue (the GPU kernel: ``grouped_matmul.triton_kernels.gather_dgated_gmm_kernel``)."""
-    acc_dtype = jnp.promote_types(gate.dtype, jnp.float32)
-    rows = jnp.take(lhs, row_index, axis=0, mode="clip")
-    product = grouped_matmul.gmm(rows, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
-                                 preferred_element_type=acc_dtype)
-    scale = row_scale.astype(acc_dtype)[:, None]
-    d_gate, d_up = swiglu_grads(product * scale, gate, up)  # zero outside the groups, as the product is
-    g = gate.astype(acc_dtype)
-    act = (g * jax.nn.sigmoid(g) * up.astype(acc_dtype)).astype(gate.dtype).astype(acc_dtype)
-    dots = jnp.sum(product * act, axis=1) if with_dots else None
-    if not with_scaled_act:
-        return d_gate, d_up, dots, None
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    first = ends[group_offset - 1] if group_offset > 0 else 0
-    row_ids = jnp.arange(row_index.shape[0], dtype=jnp.int32)
-    inside = (row_ids >= first) & (row_ids < ends[group_offset + rhs.shape[0] - 1])
-    return d_gate, d_up, dots, jnp.where(inside[:, None], act * scale, 0).astype(gate.dtype)
-
-
 def check_swiglu_operands(lhs, gate_rhs, up_rhs, name: str) -> None:
     """Clear errors for operands that cannot be a grouped SwiGLU up-projection."""
     if lhs.ndim != 2 or gate_rhs.ndim != 3:

@@ -315,16 +315,9 @@ def _run_gmm_sum(kernels, case, k, programs):
 GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
                    for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
                    for dots in (True, False)}
-GATHER_TGMM_VARIANTS = {f"{kernel}-{case}{'-unscaled' if not scaled else ''}": (kernel, case, scaled)
-                        for kernel in ("gather_tgmm_kernel", "gather_tgmm_resident_kernel")
-                        for case, scaled in (("empty-group", True), ("several-steps", True), ("resident-blocks", True),
-                                             ("several-steps" if kernel == "gather_tgmm_kernel" else "resident-blocks",
-                                              False))}
-# gather_dgated_gmm_kernel: gather_gmm's product as SwiGLU's output cotangent, SwiGLU's backward in the
-# epilogue (d_gate, d_up), with the dots and the scaled activation or without either.
-DGATED_VARIANTS = {f"{case}-{'all' if extras else 'plain'}": (case, extras)
-                   for case, extras in (("empty-group", True), ("trailing-rows-outside", True),
-                                        ("group-offset-window", True), ("trailing-rows-outside", False))}
+GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
+                                                                          "gather_tgmm_resident_kernel")
+                        for case in ("empty-group", "several-steps", "resident-blocks")}
 
 
 def _gather_operands(rng, num_rows, width):
@@ -368,65 +361,20 @@ def _run_gather_gmm(kernels, case, with_dots):
     return result
 
 
-def _in_local_groups(group_sizes, num_rows, group_offset, num_local):
-    groups = harness.row_groups(group_sizes, num_rows)
-    return (groups >= 0) & (groups - group_offset >= 0) & (groups - group_offset < num_local)
-
-
-def _run_dgated(kernels, case, extras):
-    group_sizes, num_rows, group_offset, num_local = CASES[case]
-    rng = np.random.default_rng(len(group_sizes) * 10 + num_rows + 1)
-    k = 24
-    group_sizes = np.asarray(group_sizes, np.int32)
-    source, index, scale, _ = _gather_operands(rng, num_rows, k)
-    rhs = rng.standard_normal((num_local, N, k)).astype(np.float32)
-    gate, up = (rng.standard_normal((num_rows, N)).astype(np.float32) for _ in range(2))
-    n_tiles = -(-N // BLOCK["BLOCK_N"])
-    d_gate, d_up, act = (np.full((num_rows, N), np.nan, np.float32) for _ in range(3))
-    dots = np.full((n_tiles, num_rows), np.nan, np.float32)
-    kernels.gather_dgated_gmm_kernel[(NUM_PROGRAMS,)](
-        HostTensor(source), HostTensor(rhs), HostTensor(index), HostTensor(scale), HostTensor(gate), HostTensor(up),
-        HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)), HostTensor(d_gate), HostTensor(d_up),
-        HostTensor(dots), HostTensor(act), M=num_rows, K=k, N=N, LHS_SOURCE_ROWS=source.shape[0],
-        NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, TRANSPOSE_RHS=True,
-        NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, WITH_DOTS=extras, WITH_ACT=extras, **BLOCK,
-    )
-    product = gmm_reference(source[np.minimum(index, source.shape[0] - 1)], rhs, group_sizes, group_offset, True)
-    inside = _in_local_groups(group_sizes, num_rows, group_offset, num_local)
-    g, u = gate.astype(np.float64), up.astype(np.float64)
-    sigmoid = 1.0 / (1.0 + np.exp(-g))
-    d_act = product * scale[:, None]
-    want_act = g * sigmoid * u
-    parts = {"d_gate": (d_gate, d_act * u * sigmoid * (1.0 + g * (1.0 - sigmoid))), "d_up": (d_up, d_act * g * sigmoid)}
-    if extras:
-        parts["act"] = (act, np.where(inside[:, None], want_act * scale[:, None], 0.0))
-    result = {f"{name}_{key}": value for name, (got, want) in parts.items()
-              for key, value in harness.summary(got, want).items()}
-    if extras:
-        got = np.where(inside, np.nan_to_num(dots).sum(axis=0), 0.0)
-        result["dots_unwritten"] = int(np.isnan(dots[:, inside]).sum())
-        result["dots_error"] = float(np.abs(got - (product * want_act).sum(axis=1)).max(initial=0.0))
-    else:
-        result["extras_untouched"] = bool(np.isnan(dots).all() and np.isnan(act).all())
-    return result
-
-
-def _run_gather_tgmm(kernels, kernel, case, scaled):
+def _run_gather_tgmm(kernels, kernel, case):
     group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
     k, n = 24, 40
     group_sizes = np.asarray(group_sizes, np.int32)
     lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
     source, index, scale, gathered = _gather_operands(rng, num_rows, n)
-    if not scaled:
-        gathered = gathered / scale[:, None]
     out = np.full((num_local, k, n), np.nan, np.float32)
     swizzle = {"GROUP_M": 2} if kernel == "gather_tgmm_kernel" else {}
     getattr(kernels, kernel)[(3,)](
         HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(scale), HostTensor(group_sizes),
         HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=n,
         GRAD_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, GRAD_SCALED=scaled, **swizzle,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, **swizzle,
     )
     return harness.summary(out, _tgmm_reference(lhs, gathered, group_sizes, group_offset, num_local))
 
@@ -451,15 +399,13 @@ def _jobs():
                  for name, variant in GATHER_VARIANTS.items()})
     jobs.update({f"gather-tgmm-{name}": (lambda v=variant: _run_gather_tgmm(kernels, *v))
                  for name, variant in GATHER_TGMM_VARIANTS.items()})
-    jobs.update({f"dgated-{name}": (lambda v=variant: _run_dgated(kernels, *v)) for name, variant in DGATED_VARIANTS.items()})
     return jobs
 
 
 JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
             + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
             + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS]
-            + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS]
-            + [f"dgated-{n}" for n in DGATED_VARIANTS])
+            + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS])
 
 
 if __name__ == "__main__":
@@ -491,21 +437,6 @@ else:
             assert result["dots_unwritten"] == 0 and result["dots_error"] < 1e-4, result
         else:
             assert result["dots_untouched"], result
-
-    @pytest.mark.parametrize("name", sorted(DGATED_VARIANTS))
-    def test_gather_dgated_gmm_kernel_matches_reference(interpreter_report, name):
-        """SwiGLU's backward in the gathered product's epilogue: both pre-activations' cotangents (and
-        the scaled activation) on every row, zeros outside the local groups; the dots' partials add up
-        to the unscaled product's dots with the recomputed activation; without them nothing extra is
-        written."""
-        result = interpreter_report[f"dgated-{name}"]
-        for output in ("d_gate", "d_up") + (("act",) if name.endswith("-all") else ()):
-            assert result[f"{output}_unwritten"] == 0, result
-            assert result[f"{output}_max_error"] < 1e-5, result
-        if name.endswith("-all"):
-            assert result["dots_unwritten"] == 0 and result["dots_error"] < 1e-4, result
-        else:
-            assert result["extras_untouched"], result
 
     @pytest.mark.parametrize("name", sorted(GATHER_TGMM_VARIANTS))
     def test_gather_tgmm_kernels_match_reference(interpreter_report, name):
