@@ -46,6 +46,7 @@ kernel sweeps:
   tgmm-ab       tgmm_ab.py              the weight-gradient kernel against other revisions' (A/B)
   swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
   swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
+  tma-probe     tma_probe.py            gmm with TMA-descriptor loads (jax-triton 0.4.0) against gmm_kernel's pointer loads
 
 GPU machine:
   gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps

@@ -6,6 +6,7 @@
 # `tests` (tests/gpu) takes about 7 minutes and `kernel-tests` (tests/kernels without the interpreter
 # cases, which CI runs) about 3: run them in separate calls of the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
+#             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
 # The one-off steps of earlier EP rounds are in git history (git show 3ea3258:benchmarks/gpu_run.sh).
@@ -33,6 +34,10 @@ for step in "$@"; do
     fp8) timeout 110 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_tests.log" | tail -12
       timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
+    tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
+        .whl-next/*.whl || exit 1
+      PYTHONPATH=/tmp/site-next:$PYTHONPATH timeout 400 python3 benchmarks/tma_probe.py --out "$OUT/tma" 2>&1 \
+        | tee "$OUT/tma_probe.log" | grep -v "INFO\|Unable" | tail -30 ;;
     fp8-weight-tests) timeout 150 python3 -m pytest tests/gpu/test_fp8_weight_matmul.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_weight_tests.log" | tail -10 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \

@@ -1,0 +1,167 @@
+"""Whether TMA loads help the grouped products on Hopper, through jax-triton 0.4.0's tensor descriptors.
+
+The notes' next step for issue 20 (``NOTES.md``, "Timing as SonicMoE times ..."): the short-contraction
+products and any epilogue fusion wait on a schedule that overlaps a tile's epilogue with the next
+tile's loads. Triton's automatic warp specialisation is Blackwell-only; on Hopper the first step is
+TMA (the copy engine moves the operand blocks, the warps only compute), which the carried jax-triton
+0.3.1 cannot launch and 0.4.0 can (``TensorDescriptor``, host-side descriptors). This probe:
+
+* reports the jax-triton and Triton versions it runs with (``.whl-next`` holds 0.4.0; the GPU
+  machines have Triton 3.6, 0.4.0 asks for 3.7);
+* runs ``gmm`` (``gmm_kernel``, pointer loads) and ``tma_gmm_kernel`` (the same persistent tile loop,
+  operand blocks loaded through descriptors: ``lhs [M, K]`` and the weights as ``[G * K, N]``), checks
+  them against each other and times both by GPU kernel time (``jax.profiler``) at SonicMoE's small-n
+  products, for the table's tile and a few others.
+
+``tma_gmm_kernel`` needs ``K % BLOCK_K == 0`` (a block past a group's ``K`` rows of the flattened
+weights would read the next group's; the descriptor zero-fills only past the array). Rows past a
+group are computed from the next group's rows and never stored, as in ``gmm_kernel``.
+
+    bash benchmarks/gpu_run.sh tma-probe          # installs .whl-next over .whl first
+    python benchmarks/tma_probe.py --out /tmp/tma
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sonic import SHAPES  # noqa: E402
+
+from moe_lowering.kernels.grouped_matmul.triton_kernels import (  # noqa: E402
+    _group_layout,
+    _tile_position,
+    _zero_outside_groups,
+)
+
+PRODUCTS = {  # name: (rows per copy, K, N) of one SwiGLU expert's products, in SonicMoE's terms
+    "down": lambda s: (s.d, s.n, s.d),  # act [M, n] @ W2 [n, d]: the short contraction
+    "up": lambda s: (s.d, s.d, 2 * s.n),  # rows [M, d] @ [Wg | Wu] [d, 2n]
+}
+TILES = {  # name: (block_m, block_n, block_k, num_warps, num_stages)
+    "128x256x64s4": (128, 256, 64, 8, 4),
+    "128x256x64s3": (128, 256, 64, 8, 3),
+    "128x128x64s4": (128, 128, 64, 8, 4),
+    "128x128x64s4w4": (128, 128, 64, 4, 4),
+}
+
+
+@triton.jit
+def tma_gmm_kernel(lhs_desc, rhs_desc, group_sizes_ptr, group_offset_ptr, out_ptr, M: tl.constexpr, K: tl.constexpr,
+                   N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                   GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """``gmm_kernel``'s product (``rhs`` not transposed) with both operands' blocks loaded through TMA
+    descriptors: ``lhs_desc`` over ``[M, K]``, ``rhs_desc`` over the weights as ``[G * K, N]``."""
+    pid = tl.program_id(0)
+    n_tiles = (N + BLOCK_N - 1) // BLOCK_N
+    group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
+        group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
+    )
+    in_m = tl.arange(0, BLOCK_M)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        group, group_start, group_end, pm, pn = _tile_position(
+            tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
+        )
+        row0 = group_start + pm * BLOCK_M
+        col0 = pn * BLOCK_N
+        weight_row0 = (group - offset) * K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = lhs_desc.load([row0, k0])
+            b = rhs_desc.load([weight_row0 + k0, col0])
+            acc = tl.dot(a, b, acc)
+        rows = row0 + in_m
+        cols = col0 + tl.arange(0, BLOCK_N)
+        out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < group_end)[:, None] & (cols < N)[None, :])
+    _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
+                         NUM_PROGRAMS)
+
+
+def tma_gmm(lhs, rhs, group_sizes, config):
+    """``gmm(lhs, rhs, group_sizes)`` (all groups local) on ``tma_gmm_kernel``."""
+    import jax_triton
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
+
+    num_rows, k = lhs.shape
+    num_groups, _, n = rhs.shape
+    if k % config.block_k:
+        raise ValueError(f"tma_gmm: K = {k} is not a multiple of the block's {config.block_k}")
+    launch = tgm._row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_groups, num_groups, config)
+    launch.pop("TRANSPOSE_RHS", None)
+    launch.pop("COMPUTE_F32", None)
+    lhs_desc = jax_triton.TensorDescriptor.from_array(lhs, (launch["BLOCK_M"], launch["BLOCK_K"]))
+    rhs_desc = jax_triton.TensorDescriptor.from_array(rhs.reshape(num_groups * k, n),
+                                                      (launch["BLOCK_K"], launch["BLOCK_N"]))
+    return jax_triton.triton_call(
+        lhs_desc, rhs_desc, group_sizes.astype(jnp.int32), tgm._offset_array(0), kernel=tma_gmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype), **launch)
+
+
+def _operands(shape, product, key):
+    from moe_lowering.sparse_moe import sort_by_expert
+
+    _, k, n = PRODUCTS[product](shape)
+    keys = jax.random.split(key, 3)
+    idx = jax.lax.top_k(jax.random.normal(keys[0], (shape.T, shape.E)), shape.K)[1]
+    sizes = sort_by_expert(idx, shape.E).group_sizes
+    lhs = jax.random.normal(keys[1], (shape.T * shape.K, k), jnp.bfloat16)
+    rhs = (jax.random.normal(keys[2], (shape.E, k, n)) / k ** 0.5).astype(jnp.bfloat16)
+    return lhs, rhs, sizes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["1.4B-n256", "7B-n256", "1.4B-n512"], choices=sorted(SHAPES))
+    parser.add_argument("--products", nargs="+", default=list(PRODUCTS), choices=list(PRODUCTS))
+    parser.add_argument("--tiles", nargs="+", default=list(TILES), choices=list(TILES))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    import jax_triton
+    from ep_overlap import profile_summary
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(),
+               "jax": jax.__version__, "jax_triton": getattr(jax_triton, "__version__", "?"),
+               "triton": triton.__version__, "rows": []}
+    print(f"jax {results['jax']}, jax_triton {results['jax_triton']}, triton {results['triton']}", flush=True)
+    for name in args.shapes:
+        for product in args.products:
+            lhs, rhs, sizes = _operands(SHAPES[name], product, jax.random.key(0))
+            flops = 2.0 * lhs.shape[0] * lhs.shape[1] * rhs.shape[2]
+            want = jax.jit(lambda a, b: tgm.gmm(a, b, sizes))(lhs, rhs).astype(jnp.float32)
+            for tile in [None, *args.tiles]:
+                config = None if tile is None else tgm.TileConfig(*TILES[tile][:3], num_warps=TILES[tile][3],
+                                                                  num_stages=TILES[tile][4])
+                config = config or tgm.gmm_config(lhs.shape[0], lhs.shape[1], rhs.shape[2], rhs.shape[0], False)
+                row = {"shape": name, "product": product, "tile": tile or "table", "flops": flops}
+                for kernel, fn in (("gmm", lambda a, b, c=config: tgm.gmm(a, b, sizes, config=c)),
+                                   ("tma_gmm", lambda a, b, c=config: tma_gmm(a, b, sizes, c))):
+                    try:
+                        compiled = jax.jit(fn)
+                        got = compiled(lhs, rhs).astype(jnp.float32)
+                        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+                        summary = profile_summary(compiled, (lhs, rhs), args.out / "traces" / f"{name}_{product}")
+                        ms = sum(summary.get("top_kernels_ms", {}).values())
+                        row[kernel] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
+                                       "rel_error": error}
+                    except Exception as err:  # a kernel that does not compile or launch is a result here
+                        row[kernel] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                print(json.dumps(row), flush=True)
+                results["rows"].append(row)
+                (args.out / "tma_probe.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
