@@ -47,6 +47,8 @@ kernel sweeps:
   swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
   swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
   tma-probe     tma_probe.py            gmm with TMA-descriptor loads (jax-triton 0.4.0) against gmm_kernel's pointer loads
+  kernel-resources kernel_resources.py  registers, spills, shared memory and pipeline stages per kernel, compiled
+                                        offline for sm_90 (no GPU)
 
 GPU machine:
   gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps
