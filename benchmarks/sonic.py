@@ -127,10 +127,9 @@ def run(names, reps: int, out_dir: Path, check: bool) -> Path:
         "sonic_source": SOURCE,
         "flops_counted": "6*T*K*d*n forward, 12*T*K*d*n backward (SonicMoE's convention)",
         "timing": "calls back to back, one sync (as do_bench); *_ms fields: each call synced",
-        "geomean_ratio_fwdbwd": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
-        "geomean_ratio_fwdbwd_synced_calls": (math.exp(sum(math.log(r["ratio_fwdbwd_synced_calls"]) for r in rows
-                                                            if "ratio_fwdbwd_synced_calls" in r) / len(ratios))
-                                              if ratios else None),
+        "geomean_ratio_fwdbwd": _geomean(ratios),
+        "geomean_ratio_fwdbwd_synced_calls": _geomean([r["ratio_fwdbwd_synced_calls"] for r in rows
+                                                       if "ratio_fwdbwd_synced_calls" in r]),
         "rows": rows,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,6 +137,10 @@ def run(names, reps: int, out_dir: Path, check: bool) -> Path:
     path.write_text(json.dumps(result, indent=1))
     print_table(result)
     return path
+
+
+def _geomean(values) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def print_table(result) -> None:

@@ -14,7 +14,8 @@ and timed forward and forward+backward in alternating rounds (median of ``--reps
 every variant sees the same machine state. ``--pipelined`` also times calls issued back to back
 (``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a training loop runs), which leaves
 out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
-forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle time between kernels.
+forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle
+time between kernels.
 
     python benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 --variants base new --out /tmp/ab
 
@@ -62,19 +63,30 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
     if variant in ("new", "xlagather"):
         return triton
-    if variant == "wide":  # swiglu_launch.FUSED_MAX_N is raised around its tracing too (run)
-        return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N)
+    if variant == "wide":
+        return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
+                                   swiglu_gmm=_with_fused_max_n(triton.swiglu_gmm, WIDE_MAX_N),
+                                   gather_swiglu_gmm=_with_fused_max_n(triton.gather_swiglu_gmm, WIDE_MAX_N))
     if variant == "nosum":
         return dataclasses.replace(triton, name="triton-nosum", gmm_sum=None)
     if variant == "pair":
-        def pair_only(*args, **kwargs):
-            saved, swiglu_launch.FUSED_MAX_N = swiglu_launch.FUSED_MAX_N, 0
-            try:
-                return swiglu_launch.swiglu_gmm_or_pair(*args, **kwargs)
-            finally:
-                swiglu_launch.FUSED_MAX_N = saved
-        return dataclasses.replace(triton, name="triton-pair", swiglu_gmm=pair_only)
+        return dataclasses.replace(triton, name="triton-pair",
+                                   swiglu_gmm=_with_fused_max_n(swiglu_launch.swiglu_gmm_or_pair, 0))
     raise ValueError(variant)
+
+
+def _with_fused_max_n(launcher, max_n: int):
+    """``launcher`` run (traced) with ``swiglu_gmm.triton_launch.FUSED_MAX_N`` set to ``max_n``."""
+    from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_launch
+
+    def launch(*args, **kwargs):
+        saved, swiglu_launch.FUSED_MAX_N = swiglu_launch.FUSED_MAX_N, max_n
+        try:
+            return launcher(*args, **kwargs)
+        finally:
+            swiglu_launch.FUSED_MAX_N = saved
+
+    return launch
 
 
 def layer_for(variant: str, dense_fn, k, dtype):
@@ -112,10 +124,8 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         pipelined: bool = False):
     from ep_overlap import profile_summary
     from moe_lowering import primitives
-    from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_launch
     from moe_lowering.testing.zoo import Sizes, build_mixtral
 
-    fused_max_n = swiglu_launch.FUSED_MAX_N
     out_dir.mkdir(parents=True, exist_ok=True)
     device = jax.devices()[0]
     rows = []
@@ -128,10 +138,9 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
-            swiglu_launch.FUSED_MAX_N = WIDE_MAX_N if variant == "wide" else fused_max_n  # read when tracing
             fwd = jax.jit(layer).lower(params, x).compile()
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER, swiglu_launch.FUSED_MAX_N = True, fused_max_n
+            primitives.GPU_ROW_GATHER = True
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())
@@ -159,7 +168,8 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 entry["fwd_ms"].append(moe_layer._time_ms(fwd, (params, x), reps))
                 entry["fwdbwd_ms"].append(moe_layer._time_ms(both, (params, x, cotangent), reps))
                 if pipelined:
-                    entry.setdefault("fwd_pipelined_ms", []).append(moe_layer._time_back_to_back_ms(fwd, (params, x), reps))
+                    entry.setdefault("fwd_pipelined_ms", []).append(
+                        moe_layer._time_back_to_back_ms(fwd, (params, x), reps))
                     entry.setdefault("fwdbwd_pipelined_ms", []).append(
                         moe_layer._time_back_to_back_ms(both, (params, x, cotangent), reps))
         for variant in variants:

@@ -98,8 +98,7 @@ def tma_gmm(lhs, rhs, group_sizes, config):
     if k % config.block_k:
         raise ValueError(f"tma_gmm: K = {k} is not a multiple of the block's {config.block_k}")
     launch = tgm._row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_groups, num_groups, config)
-    launch.pop("TRANSPOSE_RHS", None)
-    launch.pop("COMPUTE_F32", None)
+    launch.pop("COMPUTE_F32")
     lhs_desc = jax_triton.TensorDescriptor.from_array(lhs, (launch["BLOCK_M"], launch["BLOCK_K"]))
     rhs_desc = jax_triton.TensorDescriptor.from_array(rhs.reshape(num_groups * k, n),
                                                       (launch["BLOCK_K"], launch["BLOCK_N"]))
