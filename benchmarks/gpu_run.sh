@@ -36,7 +36,7 @@ for step in "$@"; do
       timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
     tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
         .whl-next/*.whl || exit 1
-      PYTHONPATH=/tmp/site-next:$PYTHONPATH timeout 400 python3 benchmarks/tma_probe.py --out "$OUT/tma" 2>&1 \
+      PYTHONPATH=/tmp/site-next:$PYTHONPATH timeout 540 python3 benchmarks/tma_probe.py --out "$OUT/tma" 2>&1 \
         | tee "$OUT/tma_probe.log" | grep -v "INFO\|Unable" | tail -30 ;;
     fp8-weight-tests) timeout 150 python3 -m pytest tests/gpu/test_fp8_weight_matmul.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_weight_tests.log" | tail -10 ;;

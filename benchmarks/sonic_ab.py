@@ -7,7 +7,8 @@ as it is; ``apart``: ``new`` with the last product and the combine apart (no ``g
 permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
-fused SwiGLU kernel for experts up to 2048 wide). The rewritten
+fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with ``gmm_kernel``'s tile loop
+not flattened into its K loop at short contractions, ``TileConfig.flatten``). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
@@ -45,7 +46,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide")
+VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened")
 WIDE_MAX_N = 2048
 
 
@@ -61,7 +62,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather"):
+    if variant in ("new", "xlagather", "unflattened"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -124,6 +125,7 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         pipelined: bool = False):
     from ep_overlap import profile_summary
     from moe_lowering import primitives
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
     from moe_lowering.testing.zoo import Sizes, build_mixtral
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -138,9 +140,12 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
+            short_k = tgm._WIDE_SHORT_K
+            tgm._WIDE_SHORT_K = dataclasses.replace(short_k, flatten=short_k.flatten and variant not in (
+                "base", "unflattened"))
             fwd = jax.jit(layer).lower(params, x).compile()
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER = True
+            primitives.GPU_ROW_GATHER, tgm._WIDE_SHORT_K = True, short_k
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())

@@ -8,6 +8,8 @@ freed, so the allocator hands that memory to the kernel's output and unwritten e
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -103,6 +105,28 @@ def test_gmm_matches_reference(case, dtype, transpose_rhs, config):
     assert out.shape == (num_rows, n) and out.dtype == dtype
     expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, group_offset, transpose_rhs)
     assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("tail_apart", [True, False], ids=["tail-apart", "tail-in-main"])
+def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart):
+    """``TileConfig.flatten`` changes only the schedule: every output bit as the unflattened loop,
+    over many waves of tiles, an empty group and rows past the groups (which stay zero)."""
+    monkeypatch.setattr(tgm, "TAIL_APART", tail_apart)
+    group_sizes = [3000, 0, 129, 4000, 1, 5000, 2500, 700]
+    num_rows, k, n = sum(group_sizes) + 37, 256, 768
+    keys = jax.random.split(jax.random.key(7), 2)
+    lhs = _random(keys[0], (num_rows, k), jnp.bfloat16)
+    rhs = _random(keys[1], (len(group_sizes), k, n), jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    outs = {}
+    for flatten in (False, True):
+        config = dataclasses.replace(tgm.gmm_config(num_rows, k, n, len(group_sizes), False), flatten=flatten)
+        _poison((num_rows, n), jnp.bfloat16)
+        outs[flatten] = np.asarray(jax.jit(lambda a, b, c=config: tgm.gmm(a, b, sizes, config=c))(lhs, rhs), np.float32)
+    np.testing.assert_array_equal(outs[True], outs[False])
+    assert not outs[True][sum(group_sizes):].any()
+    expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, 0, False)
+    assert _relative_error(jnp.asarray(outs[True]), expected) < TOLERANCE[jnp.bfloat16]
 
 
 def test_tgmm_cases_reach_both_weight_gradient_kernels():

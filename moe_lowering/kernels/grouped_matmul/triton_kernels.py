@@ -197,13 +197,15 @@ def gmm_kernel(
     COMPUTE_F32: tl.constexpr,
     ZERO_OUTSIDE: tl.constexpr = True,
     TAIL_APART: tl.constexpr = False,
+    FLATTEN: tl.constexpr = False,
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere
     (left unwritten elsewhere without ``ZERO_OUTSIDE``).
 
     ``rhs`` is ``[G, K, N]``, or ``[G, N, K]`` read transposed with ``TRANSPOSE_RHS``. With
     ``TAIL_APART`` the tiles past the last full wave are left to ``gmm_tail_kernel`` wherever
-    ``_tail_split`` cuts them.
+    ``_tail_split`` cuts them. ``FLATTEN``: the tile loop and the K loop are software-pipelined as
+    one, so the next tile's first blocks load during this tile's last steps and its store.
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -214,7 +216,7 @@ def gmm_kernel(
         num_tiles = _tail_split(num_tiles, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)[0]
 
     in_m = tl.arange(0, BLOCK_M)
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
                                                tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K,
                                                GROUP_M, COMPUTE_F32)

@@ -51,7 +51,11 @@ class TileConfig:
     over the group's rows ``block_k`` at a time. ``persistent``: ``programs_per_sm`` programs per
     multiprocessor looping over tiles (more than one where a tile's few reduction steps leave its
     loads and stores exposed, so another program's work hides them), else one program per
-    (possible) tile.
+    (possible) tile. ``flatten``: ``gmm_kernel`` (``gmm``, ``gmm_pair``) pipelines its tile loop and
+    K loop as one (``tl.range(..., flatten=True)``), so the next tile's first loads overlap this
+    tile's last steps and its store; one more stage of shared memory. The other row-tiled kernels
+    do not read it: flattened, ``gather_gmm_kernel`` spilled and ran 0.60 against 0.42 ms, and
+    ``gmm_sum_kernel`` (two K loops a tile) kept 1 of its 4 stages (``benchmarks/NOTES.md``).
     """
 
     block_m: int
@@ -62,11 +66,12 @@ class TileConfig:
     num_stages: int = 3
     persistent: bool = True
     programs_per_sm: int = 1
+    flatten: bool = False
 
 
 _F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 _SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
-_WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4)
+_WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
 _WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
 _RESIDENT = TileConfig(128, 128, 128, num_warps=8, num_stages=3)
 
@@ -94,7 +99,9 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
 
     From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
     groups average under 256 rows (less padding in each group's last tile), a 4-deep pipeline
-    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep.
+    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep. The short
+    contraction's tile loop is flattened into its K loop (H100, SonicMoE's shapes: 316 -> 395
+    TFLOP/s at K = 256, 478 -> 528 at K = 512, 565 -> 615 at K = 768 and N = 1024).
     """
     if compute_f32:
         return _F32_CONFIG
@@ -173,7 +180,7 @@ def _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs: bool, preferred_element_ty
     return num_rows, k, n, rhs.shape[0], out_dtype
 
 
-def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool):
+def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool, flatten: bool):
     """``gmm_kernel``'s launch: the whole product, or its full waves only with ``TAIL_APART``."""
     return jax_triton.triton_call(
         lhs,
@@ -184,6 +191,7 @@ def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, 
         TRANSPOSE_RHS=bool(transpose_rhs),
         ZERO_OUTSIDE=bool(zero_outside),
         TAIL_APART=TAIL_APART,
+        FLATTEN=flatten,
         **launch,
     )
 
@@ -210,10 +218,12 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
+    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
+                                  _compute_f32(lhs.dtype, rhs.dtype))
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
-    out = _gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, transpose_rhs, zero_outside)
+    out = _gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, transpose_rhs, zero_outside, config.flatten)
     if not TAIL_APART:
         return out
     out, _, _ = jax_triton.triton_call(
@@ -250,10 +260,13 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
         return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
                          config=config, zero_outside=zero_outside, expected_rows=expected_rows)
                      for rhs in (rhs_a, rhs_b))
+    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
+                                  _compute_f32(lhs.dtype, rhs_a.dtype))
     launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
-    outs = [_gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, False, zero_outside) for rhs in (rhs_a, rhs_b)]
+    outs = [_gmm_main(lhs, rhs, sizes_and_offset, launch, out_dtype, False, zero_outside, config.flatten)
+            for rhs in (rhs_a, rhs_b)]
     out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
     out_a, out_b, _, _ = jax_triton.triton_call(
         lhs,
