@@ -60,6 +60,7 @@ CANDIDATES |= {
     "64x128x128s4w4": tgm.TileConfig(64, 128, 128, num_warps=4, num_stages=4),
     "128x256x64s4-flat": tgm.TileConfig(128, 256, 64, num_stages=4, flatten=True),
     "128x256x64s3-flat": tgm.TileConfig(128, 256, 64, num_stages=3, flatten=True),
+    "64x256x64s4-flat": tgm.TileConfig(64, 256, 64, num_stages=4, flatten=True),
     "64x256x128s2": tgm.TileConfig(64, 256, 128, num_stages=2),
     "128x128x128s2x2": tgm.TileConfig(128, 128, 128, num_stages=2, programs_per_sm=2),
     "128x128x128s2w4x2": tgm.TileConfig(128, 128, 128, num_warps=4, num_stages=2, programs_per_sm=2),

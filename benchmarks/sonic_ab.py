@@ -8,7 +8,7 @@ permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
 fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with ``gmm_kernel``'s tile loop
-not flattened into its K loop at short contractions, ``TileConfig.flatten``). The rewritten
+not flattened into its K loop, ``TileConfig.flatten``). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
@@ -140,12 +140,13 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
-            short_k = tgm._WIDE_SHORT_K
-            tgm._WIDE_SHORT_K = dataclasses.replace(short_k, flatten=short_k.flatten and variant not in (
-                "base", "unflattened"))
+            tiles = tgm._WIDE_SHORT_K, tgm._WIDE
+            if variant in ("base", "unflattened"):
+                tgm._WIDE_SHORT_K, tgm._WIDE = (dataclasses.replace(tile, flatten=False) for tile in tiles)
             fwd = jax.jit(layer).lower(params, x).compile()
             both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER, tgm._WIDE_SHORT_K = True, short_k
+            primitives.GPU_ROW_GATHER = True
+            tgm._WIDE_SHORT_K, tgm._WIDE = tiles
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())

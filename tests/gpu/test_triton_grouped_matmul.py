@@ -107,25 +107,31 @@ def test_gmm_matches_reference(case, dtype, transpose_rhs, config):
     assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs", "rhsT"])
+@pytest.mark.parametrize("k", [256, 2304], ids=["short-k", "long-k"])
 @pytest.mark.parametrize("tail_apart", [True, False], ids=["tail-apart", "tail-in-main"])
-def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart):
+def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart, k, transpose_rhs):
     """``TileConfig.flatten`` changes only the schedule: every output bit as the unflattened loop,
-    over many waves of tiles, an empty group and rows past the groups (which stay zero)."""
+    over many waves of tiles, an empty group and rows past the groups (which stay zero), for both
+    table tiles that flatten."""
     monkeypatch.setattr(tgm, "TAIL_APART", tail_apart)
     group_sizes = [3000, 0, 129, 4000, 1, 5000, 2500, 700]
-    num_rows, k, n = sum(group_sizes) + 37, 256, 768
+    num_rows, n = sum(group_sizes) + 37, 768
     keys = jax.random.split(jax.random.key(7), 2)
     lhs = _random(keys[0], (num_rows, k), jnp.bfloat16)
-    rhs = _random(keys[1], (len(group_sizes), k, n), jnp.bfloat16)
+    rhs = _random(keys[1], (len(group_sizes), n, k) if transpose_rhs else (len(group_sizes), k, n), jnp.bfloat16)
     sizes = jnp.asarray(group_sizes, jnp.int32)
+    table = tgm.gmm_config(num_rows, k, n, len(group_sizes), False)
+    assert table.flatten
     outs = {}
     for flatten in (False, True):
-        config = dataclasses.replace(tgm.gmm_config(num_rows, k, n, len(group_sizes), False), flatten=flatten)
+        config = dataclasses.replace(table, flatten=flatten)
         _poison((num_rows, n), jnp.bfloat16)
-        outs[flatten] = np.asarray(jax.jit(lambda a, b, c=config: tgm.gmm(a, b, sizes, config=c))(lhs, rhs), np.float32)
+        outs[flatten] = np.asarray(jax.jit(lambda a, b, c=config: tgm.gmm(a, b, sizes, transpose_rhs=transpose_rhs,
+                                                                          config=c))(lhs, rhs), np.float32)
     np.testing.assert_array_equal(outs[True], outs[False])
     assert not outs[True][sum(group_sizes):].any()
-    expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, 0, False)
+    expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, 0, transpose_rhs)
     assert _relative_error(jnp.asarray(outs[True]), expected) < TOLERANCE[jnp.bfloat16]
 
 

@@ -72,7 +72,7 @@ class TileConfig:
 _F32_CONFIG = TileConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=2)
 _SMALL_GROUPS = TileConfig(64, 256, 64, num_warps=8, num_stages=4)
 _WIDE_SHORT_K = TileConfig(128, 256, 64, num_warps=8, num_stages=4, flatten=True)
-_WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3)
+_WIDE = TileConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True)
 _RESIDENT = TileConfig(128, 128, 128, num_warps=8, num_stages=3)
 
 TABLE_CONFIGS = (_F32_CONFIG, _SMALL_GROUPS, _WIDE_SHORT_K, _WIDE, _RESIDENT)
@@ -99,9 +99,10 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
 
     From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
     groups average under 256 rows (less padding in each group's last tile), a 4-deep pipeline
-    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep. The short
-    contraction's tile loop is flattened into its K loop (H100, SonicMoE's shapes: 316 -> 395
-    TFLOP/s at K = 256, 478 -> 528 at K = 512, 565 -> 615 at K = 768 and N = 1024).
+    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep. Both 128-row tiles
+    flatten their tile loop into the K loop: on an H100 at SonicMoE's shapes 316 -> 395 TFLOP/s at
+    K = 256, 478 -> 528 at K = 512; on an H200 Mixtral's transposed products (``rhs`` read as
+    ``[G, N, K]``) 641-666 -> 739-766, its others even.
     """
     if compute_f32:
         return _F32_CONFIG
