@@ -54,8 +54,9 @@ class TileConfig:
     (possible) tile. ``flatten``: ``gmm_kernel`` (``gmm``, ``gmm_pair``) pipelines its tile loop and
     K loop as one (``tl.range(..., flatten=True)``), so the next tile's first loads overlap this
     tile's last steps and its store; one more stage of shared memory. The other row-tiled kernels
-    do not read it: flattened, ``gather_gmm_kernel`` spilled and ran 0.60 against 0.42 ms, and
-    ``gmm_sum_kernel`` (two K loops a tile) kept 1 of its 4 stages (``benchmarks/NOTES.md``).
+    do not read it: flattened, ``gather_gmm_kernel`` spilled and ran 0.60 against 0.42 ms,
+    ``gmm_sum_kernel`` (two K loops a tile) kept 1 of its 4 stages, and the fused SwiGLU kernels
+    ran up to 3x slower (``benchmarks/NOTES.md``).
     """
 
     block_m: int
