@@ -96,7 +96,8 @@ def kernel_specs(shape):
         config = config or launch.gmm_config(rows, k, out_n, experts, False)
         tile = dict(groups, M=rows, K=k, N=out_n, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                    NUM_PROGRAMS=launch._row_tile_grid(rows, out_n, experts, config), **extra)
+                    NUM_PROGRAMS=launch._row_tile_grid(rows, out_n, experts, config), FLATTEN=config.flatten,
+                    **extra)
         return tile, config.num_warps, config.num_stages, 2 * config.block_k * (config.block_m + config.block_n)
 
     def weight_tiled(k, out_n, **extra):
@@ -132,6 +133,8 @@ def kernel_specs(shape):
         specs += [("backward: d_act (spread cotangent)", grouped.gmm_kernel, *row_tiled(d, n, TRANSPOSE_RHS=True)),
                   ("backward: d_w_down (spread cotangent)", grouped.tgmm_kernel, *weight_tiled(n, d))]
     for label, kernel, constexprs, warps, stages, stage_bytes in specs:
+        if "FLATTEN" not in kernel.arg_names:  # only gmm_kernel reads TileConfig.flatten
+            constexprs = {name: value for name, value in constexprs.items() if name != "FLATTEN"}
         if kernel is grouped.gmm_sum_kernel:
             constexprs = {**constexprs, "K": n}  # gmm_sum's K is each product's; the tile was picked for 2n
         yield label, kernel, constexprs, warps, stages, stage_bytes
