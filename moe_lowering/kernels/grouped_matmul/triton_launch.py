@@ -220,8 +220,7 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
-    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
-                                  _compute_f32(lhs.dtype, rhs.dtype))
+    config = _row_tiled_config(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, config, expected_rows)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
@@ -262,8 +261,7 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
         return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
                          config=config, zero_outside=zero_outside, expected_rows=expected_rows)
                      for rhs in (rhs_a, rhs_b))
-    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
-                                  _compute_f32(lhs.dtype, rhs_a.dtype))
+    config = _row_tiled_config(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, config, expected_rows)
     launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
@@ -386,6 +384,13 @@ def _tail_pad(launch: dict) -> int:
     return _next_power_of_two(launch["NUM_PROGRAMS"] // 2)
 
 
+def _row_tiled_config(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int,
+                      config: TileConfig | None, expected_rows: int | None) -> TileConfig:
+    """``config``, or the table's tile for the rows expected (see :func:`_row_tiled_launch`)."""
+    return config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
+                                _compute_f32(lhs_dtype, rhs_dtype))
+
+
 def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
                       config: TileConfig | None = None, expected_rows: int | None = None) -> dict:
     """Grid, warps, stages and the constants ``gmm_kernel`` and ``gmm_push_kernel`` share.
@@ -397,7 +402,7 @@ def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_l
     each group's last tile padding; the grid still covers the whole buffer.
     """
     compute_f32 = _compute_f32(lhs_dtype, rhs_dtype)
-    config = config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups, compute_f32)
+    config = _row_tiled_config(lhs_dtype, rhs_dtype, num_rows, k, n, num_local_groups, config, expected_rows)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     return dict(
         grid=(num_programs,),
