@@ -140,13 +140,15 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
-            tiles = tgm._WIDE_SHORT_K, tgm._WIDE
+            tiles = tgm._WIDE_SHORT_K, tgm._WIDE  # read when lowering, as the flag above
             if variant in ("base", "unflattened"):
                 tgm._WIDE_SHORT_K, tgm._WIDE = (dataclasses.replace(tile, flatten=False) for tile in tiles)
-            fwd = jax.jit(layer).lower(params, x).compile()
-            both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
-            primitives.GPU_ROW_GATHER = True
-            tgm._WIDE_SHORT_K, tgm._WIDE = tiles
+            try:
+                fwd = jax.jit(layer).lower(params, x).compile()
+                both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
+            finally:
+                primitives.GPU_ROW_GATHER = True
+                tgm._WIDE_SHORT_K, tgm._WIDE = tiles
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())

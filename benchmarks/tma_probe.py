@@ -1,17 +1,17 @@
-"""Whether TMA loads help the grouped products on Hopper, through jax-triton 0.4.0's tensor descriptors.
+"""Whether TMA descriptors help the grouped products on Hopper, through jax-triton 0.4.0.
 
-The notes' next step for issue 20 (``NOTES.md``, "Timing as SonicMoE times ..."): the short-contraction
-products and any epilogue fusion wait on a schedule that overlaps a tile's epilogue with the next
-tile's loads. Triton's automatic warp specialisation is Blackwell-only; on Hopper the first step is
-TMA (the copy engine moves the operand blocks, the warps only compute), which the carried jax-triton
-0.3.1 cannot launch and 0.4.0 can (``TensorDescriptor``, host-side descriptors). This probe:
+Triton's automatic warp specialisation is Blackwell-only; on Hopper the first step is TMA (the copy
+engine moves the blocks, the warps only compute), which the carried jax-triton 0.3.1 cannot launch and
+0.4.0 can (``TensorDescriptor``, host-side descriptors). ``.whl-next`` holds 0.4.0 patched to import
+with the GPU machines' Triton 3.6 (``NOTES.md``, "Flattened tile loops, TMA descriptors ..."). This
+probe runs, checks against the XLA reference and times by GPU kernel time (``jax.profiler``), at
+SonicMoE's small-n products, ``gmm`` (``gmm_kernel``, pointer loads) against ``tma_gmm_kernel`` (the
+same persistent tile loop, operand blocks loaded through descriptors: ``lhs [M, K]`` and the weights as
+``[G * K, N]``), with or without TMA stores and a flattened tile loop, over the tiles of ``VARIANTS``.
 
-* reports the jax-triton and Triton versions it runs with (``.whl-next`` holds 0.4.0; the GPU
-  machines have Triton 3.6, 0.4.0 asks for 3.7);
-* runs ``gmm`` (``gmm_kernel``, pointer loads) and ``tma_gmm_kernel`` (the same persistent tile loop,
-  operand blocks loaded through descriptors: ``lhs [M, K]`` and the weights as ``[G * K, N]``), checks
-  them against each other and times both by GPU kernel time (``jax.profiler``) at SonicMoE's small-n
-  products, for the table's tile and a few others.
+0.4.0 gives an aliased output no kernel parameter of its own, which ``gmm``'s tail launch relies on:
+here ``gmm`` runs its whole product in ``gmm_kernel`` (``TAIL_APART`` off), as ``tma_gmm_kernel``
+does, so neither has the tail kernel that the package's ``gmm`` launches.
 
 ``tma_gmm_kernel`` needs ``K % BLOCK_K == 0`` (a block past a group's ``K`` rows of the flattened
 weights would read the next group's; the descriptor zero-fills only past the array). Rows past a
