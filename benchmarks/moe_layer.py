@@ -194,6 +194,19 @@ def _fwd_bwd(fn):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
+def _fwd_vjp(fn):
+    """``(params, x, dout) -> (out, (d_params, d_x))``: the forward and the backward from the output's
+    cotangent ``dout`` (in the output's dtype), as a training step runs them and as SonicMoE's
+    benchmark times ``o.backward(dout)``; ``_fwd_bwd``'s float32 loss adds a pass over the output
+    and a cast of the cotangent."""
+
+    def step(params, x, dout):
+        out, pullback = jax.vjp(fn, params, x)
+        return out, pullback(dout)
+
+    return step
+
+
 def bench_one(config: LayerConfig, impl: str, dense_fn, params, x, cotangent, reps: int, matmul_tflops: float,
               back_to_back: bool = False):
     """One implementation's forward and forward+backward times (``_time_ms``; with ``back_to_back``

@@ -8,11 +8,15 @@ permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
 fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with ``gmm_kernel``'s tile loop
-not flattened into its K loop, ``TileConfig.flatten``). The rewritten
+not flattened into its K loop, ``TileConfig.flatten``; ``inloop``: ``new`` with ``gather_tgmm`` scaling
+its rows in its loop, ``primitives.GATHER_TGMM_ROWS_SCALED_BEFORE``; ``combine512`` / ``combine1024``:
+``new`` with the last product and the combine as one piece up to that width,
+``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
-every variant sees the same machine state. ``--pipelined`` also times calls issued back to back
+every variant sees the same machine state. Forward+backward is ``moe_layer._fwd_vjp``, pulled back
+from a bf16 output cotangent as SonicMoE's benchmark runs ``o.backward(dout)``. ``--pipelined`` also times calls issued back to back
 (``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a training loop runs), which leaves
 out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
 forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle
@@ -46,7 +50,8 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened")
+VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened", "inloop",
+            "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
 
@@ -62,7 +67,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "unflattened"):
+    if variant in ("new", "xlagather", "unflattened", "inloop", "combine512", "combine1024"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -124,7 +129,7 @@ def _rel(a, b) -> float:
 def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, hlo: bool = False,
         pipelined: bool = False):
     from ep_overlap import profile_summary
-    from moe_lowering import primitives
+    from moe_lowering import primitives, sparse_moe
     from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
     from moe_lowering.testing.zoo import Sizes, build_mixtral
 
@@ -135,7 +140,7 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         shape = SHAPES[name]
         model = build_mixtral(Sizes(T=shape.T, d=shape.d, f=shape.n, E=shape.E, k=shape.K))
         params, x = model.args(jax.random.key(1), jnp.bfloat16)
-        cotangent = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+        cotangent = jax.random.normal(jax.random.key(2), x.shape, x.dtype)
         compiled, results = {}, {}
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
@@ -143,11 +148,17 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
             tiles = tgm._WIDE_SHORT_K, tgm._WIDE  # read when lowering, as the flag above
             if variant in ("base", "unflattened"):
                 tgm._WIDE_SHORT_K, tgm._WIDE = (dataclasses.replace(tile, flatten=False) for tile in tiles)
+            primitives.GATHER_TGMM_ROWS_SCALED_BEFORE = variant != "inloop"  # read when tracing the transpose
+            combine_width = sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH
+            if variant.startswith("combine"):
+                sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = int(variant.removeprefix("combine"))
             try:
                 fwd = jax.jit(layer).lower(params, x).compile()
-                both = jax.jit(moe_layer._fwd_bwd(layer)).lower(params, x, cotangent).compile()
+                both = jax.jit(moe_layer._fwd_vjp(layer)).lower(params, x, cotangent).compile()
             finally:
                 primitives.GPU_ROW_GATHER = True
+                primitives.GATHER_TGMM_ROWS_SCALED_BEFORE = True
+                sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = combine_width
                 tgm._WIDE_SHORT_K, tgm._WIDE = tiles
             compiled[variant] = (fwd, both)
             if hlo:
