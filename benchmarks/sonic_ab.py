@@ -8,17 +8,17 @@ permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
 without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
 ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
 fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with ``gmm_kernel``'s tile loop
-not flattened into its K loop, ``TileConfig.flatten``; ``inloop``: ``new`` with ``gather_tgmm`` scaling
-its rows in its loop, ``primitives.GATHER_TGMM_ROWS_SCALED_BEFORE``; ``combine512`` / ``combine1024``:
+not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with groups of 128-255 rows on the 64-row tiles,
+``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` / ``combine1024``:
 ``new`` with the last product and the combine as one piece up to that width,
 ``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``). The rewritten
 layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
 compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
 and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
 every variant sees the same machine state. Forward+backward is ``moe_layer._fwd_vjp``, pulled back
-from a bf16 output cotangent as SonicMoE's benchmark runs ``o.backward(dout)``. ``--pipelined`` also times calls issued back to back
-(``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a training loop runs), which leaves
-out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
+from a bf16 output cotangent as SonicMoE's benchmark runs ``o.backward(dout)``. ``--pipelined`` also
+times calls issued back to back (``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a
+training loop runs), which leaves out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
 forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle
 time between kernels.
 
@@ -50,7 +50,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened", "inloop",
+VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
             "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
@@ -67,7 +67,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "unflattened", "inloop", "combine512", "combine1024"):
+    if variant in ("new", "xlagather", "unflattened", "rows64", "combine512", "combine1024"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -148,7 +148,9 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
             tiles = tgm._WIDE_SHORT_K, tgm._WIDE  # read when lowering, as the flag above
             if variant in ("base", "unflattened"):
                 tgm._WIDE_SHORT_K, tgm._WIDE = (dataclasses.replace(tile, flatten=False) for tile in tiles)
-            primitives.GATHER_TGMM_ROWS_SCALED_BEFORE = variant != "inloop"  # read when tracing the transpose
+            full_tile_rows = tgm.FULL_TILE_MIN_ROWS  # read when lowering
+            if variant == "rows64":
+                tgm.FULL_TILE_MIN_ROWS = tgm.SMALL_GROUP_ROWS
             combine_width = sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH
             if variant.startswith("combine"):
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = int(variant.removeprefix("combine"))
@@ -157,8 +159,8 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 both = jax.jit(moe_layer._fwd_vjp(layer)).lower(params, x, cotangent).compile()
             finally:
                 primitives.GPU_ROW_GATHER = True
-                primitives.GATHER_TGMM_ROWS_SCALED_BEFORE = True
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = combine_width
+                tgm.FULL_TILE_MIN_ROWS = full_tile_rows
                 tgm._WIDE_SHORT_K, tgm._WIDE = tiles
             compiled[variant] = (fwd, both)
             if hlo:

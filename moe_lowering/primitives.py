@@ -636,12 +636,6 @@ gather_swiglu_gmm_p = _define("moe_gather_swiglu_gmm", _gather_swiglu_gmm_impl, 
 # composition of the primitives above, so the set stays closed under differentiation.
 
 
-GATHER_TGMM_ROWS_SCALED_BEFORE = True
-"""Where the transpose runs both gathered products, ``gather_gmm``'s epilogue stores the routing-
-weight-scaled rows and ``gather_tgmm`` reduces over them unscaled: scaled inside its loop, Triton
-does not pipeline those loads (``benchmarks/NOTES.md``). False only to measure that."""
-
-
 def _expert_combine_impl(rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid, *,
                          kernels, preferred_element_type):
     # The dropped rows (past num_valid, outside the groups) are never read by combine: not zeroed.
@@ -717,22 +711,17 @@ def _expert_combine_tangent_transpose(ct, *operands, kernels, preferred_element_
 
     def cotangents(ct, rows, weight, route_weights, group_sizes, inverse, token_of_row, order, num_valid):
         row_scale = _spread_row_weights(route_weights, order, num_valid, accumulation_dtype(ct.dtype))
-        d_rows = d_weight = d_weights = scaled_rows = None
+        d_rows = d_weight = d_weights = None
         if wanted[0] or wanted[2]:
-            # where the weight's gradient is wanted too, the same epilogue stores the scaled rows it
-            # reduces over, so gather_tgmm runs without a scale in its loop
-            with_scaled = wanted[1] and GATHER_TGMM_ROWS_SCALED_BEFORE
-            d_rows, dots, scaled_rows = gather_gmm_p.bind(
-                ct, weight, row_scale, rows, token_of_row, group_sizes, kernels=kernels, transpose_rhs=True,
-                preferred_element_type=rows_dtype, with_dots=wanted[2], with_scaled=with_scaled, batch=())
-            scaled_rows = scaled_rows if with_scaled else None
+            d_rows, dots = gather_gmm_p.bind(ct, weight, row_scale, rows, token_of_row, group_sizes, kernels=kernels,
+                                             transpose_rhs=True, preferred_element_type=rows_dtype,
+                                             with_dots=wanted[2], batch=())
             if wanted[2]:
                 valid = _copy_is_valid(inverse, num_valid)
                 d_weights = jnp.where(valid, _take_rows(dots, inverse), 0).astype(weights_dtype)
         if wanted[1]:
-            d_weight = gather_tgmm_p.bind(rows if scaled_rows is None else scaled_rows, ct, row_scale, token_of_row,
-                                          group_sizes, kernels=kernels, num_groups=num_groups,
-                                          preferred_element_type=weight_dtype, scaled=scaled_rows is None, batch=())
+            d_weight = gather_tgmm_p.bind(rows, ct, row_scale, token_of_row, group_sizes, kernels=kernels,
+                                          num_groups=num_groups, preferred_element_type=weight_dtype, batch=())
         return d_rows if wanted[0] else None, d_weight, d_weights
 
     primal_levels = _levels(batch, ALL, *range(num_linear, num_linear + 8))
@@ -765,17 +754,15 @@ def _composition_jvp(primitive, composition, num_differentiable: int):
 
 
 def _gather_gmm_impl(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, kernels, transpose_rhs,
-                     preferred_element_type, with_dots, with_scaled):
-    out, dots, scaled = kernels.gather_gmm(lhs, rhs, row_index, row_scale,
-                                           dot_with if with_dots or with_scaled else None, group_sizes,
-                                           group_offset=0, transpose_rhs=transpose_rhs,
-                                           preferred_element_type=preferred_element_type, scale_dot_with=with_scaled)
-    return (out, dots if with_dots else jnp.zeros(row_index.shape, accumulation_dtype(out.dtype)),
-            scaled if with_scaled else jnp.zeros((0, dot_with.shape[1]), dot_with.dtype))
+                     preferred_element_type, with_dots):
+    out, dots = kernels.gather_gmm(lhs, rhs, row_index, row_scale, dot_with if with_dots else None, group_sizes,
+                                   group_offset=0, transpose_rhs=transpose_rhs,
+                                   preferred_element_type=preferred_element_type)
+    return out, (dots if with_dots else jnp.zeros(row_index.shape, accumulation_dtype(out.dtype)))
 
 
 def _gather_gmm_unfused(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, kernels, transpose_rhs,
-                        preferred_element_type, with_dots, with_scaled):
+                        preferred_element_type, with_dots):
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
     acc = accumulation_dtype(out_dtype)
     product = gmm_p.bind(jnp.take(lhs, row_index, axis=0, mode="clip"), rhs, group_sizes, kernels=kernels,
@@ -783,36 +770,26 @@ def _gather_gmm_unfused(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *
                          expected_rows=None, batch=())
     out = (product * row_scale.astype(acc)[:, None]).astype(out_dtype)
     dots = jnp.sum(product * dot_with.astype(acc), axis=1) if with_dots else jnp.zeros(row_index.shape, acc)
-    if not with_scaled:
-        return out, dots, jnp.zeros((0, dot_with.shape[1]), dot_with.dtype)
-    scale_dtype = accumulation_dtype(dot_with.dtype)
-    in_groups = jnp.arange(row_index.shape[0]) < jnp.sum(group_sizes[:rhs.shape[0]])
-    scaled = jnp.where(in_groups[:, None], dot_with.astype(scale_dtype) * row_scale.astype(scale_dtype)[:, None], 0)
-    return out, dots, scaled.astype(dot_with.dtype)
+    return out, dots
 
 
 def _gather_gmm_shape(lhs, rhs, row_scale, dot_with, row_index, group_sizes, *, transpose_rhs, preferred_element_type,
-                      with_scaled, **_):
+                      **_):
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
-    scaled_rows = row_index.shape[0] if with_scaled else 0
-    return [((row_index.shape[0], n), out_dtype), (row_index.shape, accumulation_dtype(out_dtype)),
-            ((scaled_rows, dot_with.shape[1]), dot_with.dtype)]
+    return [((row_index.shape[0], n), out_dtype), (row_index.shape, accumulation_dtype(out_dtype))]
 
 
-def _gather_tgmm_impl(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups, preferred_element_type,
-                      scaled):
-    return kernels.gather_tgmm(lhs, grad, grad_index, grad_scale if scaled else None, group_sizes,
-                               num_groups=num_groups, group_offset=0, preferred_element_type=preferred_element_type)
+def _gather_tgmm_impl(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups, preferred_element_type):
+    return kernels.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups, group_offset=0,
+                               preferred_element_type=preferred_element_type)
 
 
 def _gather_tgmm_unfused(lhs, grad, grad_scale, grad_index, group_sizes, *, kernels, num_groups,
-                         preferred_element_type, scaled):
-    rows = jnp.take(grad, grad_index, axis=0, mode="clip")
-    if scaled:
-        acc = accumulation_dtype(grad.dtype)
-        rows = (rows.astype(acc) * grad_scale.astype(acc)[:, None]).astype(grad.dtype)
-    return tgmm_p.bind(lhs, rows, group_sizes, kernels=kernels, num_groups=num_groups,
+                         preferred_element_type):
+    acc = accumulation_dtype(grad.dtype)
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc) * grad_scale.astype(acc)[:, None]
+    return tgmm_p.bind(lhs, rows.astype(grad.dtype), group_sizes, kernels=kernels, num_groups=num_groups,
                        group_offset=0, preferred_element_type=preferred_element_type, expected_rows=None, batch=())
 
 

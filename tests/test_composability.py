@@ -213,15 +213,13 @@ def test_grad_runs_the_hand_written_backward_kernels(monkeypatch):
     assert backward == sorted([
         ("gmm", ((rows, D), (E, D, F), (E,)), False, "None"),  # forward: up-projection
         ("gmm", ((rows, F), (E, F, D), (E,)), False, "None"),  # forward: down-projection
-        # d_hidden = w * d_out[token] @ w_down^T, d_w (the dots with the hidden rows) and w * hidden
+        # d_hidden = w * d_out[token] @ w_down^T, and d_w (the dots with the hidden rows)
         ("gather_gmm", ((T, D), (E, F, D), (rows,), (rows,), (rows, F), (E,)), True, "float32"),
         ("gmm", ((rows, F), (E, D, F), (E,)), True, "float32"),  # d_rows = d_up @ w_up^T
-        # d_w_down from the scaled hidden rows and d_out by token, no scale left to apply
-        ("gather_tgmm", ((rows, F), (T, D), (rows,), None, (E,)), False, "float32"),
+        ("gather_tgmm", ((rows, F), (T, D), (rows,), (rows,), (E,)), False, "float32"),  # d_w_down
         ("tgmm", ((rows, D), (rows, F), (E,)), False, "float32"),  # d_w_up
     ]), calls
     assert all(options.get("num_groups", E) == E for _, _, options in calls)
-    assert [o["scale_dot_with"] for name, _, o in calls if name == "gather_gmm"] == [True]
     calls.clear()
     jax.jit(lambda *a: jax.jvp(layer, a, a)).lower(x, w, w_up, w_down)
     assert {name for name, _, _ in calls} == {"gmm"} and not any(o.get("transpose_rhs") for _, _, o in calls)

@@ -190,21 +190,16 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
 
 
 def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_offset=0, transpose_rhs=False,
-               preferred_element_type=None, scale_dot_with=False):
-    """``(out, dots, scaled)``: ``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - group_offset])``,
-    zero outside the local groups; with ``dot_with [M, N]`` (else ``None``) also ``dots[r] =
-    (lhs[row_index[r]] @ rhs[g]) . dot_with[r]`` (the unscaled product; float32 or wider, zero outside),
-    else ``dots`` is ``None``; with ``scale_dot_with`` also ``scaled[r] = row_scale[r] * dot_with[r]``
-    (computed in float32 or wider, rounded to ``dot_with``'s type, zero outside), else ``None``.
+               preferred_element_type=None):
+    """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - group_offset])``, zero outside
+    the local groups, and with ``dot_with [M, N]`` (else ``None``) also ``dots[r] = (lhs[row_index[r]] @ rhs[g]) .
+    dot_with[r]`` (the unscaled product; float32 or wider, zero outside), else ``dots`` is ``None``.
 
     The combine's backward through the expert's last product: ``lhs`` is the layer output's
     cotangent, ``row_index`` each row's token and ``row_scale`` its routing weight, and with the
     product's input rows as ``dot_with`` the dots are the routing weights' cotangent. The GPU
     kernel (``triton_launch.gather_gmm``) gathers the rows as it loads them and computes the dots
-    and the scaled rows (those the weight's gradient reduces over, ``gather_tgmm`` without a scale)
     in its epilogue."""
-    if scale_dot_with and dot_with is None:
-        raise ValueError("gather_gmm: scale_dot_with needs dot_with")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
     acc_dtype = jnp.promote_types(out_dtype, jnp.float32)
     rows = jnp.take(lhs, row_index, axis=0, mode="clip")
@@ -212,31 +207,15 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
                   preferred_element_type=acc_dtype)
     out = (product * row_scale.astype(acc_dtype)[:, None]).astype(out_dtype)
     dots = None if dot_with is None else jnp.sum(product * dot_with.astype(acc_dtype), axis=1)
-    scaled = None
-    if scale_dot_with:
-        scale_dtype = jnp.promote_types(dot_with.dtype, jnp.float32)
-        in_groups = _rows_in_local_groups(group_sizes, group_offset, rhs.shape[0], row_index.shape[0])
-        scaled = jnp.where(in_groups[:, None], dot_with.astype(scale_dtype) * row_scale.astype(scale_dtype)[:, None],
-                           0).astype(dot_with.dtype)
-    return out, dots, scaled
-
-
-def _rows_in_local_groups(group_sizes, group_offset, num_local_groups: int, num_rows: int):
-    """``[num_rows]`` bools: row ``r`` belongs to one of the local groups."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    group_of_row = jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right")
-    return (group_of_row >= group_offset) & (group_of_row < group_offset + num_local_groups)
+    return out, dots
 
 
 def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
                 preferred_element_type=None):
     """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (computed in float32 or
-    wider, rounded to ``grad``'s type; ``grad_scale=None``: ``g[r] = grad[grad_index[r]]``, where
-    ``lhs`` carries the scale): the expert's last product's weight gradient read from the layer
-    output's cotangent. The GPU kernel gathers (and scales) the rows as it loads them."""
-    rows = jnp.take(grad, grad_index, axis=0, mode="clip")
-    if grad_scale is not None:
-        acc_dtype = jnp.promote_types(grad.dtype, jnp.float32)
-        rows = (rows.astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]).astype(grad.dtype)
-    return tgmm(lhs, rows, group_sizes, num_groups=num_groups, group_offset=group_offset,
+    wider, rounded to ``grad``'s type): the expert's last product's weight gradient read from the
+    layer output's cotangent. The GPU kernel gathers and scales the rows as it loads them."""
+    acc_dtype = jnp.promote_types(grad.dtype, jnp.float32)
+    rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]
+    return tgmm(lhs, rows.astype(grad.dtype), group_sizes, num_groups=num_groups, group_offset=group_offset,
                 preferred_element_type=preferred_element_type)

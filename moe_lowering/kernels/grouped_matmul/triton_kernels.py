@@ -241,7 +241,6 @@ def gather_gmm_kernel(
     group_offset_ptr,
     out_ptr,
     dots_ptr,
-    scaled_ptr,
     M: tl.constexpr,
     K: tl.constexpr,
     N: tl.constexpr,
@@ -257,7 +256,6 @@ def gather_gmm_kernel(
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     WITH_DOTS: tl.constexpr,
-    WITH_SCALED: tl.constexpr = False,
 ):
     """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - offset])`` for rows of local
     groups, zero elsewhere; ``lhs`` is ``[LHS_SOURCE_ROWS, K]``.
@@ -268,9 +266,6 @@ def gather_gmm_kernel(
     epilogue also stores ``dots[c, r]``, the unscaled product's row ``r`` times ``dot_with[r]``
     summed over column tile ``c`` (unwritten outside the local groups): with ``dot_with`` the
     product's own input rows, the routing weights' cotangent, without re-reading the forward's output.
-    With ``WITH_SCALED`` it also stores ``scaled[r] = row_scale[r] * dot_with[r]`` (computed in float32,
-    rounded to ``dot_with``'s type; zero outside the local groups) from the same load: the scaled rows
-    the weight's gradient reduces over, so ``gather_tgmm`` needs no scale in its loop.
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -292,19 +287,12 @@ def gather_gmm_kernel(
         store_mask = in_rows[:, None] & (cols < N)[None, :]
         scale = tl.load(row_scale_ptr + rows, mask=in_rows, other=0.0)
         tl.store(out_ptr + offsets, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
-        if WITH_DOTS or WITH_SCALED:
+        if WITH_DOTS:
             other = tl.load(dot_with_ptr + offsets, mask=store_mask, other=0.0).to(tl.float32)
-            if WITH_DOTS:
-                tl.store(dots_ptr + pn * M + rows, tl.sum(acc * other, axis=1), mask=in_rows)
-            if WITH_SCALED:
-                tl.store(scaled_ptr + offsets, (other * scale[:, None]).to(scaled_ptr.dtype.element_ty),
-                         mask=store_mask)
+            tl.store(dots_ptr + pn * M + rows, tl.sum(acc * other, axis=1), mask=in_rows)
 
     _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
                          NUM_PROGRAMS)
-    if WITH_SCALED:
-        _zero_outside_groups(scaled_ptr, pid, sizes, group_ids, offset, is_local, n_tiles, M, N, BLOCK_M, BLOCK_N,
-                             NUM_PROGRAMS)
 
 
 @triton.jit
@@ -668,13 +656,12 @@ def _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N: tl.constexpr, BLOCK_N: tl.c
 def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: tl.constexpr, N: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                        COMPUTE_F32: tl.constexpr, grad_index_ptr=None, grad_scale_ptr=None,
-                       GRAD_SOURCE_ROWS: tl.constexpr = 0, GRAD_SCALED: tl.constexpr = False):
+                       GRAD_SOURCE_ROWS: tl.constexpr = 0):
     """float32 ``lhs[group rows][:, ks]^T @ grad[group rows][:, cols]``, ``BLOCK_R`` rows at a time.
 
-    With ``GRAD_SOURCE_ROWS > 0`` row ``r``'s term is ``lhs[r]^T grad[grad_index[r]]``, the gradient's
-    rows gathered as loaded; with ``GRAD_SCALED`` too, ``(grad_scale[r] * lhs[r])^T grad[grad_index[r]]``:
-    the scale goes on the narrower ``lhs`` block, so the gathered block reaches the tensor cores as
-    loaded (but Triton does not pipeline a load changed before its dot: ``lhs`` pre-scaled is faster)."""
+    With ``GRAD_SOURCE_ROWS > 0`` row ``r``'s term is ``(grad_scale[r] * lhs[r])^T grad[grad_index[r]]``:
+    the gradient's rows are gathered as loaded and the scale goes on the narrower ``lhs`` block, so the
+    gathered block reaches the tensor cores as loaded."""
     in_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     for r0 in range(group_start, group_end, BLOCK_R):
@@ -684,7 +671,7 @@ def _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K: t
             a = tl.load(a_ptrs, mask=rows_ok[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=rows_ok[:, None] & (ks < K)[None, :], other=0.0)
-        if GRAD_SCALED:
+        if GRAD_SOURCE_ROWS > 0:
             a = _scaled(a, grad_scale_ptr, r0 + in_r, rows_ok)
         b = _grad_rows(grad_ptr, r0, in_r, rows_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
         acc = _transposed_dot(a, b, acc, COMPUTE_F32)
@@ -702,7 +689,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
                 M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                 NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
-                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = False):
+                NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_kernel`` and ``gather_tgmm_kernel``."""
     pid = tl.program_id(0)
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
@@ -716,7 +703,7 @@ def _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_p
         ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K, BLOCK_N,
-                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                 BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr, GRAD_SOURCE_ROWS)
         _store_weight_tile(out_ptr + tl.cast(local_group, tl.int64) * (K * N), acc, ks, cols, K, N)
 
 
@@ -756,22 +743,20 @@ def gather_tgmm_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    GRAD_SCALED: tl.constexpr = True,
 ):
     """``tgmm_kernel`` with row ``r`` of the gradient ``grad_scale[r] * grad[grad_index[r]]`` of a
     ``[GRAD_SOURCE_ROWS, N]`` ``grad``: the weight gradient of the expert's last product read from the
-    layer output's cotangent, without its scaled ``[M, N]`` copy. Without ``GRAD_SCALED`` the rows
-    are ``grad[grad_index[r]]`` (``lhs`` carries the scale: ``gather_gmm_kernel``'s ``scaled``)."""
+    layer output's cotangent, without its scaled ``[M, N]`` copy."""
     _tgmm_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, M, K,
                 N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K, BLOCK_N, BLOCK_R, GROUP_M,
-                NUM_PROGRAMS, COMPUTE_F32, GRAD_SCALED)
+                NUM_PROGRAMS, COMPUTE_F32)
 
 
 @triton.jit
 def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K: tl.constexpr,
                            N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                            WITH_HI: tl.constexpr, COMPUTE_F32: tl.constexpr, grad_index_ptr, grad_scale_ptr,
-                           GRAD_SOURCE_ROWS: tl.constexpr, GRAD_SCALED: tl.constexpr):
+                           GRAD_SOURCE_ROWS: tl.constexpr):
     """Every ``BLOCK_K`` tile of one group's output columns ``cols``, from one load of the group's
     ``grad`` rows: ``BLOCK_R`` of them (``lo``), and where ``WITH_HI`` the next ``BLOCK_R // 2`` (``hi``)."""
     in_k = tl.arange(0, BLOCK_K)
@@ -779,7 +764,7 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
     lo_rows = group_start + in_lo
     lo_ok = lo_rows < group_end
     b_lo = _grad_rows(grad_ptr, group_start, in_lo, lo_ok, cols, N, BLOCK_N, grad_index_ptr, GRAD_SOURCE_ROWS)
-    if GRAD_SCALED:  # scaled once: the block is reused for every K tile
+    if GRAD_SOURCE_ROWS > 0:  # scaled once: the block is reused for every K tile
         b_lo = _scaled(b_lo, grad_scale_ptr, lo_rows, lo_ok)
     if WITH_HI:
         in_hi = tl.arange(0, BLOCK_R // 2)
@@ -787,7 +772,7 @@ def _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_
         hi_ok = hi_rows < group_end
         b_hi = _grad_rows(grad_ptr, group_start + BLOCK_R, in_hi, hi_ok, cols, N, BLOCK_N, grad_index_ptr,
                           GRAD_SOURCE_ROWS)
-        if GRAD_SCALED:
+        if GRAD_SOURCE_ROWS > 0:
             b_hi = _scaled(b_hi, grad_scale_ptr, hi_rows, hi_ok)
     for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
         ks = pk * BLOCK_K + in_k
@@ -807,7 +792,7 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
                          out_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr,
                          NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = False):
+                         NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """The body of ``tgmm_resident_kernel`` and ``gather_tgmm_resident_kernel``."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -821,17 +806,17 @@ def _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, grou
         if rows <= BLOCK_R:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, False, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                   GRAD_SOURCE_ROWS)
         elif rows <= BLOCK_R + BLOCK_R // 2:
             _resident_column_tiles(lhs_ptr, grad_ptr, out_group_ptr, group_start, group_end, cols, K, N, BLOCK_K,
                                    BLOCK_N, BLOCK_R, True, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                   GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                   GRAD_SOURCE_ROWS)
         else:
             for pk in range(0, (K + BLOCK_K - 1) // BLOCK_K):
                 ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
                 acc = _reduce_group_rows(lhs_ptr, grad_ptr, group_start, group_end, ks, cols, K, N, BLOCK_K,
                                          BLOCK_N, BLOCK_R, COMPUTE_F32, grad_index_ptr, grad_scale_ptr,
-                                         GRAD_SOURCE_ROWS, GRAD_SCALED)
+                                         GRAD_SOURCE_ROWS)
                 _store_weight_tile(out_group_ptr, acc, ks, cols, K, N)
 
 
@@ -872,13 +857,12 @@ def gather_tgmm_resident_kernel(
     lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr, out_ptr,
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, GRAD_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr, GRAD_SCALED: tl.constexpr = True,
+    BLOCK_R: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
 ):
-    """``tgmm_resident_kernel`` with the gathered (``GRAD_SCALED``: and scaled) gradient rows of
-    ``gather_tgmm_kernel``."""
+    """``tgmm_resident_kernel`` with the gathered, scaled gradient rows of ``gather_tgmm_kernel``."""
     _tgmm_resident_tiles(lhs_ptr, grad_ptr, grad_index_ptr, grad_scale_ptr, group_sizes_ptr, group_offset_ptr,
                          out_ptr, M, K, N, GRAD_SOURCE_ROWS, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_K,
-                         BLOCK_N, BLOCK_R, NUM_PROGRAMS, COMPUTE_F32, GRAD_SCALED)
+                         BLOCK_N, BLOCK_R, NUM_PROGRAMS, COMPUTE_F32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,12 @@ SMALL_GROUP_ROWS = 256
 group (``gmm``), and a weight-gradient tile reduces over too few rows to hide its loads (``tgmm``)."""
 
 
+FULL_TILE_MIN_ROWS = 128
+"""Small groups averaging at least this many rows still take 128-row tiles (flattened): at
+DeepSeek's 128 rows per expert on an H200 they beat 64-row tiles on all four products, padding and
+all (``benchmarks/NOTES.md``); below it, 64-row tiles."""
+
+
 def _small_groups(num_rows: int, num_groups: int) -> bool:
     return num_rows / max(num_groups, 1) < SMALL_GROUP_ROWS
 
@@ -99,16 +105,17 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
     """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class.
 
     From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
-    groups average under 256 rows (less padding in each group's last tile), a 4-deep pipeline
-    when the contraction is short (K <= 2048), else 128 x 256 tiles 3 deep. Both 128-row tiles
-    flatten their tile loop into the K loop: on an H100 at SonicMoE's shapes 316 -> 395 TFLOP/s at
-    K = 256, 478 -> 528 at K = 512; on an H200 Mixtral's transposed products (``rhs`` read as
-    ``[G, N, K]``) 641-666 -> 739-766, its others even.
+    groups average under ``FULL_TILE_MIN_ROWS`` (less padding in each group's last tile), a 4-deep
+    pipeline when groups are large and the contraction short (K <= 2048), else 128 x 256 tiles 3
+    deep. The 128-row tiles flatten their tile loop into the K loop: on an H100 at SonicMoE's shapes
+    316 -> 395 TFLOP/s at K = 256, 478 -> 528 at K = 512; on an H200 Mixtral's transposed products
+    (``rhs`` read as ``[G, N, K]``) 641-666 -> 739-766, its others even, and DeepSeek's (128 rows a
+    group) 377-446 on 64-row tiles -> 403-449.
     """
     if compute_f32:
         return _F32_CONFIG
     if _small_groups(num_rows, num_groups):
-        return _SMALL_GROUPS
+        return _SMALL_GROUPS if num_rows / max(num_groups, 1) < FULL_TILE_MIN_ROWS else _WIDE
     if k <= 2048:
         return _WIDE_SHORT_K
     return _WIDE
@@ -320,11 +327,10 @@ def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferre
 
 
 def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_offset=0, transpose_rhs=False,
-               preferred_element_type=None, scale_dot_with=False, config: TileConfig | None = None):
-    """``(out, dots, scaled)`` of :func:`.reference.gather_gmm`: ``row_scale[r] * (lhs[row_index[r]] @ rhs[g])``
-    with the rows gathered as the kernel loads them, the dots with ``dot_with`` summed from the
-    epilogue's per-column-tile partials (``None`` without ``dot_with``) and, with ``scale_dot_with``,
-    ``row_scale[r] * dot_with[r]`` stored by the same epilogue (``None`` without)."""
+               preferred_element_type=None, config: TileConfig | None = None):
+    """``(out, dots)`` of :func:`.reference.gather_gmm`: ``row_scale[r] * (lhs[row_index[r]] @ rhs[g])``
+    with the rows gathered as the kernel loads them, and the dots with ``dot_with`` summed from
+    the epilogue's per-column-tile partials (``None`` without ``dot_with``)."""
     if lhs.ndim != 2 or row_index.ndim != 1 or row_scale.shape != row_index.shape:
         raise ValueError(f"gather_gmm: expected lhs [T, K], row_index [M] and row_scale [M], got {lhs.shape}, "
                          f"{row_index.shape} and {row_scale.shape}")
@@ -334,17 +340,15 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
                                                        "gather_gmm")
     if dot_with is not None and dot_with.shape != (num_rows, n):
         raise ValueError(f"gather_gmm: dot_with must be [{num_rows}, {n}], got {dot_with.shape}")
-    if scale_dot_with and dot_with is None:
-        raise ValueError("gather_gmm: scale_dot_with needs dot_with")
     dtypes = (lhs.dtype, rhs.dtype, out_dtype) + (() if dot_with is None else (dot_with.dtype,))
     if min(num_rows, k, n, num_local_groups, lhs.shape[0]) == 0 or not has_kernel(*dtypes):
         return reference.gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes,
                                     group_offset=group_offset, transpose_rhs=transpose_rhs,
-                                    preferred_element_type=preferred_element_type, scale_dot_with=scale_dot_with)
+                                    preferred_element_type=preferred_element_type)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
     n_tiles = -(-n // launch["BLOCK_N"])
     row_scale = row_scale.astype(jnp.float32)
-    out, partial_dots, scaled = jax_triton.triton_call(
+    out, partial_dots = jax_triton.triton_call(
         lhs,
         rhs,
         row_index.astype(jnp.int32),
@@ -354,24 +358,20 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
         _offset_array(group_offset),
         kernel=gather_gmm_kernel,
         out_shape=(jax.ShapeDtypeStruct((num_rows, n), out_dtype),
-                   jax.ShapeDtypeStruct((n_tiles, num_rows) if dot_with is not None else (1,), jnp.float32),
-                   jax.ShapeDtypeStruct((num_rows, n) if scale_dot_with else (1,),
-                                        dot_with.dtype if scale_dot_with else jnp.float32)),
+                   jax.ShapeDtypeStruct((n_tiles, num_rows) if dot_with is not None else (1,), jnp.float32)),
         LHS_SOURCE_ROWS=lhs.shape[0],
         TRANSPOSE_RHS=bool(transpose_rhs),
         WITH_DOTS=dot_with is not None,
-        WITH_SCALED=bool(scale_dot_with),
         **launch,
     )
-    scaled = scaled if scale_dot_with else None
     if dot_with is None:
-        return out, None, scaled
+        return out, None
     # rows outside the local groups have no partials written: zero there
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     first = jnp.where(group_offset > 0, ends[max(group_offset - 1, 0)], 0)
     last = ends[group_offset + num_local_groups - 1]
     row_ids = jnp.arange(num_rows, dtype=jnp.int32)
-    return out, jnp.where((row_ids >= first) & (row_ids < last), partial_dots.sum(axis=0), 0.0), scaled
+    return out, jnp.where((row_ids >= first) & (row_ids < last), partial_dots.sum(axis=0), 0.0)
 
 
 def _tail_scratch(launch: dict) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
@@ -499,31 +499,24 @@ def tgmm(
 
 def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: int | None = None, group_offset=0,
                 preferred_element_type=None, config: TileConfig | None = None):
-    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]`` (``grad_scale=None``:
-    ``grad[grad_index[r]]``), gathered as the kernel loads it: no ``[M, N]`` copy of ``g`` is written.
-    The kernel puts the scale on ``lhs``'s rows instead (the narrower block; rounded once to ``lhs``'s
-    type, where the reference rounds the scaled gradient rows: the same product to that rounding).
-    Scaling in the loop costs: Triton does not pipeline the ``lhs`` loads then, so the fast form is
-    ``lhs`` scaled beforehand (``gather_gmm``'s ``scale_dot_with``) and no ``grad_scale``."""
-    scale_shape_ok = grad_scale is None or grad_scale.shape == grad_index.shape
-    if lhs.ndim != 2 or grad.ndim != 2 or grad_index.shape != (lhs.shape[0],) or not scale_shape_ok:
-        raise ValueError(f"gather_tgmm: expected lhs [M, K], grad [T, N], grad_index [M] and grad_scale [M] or None, "
-                         f"got {lhs.shape}, {grad.shape}, {grad_index.shape} and "
-                         f"{None if grad_scale is None else grad_scale.shape}")
+    """``tgmm(lhs, g)`` with ``g[r] = grad_scale[r] * grad[grad_index[r]]``, gathered as the kernel
+    loads it: no ``[M, N]`` copy of ``g`` is written. The kernel puts the scale on ``lhs``'s rows
+    instead (the narrower block; rounded once to ``lhs``'s type, where the reference rounds the scaled
+    gradient rows: the same product to that rounding)."""
+    if lhs.ndim != 2 or grad.ndim != 2 or grad_index.shape != (lhs.shape[0],) or grad_scale.shape != grad_index.shape:
+        raise ValueError(f"gather_tgmm: expected lhs [M, K], grad [T, N], grad_index [M] and grad_scale [M], got "
+                         f"{lhs.shape}, {grad.shape}, {grad_index.shape} and {grad_scale.shape}")
     if grad.shape[0] == 0 or not has_kernel(lhs.dtype, grad.dtype):
         return reference.gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, num_groups=num_groups,
                                      group_offset=group_offset, preferred_element_type=preferred_element_type)
-    index = grad_index.astype(jnp.int32)
-    # without a scale the kernel never reads its scale pointer: the index stands in
-    gather = (index, index if grad_scale is None else grad_scale.astype(jnp.float32))
+    gather = (grad_index.astype(jnp.int32), grad_scale.astype(jnp.float32))
     return _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config, None,
-                      "gather_tgmm", grad_scaled=grad_scale is not None)
+                      "gather_tgmm")
 
 
 def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config,
-               expected_rows, name: str, grad_scaled: bool = True):
-    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels' (the scale
-    applied where ``grad_scaled``)."""
+               expected_rows, name: str):
+    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels'."""
     _check_group_sizes(group_sizes, name)
     num_rows, k = lhs.shape
     n = grad.shape[1]
@@ -537,8 +530,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         options = dict(num_groups=num_groups, group_offset=group_offset, preferred_element_type=preferred_element_type)
         if gather is None:
             return reference.tgmm(lhs, grad, group_sizes, **options)
-        return reference.gather_tgmm(lhs, grad, gather[0], gather[1] if grad_scaled else None, group_sizes,
-                                     **options)
+        return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
     config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
@@ -554,7 +546,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         operands, source_rows = (), {}
     else:
         kernel = gather_tgmm_resident_kernel if resident else gather_tgmm_kernel
-        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0], "GRAD_SCALED": bool(grad_scaled)}
+        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0]}
     num_programs = _grid_size(work_items, config)
     total_groups = group_sizes.shape[0]
     return jax_triton.triton_call(

@@ -311,16 +311,13 @@ def _run_gmm_sum(kernels, case, k, programs):
 
 # The gathered products (the combine's backward through the last product): rows gathered from a
 # source with fewer rows than the product (indices repeat, and some point outside: clamped), scaled
-# per row; gather_gmm's per-column-tile dots (N = 40: three 16-column tiles, the last partial) and
-# its scaled copy of ``dot_with``; gather_tgmm scaling the rows in its loop or taking them scaled.
-GATHER_MODES = {"dots-scaled": (True, True), "dots": (True, False), "scaled": (False, True), "neither": (False, False)}
-GATHER_VARIANTS = {f"{case}-{mode}": (case, *GATHER_MODES[mode])
+# per row; gather_gmm's per-column-tile dots (N = 40: three 16-column tiles, the last partial).
+GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
                    for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
-                   for mode in (("dots-scaled", "neither") if case != "group-offset-window" else GATHER_MODES)}
-GATHER_TGMM_VARIANTS = {f"{kernel}-{case}-{'scaled' if scaled else 'prescaled'}": (kernel, case, scaled)
-                        for kernel in ("gather_tgmm_kernel", "gather_tgmm_resident_kernel")
-                        for case in ("empty-group", "several-steps", "resident-blocks")
-                        for scaled in (True, False)}
+                   for dots in (True, False)}
+GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
+                                                                          "gather_tgmm_resident_kernel")
+                        for case in ("empty-group", "several-steps", "resident-blocks")}
 
 
 def _gather_operands(rng, num_rows, width):
@@ -333,7 +330,7 @@ def _gather_operands(rng, num_rows, width):
     return source, index, scale, gathered
 
 
-def _run_gather_gmm(kernels, case, with_dots, with_scaled):
+def _run_gather_gmm(kernels, case, with_dots):
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
     k = 24
@@ -344,13 +341,12 @@ def _run_gather_gmm(kernels, case, with_dots, with_scaled):
     n_tiles = -(-N // BLOCK["BLOCK_N"])
     out = np.full((num_rows, N), np.nan, np.float32)
     dots = np.full((n_tiles, num_rows), np.nan, np.float32)
-    scaled = np.full((num_rows, N), np.nan, np.float32)
     kernels.gather_gmm_kernel[(NUM_PROGRAMS,)](
         HostTensor(source), HostTensor(rhs), HostTensor(index), HostTensor(scale), HostTensor(dot_with),
         HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)), HostTensor(out), HostTensor(dots),
-        HostTensor(scaled), M=num_rows, K=k, N=N, LHS_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local,
+        M=num_rows, K=k, N=N, LHS_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local,
         NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, TRANSPOSE_RHS=True, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True,
-        WITH_DOTS=with_dots, WITH_SCALED=with_scaled, **BLOCK,
+        WITH_DOTS=with_dots, **BLOCK,
     )
     product = gmm_reference(source[np.minimum(index, source.shape[0] - 1)], rhs, group_sizes, group_offset, True)
     in_groups = harness.row_groups(group_sizes, num_rows) - group_offset
@@ -362,30 +358,23 @@ def _run_gather_gmm(kernels, case, with_dots, with_scaled):
         result["dots_error"] = float(np.abs(got - (product * dot_with).sum(axis=1)).max(initial=0.0))
     else:
         result["dots_untouched"] = bool(np.isnan(dots).all())
-    if with_scaled:  # every row written: the scaled rows inside the local groups, zeros elsewhere
-        result["scaled"] = harness.summary(scaled, np.where(in_groups[:, None], dot_with * scale[:, None], 0.0))
-    else:
-        result["scaled_untouched"] = bool(np.isnan(scaled).all())
     return result
 
 
-def _run_gather_tgmm(kernels, kernel, case, scaled):
+def _run_gather_tgmm(kernels, kernel, case):
     group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
     k, n = 24, 40
     group_sizes = np.asarray(group_sizes, np.int32)
     lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
     source, index, scale, gathered = _gather_operands(rng, num_rows, n)
-    if not scaled:  # lhs carries the scale (gather_gmm's scaled rows); the kernel must not apply it again
-        lhs = lhs * scale[:, None]
-        gathered = gathered / scale[:, None]
     out = np.full((num_local, k, n), np.nan, np.float32)
     swizzle = {"GROUP_M": 2} if kernel == "gather_tgmm_kernel" else {}
     getattr(kernels, kernel)[(3,)](
         HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(scale), HostTensor(group_sizes),
         HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=n,
         GRAD_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, GRAD_SCALED=scaled, **swizzle,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, **swizzle,
     )
     return harness.summary(out, _tgmm_reference(lhs, gathered, group_sizes, group_offset, num_local))
 
@@ -440,20 +429,14 @@ else:
     @pytest.mark.parametrize("name", sorted(GATHER_VARIANTS))
     def test_gather_gmm_kernel_matches_reference(interpreter_report, name):
         """Gathered, scaled rows; the dots' column-tile partials cover every row of the local groups
-        and add up to the unscaled product's dots; the scaled ``dot_with`` rows are written on every
-        row (zeros outside the local groups); what was not asked for is not written."""
-        _, with_dots, with_scaled = GATHER_VARIANTS[name]
+        and add up to the unscaled product's dots; without dots the partials are not written."""
         result = interpreter_report[f"gather-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
-        if with_dots:
+        if name.endswith("-dots"):
             assert result["dots_unwritten"] == 0 and result["dots_error"] < 1e-4, result
         else:
             assert result["dots_untouched"], result
-        if with_scaled:
-            assert result["scaled"]["unwritten"] == 0 and result["scaled"]["max_error"] < 1e-6, result
-        else:
-            assert result["scaled_untouched"], result
 
     @pytest.mark.parametrize("name", sorted(GATHER_TGMM_VARIANTS))
     def test_gather_tgmm_kernels_match_reference(interpreter_report, name):
