@@ -1,31 +1,29 @@
 """Same-run A/B of kernel-backend variants on SonicMoE's layer shapes, with a per-kernel profile.
 
 Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fused SwiGLU product, no
-``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend
-as it is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` /
-``gather_tgmm``, so no ``expert_combine``); ``permuted``: ``new`` with the up projection reading the
-permuted copy of the tokens (no ``gather_swiglu_gmm``); ``nosum``: ``new``
-without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every width;
-``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``wide``: ``new`` with the
-fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with ``gmm_kernel``'s tile loop
-not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with groups of 128-255 rows on the 64-row tiles,
-``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` / ``combine1024``:
-``new`` with the last product and the combine as one piece up to that width,
-``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``). The rewritten
-layer (``moe_optimize`` of the zoo's Mixtral-idiom dense reference, as ``sonic.py`` runs it) is
-compiled per variant, checked against ``base`` (relative error of the output and of every gradient),
-and timed forward and forward+backward in alternating rounds (median of ``--reps`` per round), so
-every variant sees the same machine state. Forward+backward is ``moe_layer._fwd_vjp``, pulled back
-from a bf16 output cotangent as SonicMoE's benchmark runs ``o.backward(dout)``. ``--pipelined`` also
-times calls issued back to back (``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a
-training loop runs), which leaves out the per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one
-forward+backward step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle
-time between kernels.
+``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend as it
+is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` / ``gather_tgmm``, so no
+``expert_combine``); ``permuted``: ``new`` with the up projection reading the permuted copy of the tokens (no
+``gather_swiglu_gmm``); ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
+``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
+``wide``: ``new`` with the fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with
+``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
+groups of 128-255 rows on the 64-row tiles, ``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` /
+``combine1024``: ``new`` with the last product and the combine as one piece up to that width,
+``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``). The rewritten layer (``moe_optimize`` of the zoo's
+Mixtral-idiom dense reference, as ``sonic.py`` runs it) is compiled per variant, checked against ``base``
+(relative error of the output and of every gradient), and timed forward and forward+backward in alternating
+rounds (median of ``--reps`` per round), so every variant sees the same machine state. Forward+backward is
+``moe_layer._fwd_vjp``, pulled back from a bf16 output cotangent as SonicMoE's benchmark runs
+``o.backward(dout)``. ``--pipelined`` also times calls issued back to back
+(``moe_layer._time_back_to_back_ms``: one sync per ten calls, as a training loop runs), which leaves out the
+per-call dispatch and sync. ``--profile`` adds the GPU time per kernel of one forward and one forward+backward
+step (``jax.profiler``) for each variant, with the step's busy GPU time and its idle time between kernels.
 
     python benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 --variants base new --out /tmp/ab
 
-``--shapes`` also takes the layer configs of ``moe_layer.py`` (``qwen3``, ``mixtral``, ``deepseek``):
-the same A/B on them, with no SonicMoE column.
+``--shapes`` also takes the layer configs of ``moe_layer.py`` (``qwen3``, ``mixtral``, ``deepseek``): the same
+A/B on them, with no SonicMoE column.
 """
 
 from __future__ import annotations

@@ -135,6 +135,18 @@ def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart, k, tra
     assert _relative_error(jnp.asarray(outs[True]), expected) < TOLERANCE[jnp.bfloat16]
 
 
+def test_groups_of_128_rows_take_the_full_tile_only_where_the_loop_is_flattened():
+    """DeepSeek's 128 rows per expert: ``gmm_kernel`` (flattened) takes the 128-row tile, the kernels
+    that do not flatten keep the 64-row one, and groups under ``FULL_TILE_MIN_ROWS`` take it everywhere."""
+    experts, k, n = 256, 7168, 2048
+    deepseek_rows = 128 * experts
+    assert tgm.gmm_config(deepseek_rows, k, n, experts, False, flattened_loop=True) == tgm._WIDE
+    assert tgm.gmm_config(deepseek_rows, k, n, experts, False) == tgm._SMALL_GROUPS
+    fewer = (tgm.FULL_TILE_MIN_ROWS - 1) * experts
+    assert tgm.gmm_config(fewer, k, n, experts, False, flattened_loop=True) == tgm._SMALL_GROUPS
+    assert tgm.gmm_config(tgm.SMALL_GROUP_ROWS * experts, 512, n, experts, False) == tgm._WIDE_SHORT_K
+
+
 def test_tgmm_cases_reach_both_weight_gradient_kernels():
     small = [tgm._small_groups(rows, num_local) for _, rows, _, num_local in CASES.values()]
     assert any(small) and not all(small)

@@ -86,9 +86,11 @@ group (``gmm``), and a weight-gradient tile reduces over too few rows to hide it
 
 
 FULL_TILE_MIN_ROWS = 128
-"""Small groups averaging at least this many rows still take 128-row tiles (flattened): at
-DeepSeek's 128 rows per expert on an H200 they beat 64-row tiles on all four products, padding and
-all (``benchmarks/NOTES.md``); below it, 64-row tiles."""
+"""Small groups averaging at least this many rows still take the flattened 128-row tile in
+``gmm_kernel`` (``gmm``, ``gmm_pair``): at DeepSeek's 128 rows per expert on an H200 it beat the
+64-row tile on all four products, padding and all (``benchmarks/NOTES.md``). Below it, and in the
+kernels that do not flatten their tile loop (measured only against 64-row tiles unflattened: even,
+and slower in the expert-parallel step), 64-row tiles."""
 
 
 def _small_groups(num_rows: int, num_groups: int) -> bool:
@@ -101,11 +103,13 @@ def _rows_for_shape(num_rows: int, expected_rows: int | None) -> int:
     return num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
 
 
-def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool) -> TileConfig:
+def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool,
+               flattened_loop: bool = False) -> TileConfig:
     """Tile shape for ``[num_rows, k] x [num_groups, k, n]`` by shape class.
 
     From ``benchmarks/gmm_sweep.py`` on an H200 (``benchmarks/NOTES.md``): 64-row tiles when
-    groups average under ``FULL_TILE_MIN_ROWS`` (less padding in each group's last tile), a 4-deep
+    groups average under 256 rows (less padding in each group's last tile), except from
+    ``FULL_TILE_MIN_ROWS`` on for a kernel that flattens its tile loop (``flattened_loop``), a 4-deep
     pipeline when groups are large and the contraction short (K <= 2048), else 128 x 256 tiles 3
     deep. The 128-row tiles flatten their tile loop into the K loop: on an H100 at SonicMoE's shapes
     316 -> 395 TFLOP/s at K = 256, 478 -> 528 at K = 512; on an H200 Mixtral's transposed products
@@ -115,7 +119,8 @@ def gmm_config(num_rows: int, k: int, n: int, num_groups: int, compute_f32: bool
     if compute_f32:
         return _F32_CONFIG
     if _small_groups(num_rows, num_groups):
-        return _SMALL_GROUPS if num_rows / max(num_groups, 1) < FULL_TILE_MIN_ROWS else _WIDE
+        full_tiles = flattened_loop and num_rows / max(num_groups, 1) >= FULL_TILE_MIN_ROWS
+        return _WIDE if full_tiles else _SMALL_GROUPS
     if k <= 2048:
         return _WIDE_SHORT_K
     return _WIDE
@@ -227,7 +232,8 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
-    config = _row_tiled_config(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, config, expected_rows)
+    config = _row_tiled_config(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, config, expected_rows,
+                               flattened_loop=True)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
@@ -268,7 +274,8 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
         return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
                          config=config, zero_outside=zero_outside, expected_rows=expected_rows)
                      for rhs in (rhs_a, rhs_b))
-    config = _row_tiled_config(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, config, expected_rows)
+    config = _row_tiled_config(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, config, expected_rows,
+                               flattened_loop=True)
     launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
@@ -392,10 +399,10 @@ def _tail_pad(launch: dict) -> int:
 
 
 def _row_tiled_config(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int,
-                      config: TileConfig | None, expected_rows: int | None) -> TileConfig:
+                      config: TileConfig | None, expected_rows: int | None, flattened_loop: bool = False) -> TileConfig:
     """``config``, or the table's tile for the rows expected (see :func:`_row_tiled_launch`)."""
     return config or gmm_config(_rows_for_shape(num_rows, expected_rows), k, n, num_local_groups,
-                                _compute_f32(lhs_dtype, rhs_dtype))
+                                _compute_f32(lhs_dtype, rhs_dtype), flattened_loop)
 
 
 def _row_tiled_launch(lhs_dtype, rhs_dtype, num_rows: int, k: int, n: int, num_local_groups: int, num_groups: int,
