@@ -135,6 +135,28 @@ def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart, k, tra
     assert _relative_error(jnp.asarray(outs[True]), expected) < TOLERANCE[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("k", [512, 2304], ids=["short-k", "long-k"])
+@pytest.mark.parametrize("group_sizes", [[3000, 0, 2500, 700], [130, 0, 257, 3, 0, 411, 199]],
+                         ids=["large-groups", "groups-of-142-rows"])
+def test_float32_output_on_the_flattened_tiles(group_sizes, k):
+    """bf16 products written in float32 (the JVP compositions' accumulation dtype, the FP8 weights'
+    dequantised fallback) on the table's flattened tiles: they run unflattened there, or the
+    epilogue's shared memory does not fit; ``gmm`` and ``gmm_pair``, against the float64 reference."""
+    num_rows, n = sum(group_sizes) + 5, 512
+    keys = jax.random.split(jax.random.key(12), 3)
+    lhs = _random(keys[0], (num_rows, k), jnp.bfloat16)
+    rhs_a = _random(keys[1], (len(group_sizes), k, n), jnp.bfloat16)
+    rhs_b = _random(keys[2], (len(group_sizes), k, n), jnp.bfloat16)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    assert tgm.gmm_config(num_rows, k, n, len(group_sizes), False, flattened_loop=True).flatten
+    out = tgm.gmm(lhs, rhs_a, sizes, preferred_element_type=jnp.float32)
+    pair = tgm.gmm_pair(lhs, rhs_a, rhs_b, sizes, preferred_element_type=jnp.float32)
+    for got, rhs in ((out, rhs_a), (pair[0], rhs_a), (pair[1], rhs_b)):
+        assert got.dtype == jnp.float32
+        expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, 0, False)
+        assert _relative_error(got, expected) < TOLERANCE[jnp.float32]
+
+
 def test_groups_of_128_rows_take_the_full_tile_only_where_the_loop_is_flattened():
     """DeepSeek's 128 rows per expert: ``gmm_kernel`` (flattened) takes the 128-row tile, the kernels
     that do not flatten keep the 64-row one, and groups under ``FULL_TILE_MIN_ROWS`` take it everywhere."""

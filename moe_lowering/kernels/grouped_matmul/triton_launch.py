@@ -7,6 +7,7 @@ measured once on an H200 (see ``benchmarks/NOTES.md``), never tuned per call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -194,6 +195,17 @@ def _gmm_shapes(lhs, rhs, group_sizes, transpose_rhs: bool, preferred_element_ty
     return num_rows, k, n, rhs.shape[0], out_dtype
 
 
+def _for_output(config: TileConfig, out_dtype) -> TileConfig:
+    """``config`` as ``gmm_kernel`` can run it for ``out_dtype``: unflattened for a float32 output.
+    Flattened, the next tile's pipeline buffers are live during the epilogue, so the float32 tile's
+    layout change cannot reuse them: 128 x 256 x 64 asked for 278528 bytes of shared memory in 3
+    stages and 327680 in 4, where an H100 or H200 has 232448; unflattened 147456 and 196608 (compiled
+    for sm_90 with Triton 3.6, ``benchmarks/kernel_resources.py``'s method)."""
+    if jnp.dtype(out_dtype).itemsize <= 2:
+        return config
+    return dataclasses.replace(config, flatten=False)
+
+
 def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool, flatten: bool):
     """``gmm_kernel``'s launch: the whole product, or its full waves only with ``TAIL_APART``."""
     return jax_triton.triton_call(
@@ -232,8 +244,8 @@ def gmm(
         log.debug("gmm: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", lhs.dtype, rhs.dtype, out_dtype)
         return reference.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
                              preferred_element_type=preferred_element_type, zero_outside=zero_outside)
-    config = _row_tiled_config(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, config, expected_rows,
-                               flattened_loop=True)
+    config = _for_output(_row_tiled_config(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, config,
+                                           expected_rows, flattened_loop=True), out_dtype)
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
@@ -274,8 +286,8 @@ def gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_elemen
         return tuple(gmm(lhs, rhs, group_sizes, group_offset=group_offset, preferred_element_type=preferred_element_type,
                          config=config, zero_outside=zero_outside, expected_rows=expected_rows)
                      for rhs in (rhs_a, rhs_b))
-    config = _row_tiled_config(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, config, expected_rows,
-                               flattened_loop=True)
+    config = _for_output(_row_tiled_config(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, config,
+                                           expected_rows, flattened_loop=True), out_dtype)
     launch = _row_tiled_launch(lhs.dtype, rhs_a.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config,
                                expected_rows)
     sizes_and_offset = (group_sizes.astype(jnp.int32), _offset_array(group_offset))
