@@ -7,7 +7,9 @@ is software-pipelined), and ``cuobjdump -res-usage`` reads the result. Per kerne
 thread, stack bytes per thread (spills: the local-memory traffic a kernel pays in its loops), shared
 memory, and the pipeline stages that shared memory holds. A kernel edit's register pressure can so be
 checked on a CPU before it costs GPU time (``NOTES.md``: an epilogue that spilled 4.9 KB per thread
-ran 12x slower than its neighbour).
+ran 12x slower than its neighbour), and so can whether a launch fits an H100's or H200's shared
+memory (``SHARED_LIMIT``): the products written in float32 (forward mode's compositions, the FP8
+weights' fallback) are listed too, as a flattened tile with a float32 output once did not fit.
 
     python benchmarks/kernel_resources.py --shapes 1.4B-n256 7B-n256 --out /tmp/res
 """
@@ -34,18 +36,22 @@ from sonic import SHAPES  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_MULTIPROCESSORS = 132
+SHARED_LIMIT = 232448
+"""Shared memory a block may use on an H100 or H200 (227 KB); a launch asking more fails."""
 INDEX_POINTERS = {"group_sizes_ptr", "group_offset_ptr", "row_index_ptr", "grad_index_ptr"}
 FLOAT32_POINTERS = {"row_scale_ptr", "grad_scale_ptr", "dots_ptr"}
 
 
-def resources(kernel, constexprs: dict, num_warps: int, num_stages: int) -> dict:
-    """``kernel`` compiled for ``sm_90`` with bf16 data pointers: registers, stack and shared bytes."""
+def resources(kernel, constexprs: dict, num_warps: int, num_stages: int, float32_out: bool = False) -> dict:
+    """``kernel`` compiled for ``sm_90`` with bf16 data pointers (``out_ptr`` float32 with
+    ``float32_out``): registers, stack and shared bytes."""
+    float32_pointers = FLOAT32_POINTERS | ({"out_ptr"} if float32_out else set())
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
-            signature[name] = ("*i32" if name in INDEX_POINTERS else "*fp32" if name in FLOAT32_POINTERS
+            signature[name] = ("*i32" if name in INDEX_POINTERS else "*fp32" if name in float32_pointers
                                else "*bf16")
         else:
             signature[name] = "i32"
@@ -80,8 +86,9 @@ def _launchers():
 
 
 def kernel_specs(shape):
-    """``(label, kernel, constexprs, num_warps, num_stages, bytes of one pipeline stage)`` for each
-    product of ``shape``'s SwiGLU expert forward and backward, at its launcher's table tile."""
+    """``(label, kernel, constexprs, num_warps, num_stages, bytes of one pipeline stage, float32 output)``
+    for each product of ``shape``'s SwiGLU expert forward and backward at its launcher's table tile,
+    then ``gmm_kernel``'s products written in float32."""
     from moe_lowering.kernels.grouped_matmul import triton_kernels as grouped
     from moe_lowering.kernels.swiglu_gmm import triton_kernels as swiglu
 
@@ -92,8 +99,8 @@ def kernel_specs(shape):
     groups = dict(NUM_LOCAL_GROUPS=experts, NUM_GROUPS=experts, GROUPS_PAD=launch._next_power_of_two(experts),
                   COMPUTE_F32=False)
 
-    def row_tiled(k, out_n, config=None, **extra):
-        config = config or launch.gmm_config(rows, k, out_n, experts, False)
+    def row_tiled(k, out_n, config=None, flattened_loop=False, **extra):
+        config = config or launch.gmm_config(rows, k, out_n, experts, False, flattened_loop)
         tile = dict(groups, M=rows, K=k, N=out_n, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     BLOCK_K=config.block_k, GROUP_M=config.group_m,
                     NUM_PROGRAMS=launch._row_tile_grid(rows, out_n, experts, config), FLATTEN=config.flatten,
@@ -120,7 +127,7 @@ def kernel_specs(shape):
          *row_tiled(d, n, up, LHS_SOURCE_ROWS=shape.T)[:3], up_stage),
         ("training forward: up projection and pre-activations", swiglu.swiglu_gmm_preactivations_kernel,
          *row_tiled(d, n, up)[:3], up_stage),
-        ("forward: down projection", grouped.gmm_kernel, *row_tiled(n, d, TRANSPOSE_RHS=False)),
+        ("forward: down projection", grouped.gmm_kernel, *row_tiled(n, d, flattened_loop=True, TRANSPOSE_RHS=False)),
         ("backward: d_rows of gate and up (gmm_sum)", grouped.gmm_sum_kernel, *row_tiled(2 * n, d)),
         ("backward: d_w_gate, d_w_up", grouped.tgmm_kernel, *weight_tiled(d, n)),
     ]
@@ -130,14 +137,20 @@ def kernel_specs(shape):
                   ("backward: d_w_down, gathered cotangent", grouped.gather_tgmm_kernel,
                    *weight_tiled(n, d, GRAD_SOURCE_ROWS=shape.T))]
     else:
-        specs += [("backward: d_act (spread cotangent)", grouped.gmm_kernel, *row_tiled(d, n, TRANSPOSE_RHS=True)),
+        specs += [("backward: d_act (spread cotangent)", grouped.gmm_kernel,
+                   *row_tiled(d, n, flattened_loop=True, TRANSPOSE_RHS=True)),
                   ("backward: d_w_down (spread cotangent)", grouped.tgmm_kernel, *weight_tiled(n, d))]
     for label, kernel, constexprs, warps, stages, stage_bytes in specs:
         if "FLATTEN" not in kernel.arg_names:  # only gmm_kernel reads TileConfig.flatten
             constexprs = {name: value for name, value in constexprs.items() if name != "FLATTEN"}
         if kernel is grouped.gmm_sum_kernel:
             constexprs = {**constexprs, "K": n}  # gmm_sum's K is each product's; the tile was picked for 2n
-        yield label, kernel, constexprs, warps, stages, stage_bytes
+        yield label, kernel, constexprs, warps, stages, stage_bytes, False
+    for label, k, out_n in (("float32 output: down projection", n, d), ("float32 output: up projection", d, n)):
+        table = launch.gmm_config(rows, k, out_n, experts, False, flattened_loop=True)
+        config = launch._for_output(table, "float32")  # as gmm and gmm_pair launch it
+        constexprs, warps, stages, stage_bytes = row_tiled(k, out_n, config, TRANSPOSE_RHS=False)
+        yield label, grouped.gmm_kernel, constexprs, warps, stages, stage_bytes, True
 
 
 def main(argv=None):
@@ -151,13 +164,15 @@ def main(argv=None):
     print(f"triton {triton.__version__}, compiled for sm_90 (no GPU used)")
     print(f"{'shape':10s} {'kernel':52s} {'regs':>4s} {'stack':>5s} {'shared KB':>9s} {'stages':>6s}")
     for name in args.shapes:
-        for label, kernel, constexprs, warps, stages, stage_bytes in kernel_specs(SHAPES[name]):
+        for label, kernel, constexprs, warps, stages, stage_bytes, float32_out in kernel_specs(SHAPES[name]):
             row = {"shape": name, "kernel": label, "function": kernel.fn.__name__,
-                   **resources(kernel, constexprs, warps, stages)}
+                   **resources(kernel, constexprs, warps, stages, float32_out)}
             row["stages_in_shared"] = row["shared_bytes"] // stage_bytes
+            row["fits"] = row["shared_bytes"] <= SHARED_LIMIT
             result["rows"].append(row)
             print(f"{name:10s} {label:52s} {row['registers']:4d} {row['stack_bytes']:5d} "
-                  f"{row['shared_bytes'] / 1024:9.0f} {row['stages_in_shared']:4d}/{stages}", flush=True)
+                  f"{row['shared_bytes'] / 1024:9.0f} {row['stages_in_shared']:4d}/{stages}"
+                  f"{'' if row['fits'] else '  OVER THE SHARED-MEMORY LIMIT'}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_resources_sm90_{result['date']}.json"
     path.write_text(json.dumps(result, indent=1))
