@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +42,7 @@ _KERNEL_DTYPES = _TENSOR_CORE_DTYPES + (jnp.dtype(jnp.float32),)
 TAIL_APART = True
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TileConfig:
     """One kernel launch shape.
 
