@@ -4,7 +4,8 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 ``gmm_sum``, no gathered products and XLA's gathers: the backend before issue 20; ``new``: the backend as it
 is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` / ``gather_tgmm``, so no
 ``expert_combine``); ``permuted``: ``new`` with the up projection reading the permuted copy of the tokens (no
-``gather_swiglu_gmm``); ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
+``gather_swiglu_gmm``); ``keptcopy``: ``new`` whose training step keeps the permuted copy of the tokens
+for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
 ``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
 ``wide``: ``new`` with the fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with
 ``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
@@ -48,7 +49,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
+VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
             "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
@@ -63,6 +64,8 @@ def backend_for(variant: str):
                                    gather_tgmm=None, gather_swiglu_gmm=None)
     if variant == "permuted":  # the up projection of the permuted copy of the tokens
         return dataclasses.replace(triton, name="triton-permuted", gather_swiglu_gmm=None)
+    if variant == "keptcopy":  # the weight gradients of the up projection read a kept permuted copy
+        return dataclasses.replace(triton, name="triton-keptcopy", gather_lhs_tgmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
     if variant in ("new", "xlagather", "unflattened", "rows64", "combine512", "combine1024"):

@@ -585,41 +585,128 @@ combine_p, spread_p, combine_weights_ct_p = (_COMBINE_FAMILY[n] for n in ("combi
 # --------------------------------------------------------------------------- the up projection of the token rows
 # ``gather_swiglu_gmm(tokens, gate, up, group_sizes, token_of_row, inverse)`` is
 # ``swiglu_gmm(permute(tokens), gate, up)``, the rows read from the tokens as the kernel loads them, so
-# a forward pass never writes the permuted ``[N, D]`` copy. Differentiated, it is exactly that
-# composition (its JVP is ``swiglu_gmm``'s of the permuted rows): the weight gradients read the
-# permuted copy, which reverse mode keeps anyway (read from the tokens inside ``tgmm`` they ran 47%
-# slower than the copy costs, and computing the forward from the tokens beside the copy raised the
-# peak memory: ``benchmarks/NOTES.md``).
+# no pass writes the permuted ``[N, D]`` copy. Its tangent in the weights is ``token_gmm(tokens,
+# d_weight)``, the product of the permuted rows kept as the tokens and their row indices; that
+# transposes into ``gather_lhs_tgmm``, the weight gradient reading the tokens by index (the gathered
+# rows are the kernel's wide operand: gathering them as the transposed one ran 47% slower than the
+# copy costs, ``benchmarks/NOTES.md``). ``token_gmm`` and ``gather_lhs_tgmm`` are bilinear and
+# transpose into each other (and into ``gmm`` followed by ``unpermute`` in the tokens), as ``gmm``
+# and ``tgmm`` do. A backend without ``gather_lhs_tgmm`` differentiates the permuted rows' program.
 
 
 def _gather_swiglu_gmm_impl(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, *, kernels,
-                            preferred_element_type):
-    return kernels.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, token_of_row, group_sizes, group_offset=0,
-                                     preferred_element_type=preferred_element_type)
+                            preferred_element_type, with_preactivations):
+    out = kernels.gather_swiglu_gmm(tokens, gate_rhs, up_rhs, token_of_row, group_sizes, group_offset=0,
+                                    preferred_element_type=preferred_element_type,
+                                    with_preactivations=with_preactivations)
+    return tuple(out) if with_preactivations else (out,)
 
 
 def _gather_swiglu_gmm_shape(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, *, preferred_element_type,
-                             **_):
-    return [((token_of_row.shape[0], gate_rhs.shape[2]),
-             _out_dtype(preferred_element_type, tokens.dtype, gate_rhs.dtype, up_rhs.dtype))]
+                             with_preactivations, **_):
+    out = ((token_of_row.shape[0], gate_rhs.shape[2]),
+           _out_dtype(preferred_element_type, tokens.dtype, gate_rhs.dtype, up_rhs.dtype))
+    return [out] * (3 if with_preactivations else 1)
 
 
-def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type, batch):
+def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type, with_preactivations, batch):
     tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse = primals
 
     def permuted(x):
         return permute_p.bind(x, token_of_row, inverse, batch=_levels(batch, 0, 4, 5))
 
     rows_dot = permuted(tangents[0]) if _nonzero(tangents[0]) else tangents[0]
-    (out,), (out_dot,) = _swiglu_gmm_jvp((permuted(tokens), gate_rhs, up_rhs, group_sizes),
-                                         (rows_dot, *tangents[1:4]), kernels=kernels, group_offset=0,
-                                         preferred_element_type=preferred_element_type, with_preactivations=False,
-                                         batch=_levels(batch, 0, 1, 2, 3))
-    return out, out_dot
+    if kernels.gather_lhs_tgmm is None:
+        return _swiglu_gmm_jvp((permuted(tokens), gate_rhs, up_rhs, group_sizes), (rows_dot, *tangents[1:4]),
+                               kernels=kernels, group_offset=0, preferred_element_type=preferred_element_type,
+                               with_preactivations=with_preactivations, batch=_levels(batch, ALL, 1, 2, 3))
+    out, gate, up = gather_swiglu_gmm_p.bind(*primals, kernels=kernels, preferred_element_type=preferred_element_type,
+                                             with_preactivations=True, batch=batch)
+    primal_outs = [out, gate, up] if with_preactivations else [out]
+    if not any(_nonzero(t) for t in tangents[:3]):
+        return primal_outs, [_compat.zero_tangent(v) for v in primal_outs]
+    options = dict(kernels=kernels, preferred_element_type=out.dtype)
+    gate_terms, up_terms = [], []
+    if _nonzero(rows_dot):
+        t_gate, t_up = gmm_pair_p.bind(rows_dot, gate_rhs, up_rhs, group_sizes, group_offset=0, zero_outside=True,
+                                       expected_rows=None, batch=_levels(batch, ALL, 1, 2, 3), **options)
+        gate_terms.append(t_gate)
+        up_terms.append(t_up)
+    for terms, index in ((gate_terms, 1), (up_terms, 2)):
+        if _nonzero(tangents[index]):
+            terms.append(token_gmm_p.bind(tokens, tangents[index], group_sizes, token_of_row, inverse,
+                                          batch=_levels(batch, 0, index, 3, 4, 5), **options))
+    gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
+    up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
+    out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
+    return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
+
+
+def _token_gmm_impl(tokens, rhs, group_sizes, token_of_row, inverse, *, kernels, preferred_element_type):
+    return kernels.gmm(_take_rows(tokens, token_of_row), rhs, group_sizes, group_offset=0, transpose_rhs=False,
+                       preferred_element_type=preferred_element_type, zero_outside=True, expected_rows=None)
+
+
+def _token_gmm_shape(tokens, rhs, group_sizes, token_of_row, inverse, *, preferred_element_type, **_):
+    return [((token_of_row.shape[0], rhs.shape[2]), _out_dtype(preferred_element_type, tokens.dtype, rhs.dtype))]
+
+
+def _unpermuted_gmm(lhs, rhs, group_sizes, token_of_row, inverse, dtype, *, kernels, transpose_rhs, batch, sources):
+    """``unpermute(gmm(lhs, rhs))``: a cotangent in the tokens of a product of their permuted rows
+    (``sources``: the operands' positions, as ``_levels`` takes them)."""
+    rows = gmm_p.bind(lhs, rhs, group_sizes, kernels=kernels, group_offset=0, transpose_rhs=transpose_rhs,
+                      preferred_element_type=dtype, zero_outside=True, expected_rows=None,
+                      batch=_levels(batch, *sources[:3]))
+    return unpermute_p.bind(rows, token_of_row, inverse, dtype=dtype, batch=_levels(batch, ALL, *sources[3:]))
+
+
+def _token_gmm_transpose(ct, tokens, rhs, group_sizes, token_of_row, inverse, *, kernels, preferred_element_type,
+                         batch):
+    del preferred_element_type
+    if not _nonzero(ct):
+        return [None] * 5
+    if _compat.is_undefined_primal(tokens):  # d_tokens = unpermute(ct @ rhs[g]^T)
+        d_tokens = _unpermuted_gmm(ct, rhs, group_sizes, token_of_row, inverse, tokens.aval.dtype, kernels=kernels,
+                                   transpose_rhs=True, batch=batch, sources=(ALL, 1, 2, 3, 4))
+        return [_sum_unbatched(d_tokens, batch, 0), None, None, None, None]
+    d_rhs = gather_lhs_tgmm_p.bind(tokens, ct, group_sizes, token_of_row, inverse, kernels=kernels,
+                                   num_groups=_core_shape(rhs.aval, batch, 1)[0], preferred_element_type=rhs.aval.dtype,
+                                   batch=_levels(batch, 0, ALL, 2, 3, 4))
+    return [None, _sum_unbatched(d_rhs, batch, 1), None, None, None]
+
+
+def _gather_lhs_tgmm_impl(tokens, grad, group_sizes, token_of_row, inverse, *, kernels, num_groups,
+                          preferred_element_type):
+    return kernels.gather_lhs_tgmm(tokens, grad, token_of_row, group_sizes, num_groups=num_groups, group_offset=0,
+                                   preferred_element_type=preferred_element_type)
+
+
+def _gather_lhs_tgmm_shape(tokens, grad, group_sizes, token_of_row, inverse, *, num_groups, preferred_element_type,
+                           **_):
+    return [((num_groups, tokens.shape[1], grad.shape[1]), _out_dtype(preferred_element_type, tokens.dtype,
+                                                                         grad.dtype))]
+
+
+def _gather_lhs_tgmm_transpose(ct, tokens, grad, group_sizes, token_of_row, inverse, *, kernels, num_groups,
+                               preferred_element_type, batch):
+    del num_groups, preferred_element_type
+    if not _nonzero(ct):
+        return [None] * 5
+    if _compat.is_undefined_primal(tokens):  # d_tokens = unpermute(grad[r] @ ct[g]^T)
+        d_tokens = _unpermuted_gmm(grad, ct, group_sizes, token_of_row, inverse, tokens.aval.dtype, kernels=kernels,
+                                   transpose_rhs=True, batch=batch, sources=(1, ALL, 2, 3, 4))
+        return [_sum_unbatched(d_tokens, batch, 0), None, None, None, None]
+    d_grad = token_gmm_p.bind(tokens, ct, group_sizes, token_of_row, inverse, kernels=kernels,  # tokens[r] @ ct[g]
+                              preferred_element_type=grad.aval.dtype, batch=_levels(batch, 0, ALL, 2, 3, 4))
+    return [None, _sum_unbatched(d_grad, batch, 1), None, None, None]
 
 
 gather_swiglu_gmm_p = _define("moe_gather_swiglu_gmm", _gather_swiglu_gmm_impl, _gather_swiglu_gmm_shape,
-                              jvp=_gather_swiglu_gmm_jvp)
+                              multiple_results=True, jvp=_gather_swiglu_gmm_jvp)
+token_gmm_p = _define("moe_token_gmm", _token_gmm_impl, _token_gmm_shape, jvp="bilinear",
+                      transpose=_token_gmm_transpose)
+gather_lhs_tgmm_p = _define("moe_gather_lhs_tgmm", _gather_lhs_tgmm_impl, _gather_lhs_tgmm_shape, jvp="bilinear",
+                            transpose=_gather_lhs_tgmm_transpose)
 
 
 # --------------------------------------------------------------------------- the last product and the combine
@@ -870,7 +957,8 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inver
     """``swiglu_gmm(permute(tokens), gate_rhs, up_rhs)`` (all groups local) with the rows read from the
     tokens, through ``kernels.gather_swiglu_gmm``."""
     return gather_swiglu_gmm_p.bind(tokens, gate_rhs, up_rhs, group_sizes, token_of_row, inverse, kernels=kernels,
-                                    preferred_element_type=_dtype_or_none(preferred_element_type), batch=())
+                                    preferred_element_type=_dtype_or_none(preferred_element_type),
+                                    with_preactivations=False, batch=())[0]
 
 
 def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, order, group_sizes, kernels, *,

@@ -322,10 +322,13 @@ def test_last_product_and_combine_match_them_apart(monkeypatch):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
-def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatch):
-    """``gather_swiglu_gmm`` (the SwiGLU up-projection reading the routed rows from the tokens; its JVP
-    is the permuted rows' product) against the same layer on permuted rows: outputs, every gradient,
-    forward mode, a Hessian-vector product and ``vmap`` of the gradient, on the zoo's Mixtral idiom."""
+@pytest.mark.parametrize("against", ["permuted-rows", "permuted-copy-for-weight-gradients"])
+def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatch, against):
+    """``gather_swiglu_gmm`` (the SwiGLU up-projection reading the routed rows from the tokens; its weight
+    gradients ``gather_lhs_tgmm`` read them again) against the same layer on permuted rows, and against
+    the gathered forward whose weight gradients read a kept permuted copy (a backend without
+    ``gather_lhs_tgmm``): outputs, every gradient, forward mode, a Hessian-vector product both ways
+    (forward over reverse and reverse over reverse) and ``vmap`` of the gradient, on the zoo's Mixtral."""
     import dataclasses
 
     from moe_lowering import moe_optimize
@@ -336,7 +339,11 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
     model = ZOO["mixtral"].sized(T=24, E=8)
     params, x = model.args(jax.random.key(6))
     xla = get_backend("xla")
-    permuted = dataclasses.replace(xla, name="xla-permuted", gather_swiglu_gmm=None)
+    if against == "permuted-rows":
+        other = dataclasses.replace(xla, name="xla-permuted", gather_swiglu_gmm=None)
+    else:
+        other = dataclasses.replace(xla, name="xla-kept-copy", gather_lhs_tgmm=None)
+    probe = jax.tree_util.tree_map(lambda v: jnp.cos(3.0 * v), (params, x))
 
     def results():
         layer = moe_optimize(model.fn, strict=True, backend="xla")  # one per backend: its trace is cached
@@ -344,16 +351,29 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
         def loss(p, x):
             return jnp.sum(jnp.sin(layer(p, x)))
 
+        def grad_dot_probe(p, x):
+            grads = jax.grad(loss, argnums=(0, 1))(p, x)
+            return sum(jnp.vdot(g, v) for g, v in zip(jax.tree_util.tree_leaves(grads),
+                                                       jax.tree_util.tree_leaves(probe)))
+
         jaxpr = str(jax.make_jaxpr(layer)(params, x))
+        grad_jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
         grads = jax.grad(loss, argnums=(0, 1))(params, x)
         tangent = jax.jvp(loss, (params, x), (params, x))[1]
         hvp = jax.jvp(jax.grad(loss, argnums=(0, 1)), (params, x), (params, x))[1]
+        reverse_hvp = jax.grad(grad_dot_probe, argnums=(0, 1))(params, x)
         batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x]))
-        return jaxpr, jax.tree_util.tree_leaves((layer(params, x), loss(params, x), grads, tangent, hvp, batched))
+        leaves = (layer(params, x), loss(params, x), grads, tangent, hvp, reverse_hvp, batched)
+        return jaxpr, grad_jaxpr, jax.tree_util.tree_leaves(leaves)
 
-    gathered_jaxpr, gathered = results()
-    monkeypatch.setattr(sparse_moe_module, "get_backend", lambda name: permuted if name == "xla" else get_backend(name))
-    permuted_jaxpr, apart = results()
-    assert "moe_gather_swiglu_gmm" in gathered_jaxpr and "moe_gather_swiglu_gmm" not in permuted_jaxpr
+    gathered_jaxpr, gathered_grad_jaxpr, gathered = results()
+    monkeypatch.setattr(sparse_moe_module, "get_backend", lambda name: other if name == "xla" else get_backend(name))
+    other_jaxpr, other_grad_jaxpr, apart = results()
+    assert "moe_gather_swiglu_gmm" in gathered_jaxpr
+    # a training step writes no permuted copy of the tokens: the weight gradients read them by index
+    assert "moe_gather_lhs_tgmm" in gathered_grad_jaxpr and "moe_permute[" not in gathered_grad_jaxpr
+    assert "moe_gather_lhs_tgmm" not in other_grad_jaxpr and "moe_permute[" in other_grad_jaxpr
+    if against == "permuted-rows":
+        assert "moe_gather_swiglu_gmm" not in other_jaxpr
     for got, want in zip(gathered, apart):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

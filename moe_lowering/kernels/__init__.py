@@ -69,7 +69,11 @@ class KernelBackend:
     ``gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset,
     preferred_element_type)``: ``swiglu_gmm`` of the token rows in expert order,
     ``tokens[row_index]``, read from the tokens (a forward pass without the permuted copy of the
-    tokens); ``None``: the rows are permuted first.
+    tokens); ``None``: the rows are permuted first; ``with_preactivations=True`` also returns both products.
+    ``gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups, group_offset,
+    preferred_element_type)``: ``tgmm(lhs_source[lhs_index], grad)``, the weight gradient of that
+    up-projection read from the tokens; ``None``: a training step keeps the permuted copy of the tokens
+    for ``tgmm``.
     """
 
     name: str
@@ -84,6 +88,7 @@ class KernelBackend:
     gather_gmm: Callable | None = None
     gather_tgmm: Callable | None = None
     gather_swiglu_gmm: Callable | None = None
+    gather_lhs_tgmm: Callable | None = None
 
     def __repr__(self) -> str:  # short: a backend is a parameter of the sparse MoE's primitives, printed in jaxprs
         return f"KernelBackend({self.name!r})"
@@ -126,11 +131,12 @@ def _load_xla() -> KernelBackend:
     """The portable backend: the references, grouped products as XLA tile loops. It offers the
     SwiGLU up-projection as its jnp reference too: on a CPU that was measured no slower than the
     unfused products forward and faster forward+backward (``benchmarks/NOTES.md``)."""
-    from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_tgmm, gmm, tgmm
+    from moe_lowering.kernels.grouped_matmul.reference import gather_gmm, gather_lhs_tgmm, gather_tgmm, gmm, tgmm
     from moe_lowering.kernels.swiglu_gmm.reference import gather_swiglu_gmm_reference, swiglu_gmm_reference
 
     return KernelBackend(name="xla", gmm=gmm, tgmm=tgmm, swiglu_gmm=swiglu_gmm_reference, gather_gmm=gather_gmm,
-                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference)
+                         gather_tgmm=gather_tgmm, gather_swiglu_gmm=gather_swiglu_gmm_reference,
+                         gather_lhs_tgmm=gather_lhs_tgmm)
 
 
 def _load_triton() -> KernelBackend:
@@ -166,6 +172,7 @@ def _load_triton() -> KernelBackend:
         gather_gmm=sequential_under_vmap(grouped_matmul.gather_gmm),
         gather_tgmm=sequential_under_vmap(grouped_matmul.gather_tgmm),
         gather_swiglu_gmm=sequential_under_vmap(swiglu_gmm.gather_swiglu_gmm),
+        gather_lhs_tgmm=sequential_under_vmap(grouped_matmul.gather_lhs_tgmm),
     )
 
 

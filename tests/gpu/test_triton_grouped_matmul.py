@@ -410,6 +410,28 @@ def test_gather_gmm_and_gather_tgmm_match_reference(case, dtype):
     assert _relative_error(d_weight.astype(jnp.float32), expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gather_lhs_tgmm_matches_reference(case, dtype):
+    """The up projection's weight gradient reading the token rows by index (repeated, some past the
+    source: clamped), its tiles stored transposed (the resident schedule, and the row loop for
+    ``large-groups``): ``[G, D, N]`` against the float32 product of the gathered rows, every element
+    written (poisoned memory first)."""
+    group_sizes, num_rows, group_offset, num_local = CASES[case]
+    d, n = 328, 200
+    keys = jax.random.split(jax.random.key(hash(("gather_lhs", case)) % 2**31), 2)
+    source, index, _ = _gathered(keys[0], num_rows, d, dtype)
+    grad = _random(keys[1], (num_rows, n), dtype)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    rows = np.asarray(source.astype(jnp.float32))[np.minimum(np.asarray(index), source.shape[0] - 1)]
+    expected = _tgmm_reference(rows, grad.astype(jnp.float32), group_sizes, group_offset, num_local)
+    _poison((num_local, d, n), dtype)
+    got = tgm.gather_lhs_tgmm(source, grad, index, sizes, num_groups=num_local, group_offset=group_offset)
+    assert got.shape == (num_local, d, n) and got.dtype == dtype
+    assert np.isfinite(np.asarray(got.astype(jnp.float32))).all()
+    assert _relative_error(got.astype(jnp.float32), expected) < TOLERANCE[dtype]
+
+
 def test_layer_combined_in_its_last_product_equals_them_apart(monkeypatch):
     """The sparse MoE with ``expert_combine`` (gathered backward products) against the last product and
     the combine apart on the Triton backend, dropped copies included: outputs and every gradient to

@@ -169,11 +169,12 @@ def test_backend_fuses_only_narrow_experts(n, fused, monkeypatch):
     assert get_backend("triton").swiglu_gmm is not None
 
 
+@pytest.mark.parametrize("with_preactivations", [False, True], ids=["fused", "with-preactivations"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_gather_swiglu_gmm_matches_reference(case, dtype):
+def test_gather_swiglu_gmm_matches_reference(case, dtype, with_preactivations):
     """The up projection reading its rows from fewer token rows (indices repeating) as it loads them,
-    against the products of the gathered rows."""
+    against the products of the gathered rows (and, stored for the backward, both products)."""
     lhs, gate, up, _, sizes, offset = _operands(case, dtype)
     group_sizes = np.asarray(sizes)
     keys = jax.random.split(jax.random.key(3), 2)
@@ -181,17 +182,21 @@ def test_gather_swiglu_gmm_matches_reference(case, dtype):
     index = jax.random.randint(keys[1], (lhs.shape[0],), 0, tokens.shape[0])
     rows32 = np.asarray(tokens.astype(jnp.float32))[np.asarray(index)]
     jnp.full((lhs.shape[0], 3 * gate.shape[2]), jnp.nan, dtype).block_until_ready()
-    got = tsw.gather_swiglu_gmm(tokens, gate, up, index, sizes, group_offset=offset)
+    got = tsw.gather_swiglu_gmm(tokens, gate, up, index, sizes, group_offset=offset,
+                                with_preactivations=with_preactivations)
     gate32, up32 = _f32(gate, up)
-    expected = _silu(_products(rows32, gate32, group_sizes, offset)) * _products(rows32, up32, group_sizes, offset)
-    assert got.shape == expected.shape and got.dtype == dtype
-    assert _relative_error(got.astype(jnp.float32), expected) < TOLERANCE[dtype]
+    gate_ref, up_ref = _products(rows32, gate32, group_sizes, offset), _products(rows32, up32, group_sizes, offset)
+    outputs = got if with_preactivations else (got,)
+    for out, expected in zip(outputs, (_silu(gate_ref) * up_ref, gate_ref, up_ref)):
+        assert out.shape == expected.shape and out.dtype == dtype
+        assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
 
 
 def test_layer_forward_reads_the_tokens_without_permuting_them(monkeypatch):
     """The rewritten Mixtral layer's forward with ``gather_swiglu_gmm``: no row-gather kernel (the
-    permuted copy is never made), the same output as on permuted rows; differentiated, it is the
-    permuted rows' program, and the gradients agree to bf16 rounding."""
+    permuted copy is never made), the same output as on permuted rows; differentiated, the weight
+    gradients read the tokens too (``gather_lhs_tgmm``: no row gather in the training step either),
+    and the gradients agree to bf16 rounding."""
     from moe_lowering import moe_optimize
     from moe_lowering.testing import ZOO
 
@@ -206,8 +211,11 @@ def test_layer_forward_reads_the_tokens_without_permuting_them(monkeypatch):
         forward = jax.jit(layer).lower(params, x).compile().as_text()
         kernels[name] = forward.count('custom_call_target="triton_kernel_call"')
         loss = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(layer(p, x).astype(jnp.float32)))))
+        step = loss.lower(params, x).compile().as_text()
+        kernels[f"{name}-step"] = step.count('custom_call_target="triton_kernel_call"')
         results[name] = jax.tree_util.tree_leaves((jax.jit(layer)(params, x), loss(params, x)))
     assert kernels["gathered"] == kernels["permuted"] - 1, kernels  # no row-gather kernel
+    assert kernels["gathered-step"] == kernels["permuted-step"] - 1, kernels  # nor in the training step
     for got, want in zip(results["gathered"], results["permuted"]):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert np.isfinite(got).all() and np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)

@@ -219,3 +219,12 @@ def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: i
     rows = jnp.take(grad, grad_index, axis=0, mode="clip").astype(acc_dtype) * grad_scale.astype(acc_dtype)[:, None]
     return tgmm(lhs, rows.astype(grad.dtype), group_sizes, num_groups=num_groups, group_offset=group_offset,
                 preferred_element_type=preferred_element_type)
+
+
+def gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
+                    preferred_element_type=None):
+    """``tgmm(lhs_source[lhs_index], grad)`` (``[G, D, N]``): the weight gradient of a product of token
+    rows in expert order. The GPU kernel gathers the rows as it loads them."""
+    rows = jnp.take(lhs_source, lhs_index, axis=0, mode="clip")
+    return tgmm(rows, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
+                preferred_element_type=preferred_element_type)

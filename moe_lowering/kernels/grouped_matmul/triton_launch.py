@@ -18,6 +18,8 @@ import jax_triton
 from moe_lowering.kernels.grouped_matmul import reference
 from moe_lowering.kernels.grouped_matmul.triton_kernels import (
     gather_gmm_kernel,
+    gather_lhs_tgmm_kernel,
+    gather_lhs_tgmm_resident_kernel,
     gather_tgmm_kernel,
     gather_tgmm_resident_kernel,
     gmm_kernel,
@@ -532,22 +534,44 @@ def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: i
                       "gather_tgmm")
 
 
+def gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
+                    preferred_element_type=None, config: TileConfig | None = None):
+    """``tgmm(lhs_source[lhs_index], grad)``, ``[G, D, N]``: the weight gradient of a product of token
+    rows in expert order, read from the ``[T, D]`` tokens as the kernel loads them (no ``[M, D]``
+    permuted copy). It runs as ``gather_lhs_tgmm_kernel``: ``gather_tgmm``'s kernel, unscaled, with
+    the gathered rows as its wide operand and its tiles stored transposed."""
+    if (lhs_source.ndim != 2 or grad.ndim != 2 or lhs_index.ndim != 1
+            or lhs_index.shape[0] != grad.shape[0]):
+        raise ValueError(f"gather_lhs_tgmm: expected lhs_source [T, D], grad [M, N] and lhs_index [M], got "
+                         f"{lhs_source.shape}, {grad.shape} and {lhs_index.shape}")
+    if lhs_source.shape[0] == 0 or not has_kernel(lhs_source.dtype, grad.dtype):
+        return reference.gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, num_groups=num_groups,
+                                         group_offset=group_offset, preferred_element_type=preferred_element_type)
+    return _tgmm_call(grad, lhs_source, (lhs_index.astype(jnp.int32),), group_sizes, num_groups, group_offset,
+                      preferred_element_type, config, None, "gather_lhs_tgmm")
+
+
 def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferred_element_type, config,
                expected_rows, name: str):
-    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels'."""
+    """``tgmm``'s launch; with ``gather = (grad_index, grad_scale)`` the gathered kernels', with
+    ``gather = (grad_index,)`` the unscaled transposed ones (``[G, N, K]``: ``gather_lhs_tgmm``)."""
     _check_group_sizes(group_sizes, name)
     num_rows, k = lhs.shape
     n = grad.shape[1]
     num_local_groups = group_sizes.shape[0] if num_groups is None else num_groups
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
+    transposed = gather is not None and len(gather) == 1
+    out_core = (n, k) if transposed else (k, n)
     if num_rows == 0 or n == 0 or k == 0 or num_local_groups == 0:
-        return jnp.zeros((num_local_groups, k, n), out_dtype)
+        return jnp.zeros((num_local_groups, *out_core), out_dtype)
     if not has_kernel(lhs.dtype, grad.dtype, out_dtype):
         log.debug("%s: dtypes %s, %s -> %s have no Triton kernel; using the XLA path", name, lhs.dtype, grad.dtype,
                   out_dtype)
         options = dict(num_groups=num_groups, group_offset=group_offset, preferred_element_type=preferred_element_type)
         if gather is None:
             return reference.tgmm(lhs, grad, group_sizes, **options)
+        if transposed:
+            return reference.gather_lhs_tgmm(grad, lhs, *gather, group_sizes, **options)
         return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
@@ -562,6 +586,9 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
     if gather is None:
         kernel = tgmm_resident_kernel if resident else tgmm_kernel
         operands, source_rows = (), {}
+    elif transposed:
+        kernel = gather_lhs_tgmm_resident_kernel if resident else gather_lhs_tgmm_kernel
+        operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0]}
     else:
         kernel = gather_tgmm_resident_kernel if resident else gather_tgmm_kernel
         operands, source_rows = gather, {"GRAD_SOURCE_ROWS": grad.shape[0]}
@@ -574,7 +601,7 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         group_sizes.astype(jnp.int32),
         _offset_array(group_offset),
         kernel=kernel,
-        out_shape=jax.ShapeDtypeStruct((num_local_groups, k, n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((num_local_groups, *out_core), out_dtype),
         grid=(num_programs,),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

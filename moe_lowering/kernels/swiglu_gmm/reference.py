@@ -42,11 +42,11 @@ def swiglu_gmm_reference(
 
 
 def gather_swiglu_gmm_reference(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset=0,
-                                preferred_element_type=None):
+                                preferred_element_type=None, with_preactivations: bool = False):
     """:func:`swiglu_gmm_reference` of the rows ``tokens[row_index[r]]`` (the token rows in expert order)."""
     rows = jnp.take(tokens, row_index, axis=0, mode="clip")
     return swiglu_gmm_reference(rows, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                preferred_element_type=preferred_element_type)
+                                preferred_element_type=preferred_element_type, with_preactivations=with_preactivations)
 
 
 def swiglu_grads(d_out, gate, up):

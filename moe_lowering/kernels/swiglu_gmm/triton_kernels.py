@@ -164,3 +164,18 @@ def gather_swiglu_gmm_kernel(
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, out_ptr, out_ptr, M, K, N,
                       NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
                       COMPUTE_F32, False, row_index_ptr, LHS_SOURCE_ROWS)
+
+
+@triton.jit
+def gather_swiglu_gmm_preactivations_kernel(
+    lhs_ptr, gate_ptr, up_ptr, row_index_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr, up_out_ptr,
+    M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
+):
+    """``gather_swiglu_gmm_kernel`` that also stores both products, the backward's residuals: a
+    training step's forward reads the tokens by index too, and no permuted copy is kept for the
+    weight gradients (``gather_lhs_tgmm`` reads the tokens again)."""
+    _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr, up_out_ptr,
+                      M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      NUM_PROGRAMS, COMPUTE_F32, True, row_index_ptr, LHS_SOURCE_ROWS)

@@ -29,6 +29,7 @@ from moe_lowering.kernels.grouped_matmul.triton_launch import (
 from moe_lowering.kernels.swiglu_gmm import reference
 from moe_lowering.kernels.swiglu_gmm.triton_kernels import (
     gather_swiglu_gmm_kernel,
+    gather_swiglu_gmm_preactivations_kernel,
     swiglu_gmm_kernel,
     swiglu_gmm_preactivations_kernel,
 )
@@ -124,10 +125,11 @@ def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, pr
 
 
 def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group_offset=0, preferred_element_type=None,
-                      config: TileConfig | None = None):
+                      with_preactivations: bool = False, config: TileConfig | None = None):
     """``swiglu_gmm_or_pair`` of the rows ``tokens[row_index[r]]``: up to ``FUSED_MAX_N`` wide the
     fused kernel gathers them as it loads them (no ``[M, K]`` permuted copy); wider, the rows are
-    gathered first (XLA) and ``swiglu_gmm_or_pair`` runs on them."""
+    gathered first (XLA) and ``swiglu_gmm_or_pair`` runs on them. ``with_preactivations``: also
+    both products, as ``swiglu_gmm``."""
     reference.check_swiglu_operands(tokens, gate_rhs, up_rhs, "gather_swiglu_gmm")
     _check_group_sizes(group_sizes, "gather_swiglu_gmm")
     num_rows, k = row_index.shape[0], tokens.shape[1]
@@ -138,11 +140,13 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
             or not dtypes <= set(_KERNEL_DTYPES)):
         rows = jnp.take(tokens, row_index, axis=0, mode="clip")
         return swiglu_gmm_or_pair(rows, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                  preferred_element_type=preferred_element_type)
+                                  preferred_element_type=preferred_element_type,
+                                  with_preactivations=with_preactivations)
     compute_f32 = _compute_f32(tokens.dtype, gate_rhs.dtype, up_rhs.dtype)
     config = config or swiglu_config(num_rows, k, n, num_local_groups, compute_f32)
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
+    out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
     return jax_triton.triton_call(
         tokens,
         gate_rhs,
@@ -150,8 +154,8 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
         row_index.astype(jnp.int32),
         group_sizes.astype(jnp.int32),
         _offset_array(group_offset),
-        kernel=gather_swiglu_gmm_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), out_dtype),
+        kernel=gather_swiglu_gmm_preactivations_kernel if with_preactivations else gather_swiglu_gmm_kernel,
+        out_shape=(out_shape, out_shape, out_shape) if with_preactivations else out_shape,
         grid=(num_programs,),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -318,6 +318,10 @@ GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
 GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
                                                                           "gather_tgmm_resident_kernel")
                         for case in ("empty-group", "several-steps", "resident-blocks")}
+# The up projection's weight gradient read from the tokens: unscaled gathered rows, tiles stored transposed.
+GATHER_LHS_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_lhs_tgmm_kernel",
+                                                                              "gather_lhs_tgmm_resident_kernel")
+                            for case in ("empty-group", "several-steps", "resident-blocks")}
 
 
 def _gather_operands(rng, num_rows, width):
@@ -379,6 +383,26 @@ def _run_gather_tgmm(kernels, kernel, case):
     return harness.summary(out, _tgmm_reference(lhs, gathered, group_sizes, group_offset, num_local))
 
 
+def _run_gather_lhs_tgmm(kernels, kernel, case):
+    group_sizes, num_rows, group_offset, num_local = TGMM_CASES[case]
+    rng = np.random.default_rng(len(group_sizes) * 10 + num_rows + 1)
+    k, n = 24, 40
+    group_sizes = np.asarray(group_sizes, np.int32)
+    lhs = rng.standard_normal((num_rows, k)).astype(np.float32)
+    source, index, _, _ = _gather_operands(rng, num_rows, n)
+    gathered = source[np.minimum(index, source.shape[0] - 1)]
+    out = np.full((num_local, n, k), np.nan, np.float32)
+    swizzle = {"GROUP_M": 2} if kernel == "gather_lhs_tgmm_kernel" else {}
+    getattr(kernels, kernel)[(3,)](
+        HostTensor(lhs), HostTensor(source), HostTensor(index), HostTensor(group_sizes),
+        HostTensor(np.array([group_offset], np.int32)), HostTensor(out), M=num_rows, K=k, N=n,
+        GRAD_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
+        BLOCK_K=16, BLOCK_N=16, BLOCK_R=16, NUM_PROGRAMS=3, COMPUTE_F32=True, **swizzle,
+    )
+    expected = _tgmm_reference(gathered, lhs, group_sizes, group_offset, num_local)  # [G, N, K]
+    return harness.summary(out, expected)
+
+
 def _jobs():
     """Every case as a job for the interpreter child (see ``interpreter_harness``)."""
     from moe_lowering.kernels.grouped_matmul import triton_kernels as kernels
@@ -399,13 +423,16 @@ def _jobs():
                  for name, variant in GATHER_VARIANTS.items()})
     jobs.update({f"gather-tgmm-{name}": (lambda v=variant: _run_gather_tgmm(kernels, *v))
                  for name, variant in GATHER_TGMM_VARIANTS.items()})
+    jobs.update({f"gather-lhs-tgmm-{name}": (lambda v=variant: _run_gather_lhs_tgmm(kernels, *v))
+                 for name, variant in GATHER_LHS_TGMM_VARIANTS.items()})
     return jobs
 
 
 JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
             + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
             + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS]
-            + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS])
+            + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS]
+            + [f"gather-lhs-tgmm-{n}" for n in GATHER_LHS_TGMM_VARIANTS])
 
 
 if __name__ == "__main__":
@@ -441,6 +468,14 @@ else:
     @pytest.mark.parametrize("name", sorted(GATHER_TGMM_VARIANTS))
     def test_gather_tgmm_kernels_match_reference(interpreter_report, name):
         result = interpreter_report[f"gather-tgmm-{name}"]
+        assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
+        assert result["max_error"] < 1e-5, result
+
+    @pytest.mark.parametrize("name", sorted(GATHER_LHS_TGMM_VARIANTS))
+    def test_gather_lhs_tgmm_kernels_match_reference(interpreter_report, name):
+        """Token rows gathered by index (repeated, clamped), tiles stored transposed: every element
+        of the ``[G, N, K]`` output written, empty groups zero."""
+        result = interpreter_report[f"gather-lhs-tgmm-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 

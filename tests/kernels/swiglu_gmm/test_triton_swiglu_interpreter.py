@@ -2,7 +2,8 @@
 
 Checks the fused kernel's scheduling, both accumulators, the epilogue and the zero rows outside
 the local groups against a float64 reference, with and without the stored pre-activations, and with
-the rows gathered from fewer token rows as loaded (``gather_swiglu_gmm_kernel``). The kernels run in
+the rows gathered from fewer token rows as loaded (``gather_swiglu_gmm_kernel``, with and without
+the pre-activations). The kernels run in
 a child process (``interpreter_harness``).
 """
 
@@ -28,8 +29,9 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-GATHER_VARIANTS = {f"gather-{case}": (case, 24, 40, False, True)
-                   for case in ("empty-group", "trailing-rows-outside", "group-offset-window", "all-empty")}
+GATHER_VARIANTS = {f"gather-{case}-{kind}": (case, 24, 40, kind == "with-preactivations", True)
+                   for case in ("empty-group", "trailing-rows-outside", "group-offset-window", "all-empty")
+                   for kind in ("fused", "with-preactivations")}
 
 
 def _run(kernels, case, k, n, with_preactivations, gathered=False):
@@ -46,7 +48,9 @@ def _run(kernels, case, k, n, with_preactivations, gathered=False):
         index = rng.integers(0, tokens.shape[0], num_rows).astype(np.int32)
         index[::5] = tokens.shape[0] + 2
         lhs = tokens[np.minimum(index, tokens.shape[0] - 1)]
-        kernels.gather_swiglu_gmm_kernel[(NUM_PROGRAMS,)](
+        kernel = (kernels.gather_swiglu_gmm_preactivations_kernel if with_preactivations
+                  else kernels.gather_swiglu_gmm_kernel)
+        kernel[(NUM_PROGRAMS,)](
             *map(HostTensor, (tokens, gate, up, index, group_sizes, offset, *outs)), LHS_SOURCE_ROWS=tokens.shape[0],
             **common,
         )
