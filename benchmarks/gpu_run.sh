@@ -6,6 +6,7 @@
 # `tests` (tests/gpu) takes about 7 minutes and `kernel-tests` (tests/kernels without the interpreter
 # cases, which CI runs) about 3: run them in separate calls of the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
+#             gathered-rows (the next one-GPU run: benchmarks/NOTES.md, last section)
 #             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
@@ -34,6 +35,11 @@ for step in "$@"; do
     fp8) timeout 110 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_tests.log" | tail -12
       timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
+    gathered-rows) timeout 200 python3 -m pytest tests/gpu/test_triton_grouped_matmul.py tests/gpu/test_triton_swiglu_gmm.py \
+        -k gather -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gathered_rows_tests.log" | tail -6
+      timeout 380 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n512 --variants keptcopy new --pipelined \
+        --profile --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_gathered_rows.log" | grep -v "INFO\|Unable" | tail -40
+      rm -rf "$OUT"/ab/trace_* ;;
     tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
         .whl-next/*.whl || exit 1
       PYTHONPATH=/tmp/site-next:$PYTHONPATH timeout 540 python3 benchmarks/tma_probe.py --out "$OUT/tma" 2>&1 \

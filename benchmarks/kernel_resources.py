@@ -107,8 +107,9 @@ def kernel_specs(shape):
                     **extra)
         return tile, config.num_warps, config.num_stages, 2 * config.block_k * (config.block_m + config.block_n)
 
-    def weight_tiled(k, out_n, **extra):
+    def weight_tiled(k, out_n, extra_stages=0, **extra):
         config = launch.tgmm_config(rows, k, out_n, experts, False)
+        config = launch.dataclasses.replace(config, num_stages=config.num_stages + extra_stages)
         tile = dict(groups, M=rows, K=k, N=out_n, BLOCK_K=config.block_m, BLOCK_N=config.block_n,
                     BLOCK_R=config.block_k, GROUP_M=config.group_m,
                     NUM_PROGRAMS=launch._grid_size(experts * (k // config.block_m) * (out_n // config.block_n), config),
@@ -125,11 +126,12 @@ def kernel_specs(shape):
     specs = [
         ("forward: up projection, gathered rows", swiglu.gather_swiglu_gmm_kernel,
          *row_tiled(d, n, up, LHS_SOURCE_ROWS=shape.T)[:3], up_stage),
-        ("training forward: up projection and pre-activations", swiglu.swiglu_gmm_preactivations_kernel,
-         *row_tiled(d, n, up)[:3], up_stage),
+        ("training forward: up projection and pre-activations", swiglu.gather_swiglu_gmm_preactivations_kernel,
+         *row_tiled(d, n, up, LHS_SOURCE_ROWS=shape.T)[:3], up_stage),
         ("forward: down projection", grouped.gmm_kernel, *row_tiled(n, d, flattened_loop=True, TRANSPOSE_RHS=False)),
         ("backward: d_rows of gate and up (gmm_sum)", grouped.gmm_sum_kernel, *row_tiled(2 * n, d)),
-        ("backward: d_w_gate, d_w_up", grouped.tgmm_kernel, *weight_tiled(d, n)),
+        ("backward: d_w_gate, d_w_up, gathered token rows", grouped.gather_lhs_tgmm_kernel,
+         *weight_tiled(n, d, launch.GATHERED_ROWS_EXTRA_STAGES, GRAD_SOURCE_ROWS=shape.T)),
     ]
     if n <= COMBINE_IN_LAST_PRODUCT_MAX_WIDTH:  # the down projection and the combine as one piece
         specs += [("backward: d_act, gathered cotangent, dots", grouped.gather_gmm_kernel,

@@ -534,6 +534,14 @@ def gather_tgmm(lhs, grad, grad_index, grad_scale, group_sizes, *, num_groups: i
                       "gather_tgmm")
 
 
+GATHERED_ROWS_EXTRA_STAGES = 2
+"""Pipeline stages ``gather_lhs_tgmm``'s row loop asks for beyond the table tile's. The gathered rows'
+loads wait on their index loads, which take two stages of the pipeline: compiled offline for sm_90
+(``benchmarks/kernel_resources.py``'s method, Triton 3.6) the 128 x 256 x 64 tile holds 2 operand
+buffers (96 KB) at 3 stages and 4, and 3 (145 KB, 223 registers, no spill) at 5, as ``tgmm_kernel``
+holds 3 at its 3. Not yet timed on a GPU (``benchmarks/NOTES.md``)."""
+
+
 def gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
                     preferred_element_type=None, config: TileConfig | None = None):
     """``tgmm(lhs_source[lhs_index], grad)``, ``[G, D, N]``: the weight gradient of a product of token
@@ -575,8 +583,11 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
         return reference.gather_tgmm(lhs, grad, *gather, group_sizes, **options)
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
-    config = config or tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
     resident = _small_groups(rows_for_shape, num_local_groups)
+    if config is None:
+        config = tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
+        if transposed and not resident and not compute_f32:
+            config = dataclasses.replace(config, num_stages=config.num_stages + GATHERED_ROWS_EXTRA_STAGES)
     if resident:
         work_items = num_local_groups * -(-n // config.block_n)  # (group, column block); each walks all of K
         swizzle = {}
