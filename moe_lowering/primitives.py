@@ -386,10 +386,16 @@ def _swiglu_gmm_jvp(primals, tangents, *, kernels, group_offset, preferred_eleme
     options = dict(kernels=kernels, group_offset=group_offset, preferred_element_type=out.dtype, zero_outside=True,
                    expected_rows=None)
     gate_terms, up_terms = _pair_tangent_terms(lhs, gate_rhs, up_rhs, group_sizes, tangents, batch, options)
+    return primal_outs, _swiglu_out_tangents(gate, up, gate_terms, up_terms, with_preactivations, batch)
+
+
+def _swiglu_out_tangents(gate, up, gate_terms, up_terms, with_preactivations, batch):
+    """The tangents of ``silu(gate) * up`` (and, ``with_preactivations``, of both products) from the
+    products' tangent terms."""
     gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
     up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
     out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
-    return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
+    return [out_dot, gate_dot, up_dot] if with_preactivations else [out_dot]
 
 
 def _swiglu_tangent_impl(gate_dot, up_dot, gate, up):
@@ -636,10 +642,7 @@ def _gather_swiglu_gmm_jvp(primals, tangents, *, kernels, preferred_element_type
         if _nonzero(tangents[index]):
             terms.append(token_gmm_p.bind(tokens, tangents[index], group_sizes, token_of_row, inverse,
                                           batch=_levels(batch, 0, index, 3, 4, 5), **options))
-    gate_dot = _compat.instantiate_zeros(_sum(gate_terms, gate))
-    up_dot = _compat.instantiate_zeros(_sum(up_terms, up))
-    out_dot = swiglu_tangent_p.bind(gate_dot, up_dot, gate, up, batch=_levels(batch, ALL, ALL, ALL, ALL))
-    return primal_outs, ([out_dot, gate_dot, up_dot] if with_preactivations else [out_dot])
+    return primal_outs, _swiglu_out_tangents(gate, up, gate_terms, up_terms, with_preactivations, batch)
 
 
 def _token_gmm_impl(tokens, rhs, group_sizes, token_of_row, inverse, *, kernels, preferred_element_type):

@@ -150,6 +150,12 @@ def _load_triton() -> KernelBackend:
         raise BackendUnavailable("the Triton backend needs a CUDA GPU and JAX sees none")
     if "rocm" in str(getattr(gpus[0].client, "platform_version", "")).lower():
         raise BackendUnavailable(f"the Triton backend is built for CUDA GPUs, found ROCm ({gpus[0].device_kind})")
+    return triton_kernels()
+
+
+def triton_kernels() -> KernelBackend:
+    """The Triton kernels' ``KernelBackend``, built without asking for a GPU: ``get_backend("triton")``
+    on a CUDA GPU, and on a CPU the tests that launch the kernels through Triton's interpreter."""
     try:
         from moe_lowering.kernels.grouped_matmul import triton_launch as grouped_matmul
         from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_gmm

@@ -10,7 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Interpreter cases are marked ``triton_interpreter``: they run no JAX, so one CI entry runs them."""
+    """Interpreter cases are marked ``triton_interpreter``: one CI entry runs them, on the GPU machines'
+    JAX version (most run no JAX; the launcher and backend cases launch through it)."""
     for item in items:
         if Path(str(item.path)).name.endswith("_interpreter.py"):
             item.add_marker(pytest.mark.triton_interpreter)

@@ -137,6 +137,55 @@ class HostTensor:
         return self
 
 
+def install_interpreted_jax_triton(multiprocessors: int = 4):
+    """Stands Triton's interpreter in for ``jax_triton`` (call it in the child before the launchers
+    are imported): ``triton_call`` runs the kernel on host copies of its operands through
+    ``jax.pure_callback``, as jax_triton 0.3 launches it (every operand and every output a kernel
+    argument, in that order; an output aliasing an operand is that operand's buffer; zeroed outputs
+    zeroed, the others poisoned: NaN, or -7 for integers). The launchers see ``multiprocessors``
+    multiprocessors, so the persistent loops take several tiles a program. One kernel runs at a time:
+    XLA may run independent callbacks on several threads, and the interpreter patches ``triton.language``
+    while it runs a kernel."""
+    import threading
+    import types
+
+    import jax
+
+    one_at_a_time = threading.Lock()
+
+    def triton_call(*arrays, kernel, out_shape, grid, num_warps=None, num_stages=None, input_output_aliases=None,
+                    zeroed_outputs=(), **constants):
+        del num_warps, num_stages
+        many = isinstance(out_shape, (tuple, list))
+        shapes = tuple(out_shape) if many else (out_shape,)
+        aliased = {out: operand for operand, out in (input_output_aliases or {}).items()}
+
+        def run(*host_arrays):
+            operands = [np.array(a, copy=True, order="C") for a in host_arrays]
+            outs = []
+            for j, shape in enumerate(shapes):
+                if j in aliased:
+                    outs.append(operands[aliased[j]])
+                elif j in zeroed_outputs:
+                    outs.append(np.zeros(shape.shape, shape.dtype))
+                else:
+                    poison = np.nan if np.issubdtype(shape.dtype, np.floating) else -7
+                    outs.append(np.full(shape.shape, poison, shape.dtype))
+            with one_at_a_time:
+                kernel[grid](*map(HostTensor, (*operands, *outs)), **constants)
+            return tuple(np.array(out, copy=True) for out in outs)
+
+        result = jax.pure_callback(run, shapes, *arrays)
+        return tuple(result) if many else result[0]
+
+    module = types.ModuleType("jax_triton")
+    module.triton_call = triton_call
+    sys.modules["jax_triton"] = module
+    from moe_lowering.kernels.grouped_matmul import triton_launch
+
+    triton_launch._multiprocessor_count = lambda: multiprocessors
+
+
 # (group sizes, rows, group_offset, local groups): empty groups, one group taking every row,
 # rows past the last group (dropped copies), a local window of the groups.
 CASES = {

@@ -5,21 +5,17 @@ for by Triton's interpreter.
 The kernels' own tests call them with hand-written arguments; this checks what only a GPU run would
 otherwise check: that a launcher hands its kernel the operands, outputs and constants in the order and
 under the names the kernel takes, picks the schedule (resident or row loop) and writes the output shape
-the reference has. The stand-in ``triton_call`` runs the kernel on host copies of the operands
-(``jax.pure_callback``), every output poisoned with NaN first. The multiprocessor count is 4, so the
-persistent loops take several tiles per program. Float32 operands (numpy has no bfloat16): the
-launchers' float32 tiles.
+the reference has (``interpreter_harness.install_interpreted_jax_triton``: every output poisoned
+first, 4 multiprocessors, so the persistent loops take several tiles per program). Float32 operands
+(numpy has no bfloat16): the launchers' float32 tiles.
 """
 
 from __future__ import annotations
 
-import sys
-import types
-
 import numpy as np
 
 import interpreter_harness as harness
-from interpreter_harness import CASES, HostTensor
+from interpreter_harness import CASES
 
 if __name__ != "__main__":
     import pytest
@@ -30,35 +26,11 @@ if __name__ != "__main__":
 LAUNCH_CASES = {**CASES, "large-groups": ([300, 0, 420], 760, 0, 3)}
 
 
-def _interpreted_jax_triton():
-    """A ``jax_triton`` module whose ``triton_call`` runs the kernel in Triton's interpreter."""
-    import jax
-
-    def triton_call(*arrays, kernel, out_shape, grid, num_warps=None, num_stages=None, **constants):
-        del num_warps, num_stages
-        many = isinstance(out_shape, (tuple, list))
-        shapes = tuple(out_shape) if many else (out_shape,)
-
-        def run(*host_arrays):
-            outs = [np.full(s.shape, np.nan, s.dtype) for s in shapes]
-            operands = [np.ascontiguousarray(np.asarray(a)) for a in host_arrays]
-            kernel[grid](*map(HostTensor, (*operands, *outs)), **constants)
-            return tuple(outs)
-
-        result = jax.pure_callback(run, shapes, *arrays)
-        return tuple(result) if many else result[0]
-
-    module = types.ModuleType("jax_triton")
-    module.triton_call = triton_call
-    return module
-
-
 def _launchers():
-    sys.modules["jax_triton"] = _interpreted_jax_triton()
+    harness.install_interpreted_jax_triton()
     from moe_lowering.kernels.grouped_matmul import triton_launch as grouped
     from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu
 
-    grouped._multiprocessor_count = lambda: 4
     return grouped, swiglu
 
 
