@@ -5,7 +5,8 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` / ``gather_tgmm``, so no
 ``expert_combine``); ``permuted``: ``new`` with the up projection reading the permuted copy of the tokens (no
 ``gather_swiglu_gmm``); ``keptcopy``: ``new`` whose training step keeps the permuted copy of the tokens
-for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
+for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``gradstages``: ``new`` with ``gather_tgmm``
+asking for two more pipeline stages, ``triton_launch.GATHERED_GRAD_EXTRA_STAGES``; ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
 ``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
 ``wide``: ``new`` with the fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with
 ``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
@@ -49,7 +50,7 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
+VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
             "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
@@ -68,7 +69,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-keptcopy", gather_lhs_tgmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "unflattened", "rows64", "combine512", "combine1024"):
+    if variant in ("new", "xlagather", "unflattened", "rows64", "gradstages", "combine512", "combine1024"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -152,6 +153,9 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
             full_tile_rows = tgm.FULL_TILE_MIN_ROWS  # read when lowering
             if variant == "rows64":
                 tgm.FULL_TILE_MIN_ROWS = tgm.SMALL_GROUP_ROWS
+            grad_stages = tgm.GATHERED_GRAD_EXTRA_STAGES  # read when lowering
+            if variant == "gradstages":
+                tgm.GATHERED_GRAD_EXTRA_STAGES = 2
             combine_width = sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH
             if variant.startswith("combine"):
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = int(variant.removeprefix("combine"))
@@ -162,6 +166,7 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 primitives.GPU_ROW_GATHER = True
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = combine_width
                 tgm.FULL_TILE_MIN_ROWS = full_tile_rows
+                tgm.GATHERED_GRAD_EXTRA_STAGES = grad_stages
                 tgm._WIDE_SHORT_K, tgm._WIDE = tiles
             compiled[variant] = (fwd, both)
             if hlo:

@@ -541,6 +541,11 @@ loads wait on their index loads, which take two stages of the pipeline: compiled
 buffers (96 KB) at 3 stages and 4, and 3 (145 KB, 223 registers, no spill) at 5, as ``tgmm_kernel``
 holds 3 at its 3. Not yet timed on a GPU (``benchmarks/NOTES.md``)."""
 
+GATHERED_GRAD_EXTRA_STAGES = 0
+"""The same for ``gather_tgmm``'s row loop, whose gathered gradient rows wait on index loads too:
+compiled offline it holds 2 gradient buffers at its table's 3 stages and 3 at 5. Timed only at 3
+(0.39 ms at 1.4B-n256); ``sonic_ab.py``'s ``gradstages`` variant times it at 5."""
+
 
 def gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
                     preferred_element_type=None, config: TileConfig | None = None):
@@ -586,8 +591,9 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
     resident = _small_groups(rows_for_shape, num_local_groups)
     if config is None:
         config = tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
-        if transposed and not resident and not compute_f32:
-            config = dataclasses.replace(config, num_stages=config.num_stages + GATHERED_ROWS_EXTRA_STAGES)
+        if gather is not None and not resident and not compute_f32:
+            extra = GATHERED_ROWS_EXTRA_STAGES if transposed else GATHERED_GRAD_EXTRA_STAGES
+            config = dataclasses.replace(config, num_stages=config.num_stages + extra)
     if resident:
         work_items = num_local_groups * -(-n // config.block_n)  # (group, column block); each walks all of K
         swizzle = {}
