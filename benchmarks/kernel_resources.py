@@ -9,7 +9,8 @@ memory, and the pipeline stages that shared memory holds. A kernel edit's regist
 checked on a CPU before it costs GPU time (``NOTES.md``: an epilogue that spilled 4.9 KB per thread
 ran 12x slower than its neighbour), and so can whether a launch fits an H100's or H200's shared
 memory (``SHARED_LIMIT``): the products written in float32 (forward mode's compositions, the FP8
-weights' fallback) are listed too, as a flattened tile with a float32 output once did not fit.
+weights' fallback, float32 weights' gradients) are listed too, as a flattened tile with a float32
+output once did not fit.
 
     python benchmarks/kernel_resources.py --shapes 1.4B-n256 7B-n256 --out /tmp/res
 """
@@ -153,6 +154,9 @@ def kernel_specs(shape):
         config = launch._for_output(table, "float32")  # as gmm and gmm_pair launch it
         constexprs, warps, stages, stage_bytes = row_tiled(k, out_n, config, TRANSPOSE_RHS=False)
         yield label, grouped.gmm_kernel, constexprs, warps, stages, stage_bytes, True
+    # a weight gradient in float32 beside bf16 activations (float32 master weights): its tile at the launch's stages
+    yield ("float32 output: d_w_gate, d_w_up, gathered token rows", grouped.gather_lhs_tgmm_kernel,
+           *weight_tiled(n, d, launch.GATHERED_ROWS_EXTRA_STAGES, GRAD_SOURCE_ROWS=shape.T), True)
 
 
 def main(argv=None):
