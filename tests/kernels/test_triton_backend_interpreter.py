@@ -7,7 +7,8 @@ transposes and the launchers run exactly the kernels a training step on a GPU ru
 projection and its pre-activations, ``gather_lhs_tgmm``, ``gmm`` with its tail kernel, ``gmm_pair``,
 ``gmm_sum``, the combine's gathered backward products, ``tgmm`` on both schedules. Each layer is
 compared with the same layer on the XLA backend (float32: the kernels' float32 tiles, products in
-IEEE float32): output, loss and the gradient of every input. The cases pick the paths by width and
+IEEE float32): output, loss and the gradient of every input (for two cases also a JVP and ``vmap`` of
+the gradient). The cases pick the paths by width and
 group size: experts up to 256 wide (the last product and the combine as one piece), 320 (apart) and
 600 (no fused SwiGLU kernel: ``gmm_pair``), groups under and over the resident weight gradient's
 limit, an MLP expert and DeepSeek's shared expert.
@@ -30,6 +31,8 @@ CASES = {
     "mlp-gelu": ("mlp_gelu", {}),
     "deepseek-v3": ("deepseek_v3", {}),
 }
+
+MORE_MODES = ("mixtral-small-groups", "mlp-gelu")
 
 
 def _compare(case):
@@ -55,8 +58,11 @@ def _compare(case):
             return jnp.sum(jnp.sin(layer(p, x)))
 
         value, grads = jax.value_and_grad(loss, argnums=(0, 1))(params, x)
-        results[backend.name] = [np.asarray(v, np.float64)
-                                 for v in jax.tree_util.tree_leaves((layer(params, x), value, grads))]
+        leaves = [layer(params, x), value, grads]
+        if case in MORE_MODES:  # forward mode (the fused pieces' compositions) and vmap (sequential launches)
+            leaves.append(jax.jvp(loss, (params, x), (params, x))[1])
+            leaves.append(jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x])))
+        results[backend.name] = [np.asarray(v, np.float64) for v in jax.tree_util.tree_leaves(leaves)]
     errors = [float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
               for got, want in zip(results["triton"], results["xla"])]
     return {"leaves": len(errors), "max_relative_error": max(errors),
