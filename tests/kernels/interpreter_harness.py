@@ -50,9 +50,9 @@ def run_as_child(jobs) -> None:
 class _LazyReport:
     """``report[key]``: the chunk of keys holding ``key`` run in one interpreter child, once."""
 
-    def __init__(self, test_file: str, keys, env: dict):
+    def __init__(self, test_file: str, keys, env: dict, jobs_per_child: int = JOBS_PER_CHILD):
         ordered = sorted(keys)
-        self._chunk_of = {key: ordered[i - i % JOBS_PER_CHILD: i - i % JOBS_PER_CHILD + JOBS_PER_CHILD]
+        self._chunk_of = {key: ordered[i - i % jobs_per_child: i - i % jobs_per_child + jobs_per_child]
                           for i, key in enumerate(ordered)}
         self._test_file = test_file
         self._env = env
@@ -76,13 +76,14 @@ class _LazyReport:
         return self._results[key]
 
 
-def report_fixture(test_file: str, keys, **env):
-    """A module-scoped fixture: the lazy report of ``test_file``'s jobs ``keys`` (see :class:`_LazyReport`)."""
+def report_fixture(test_file: str, keys, jobs_per_child: int = JOBS_PER_CHILD, **env):
+    """A module-scoped fixture: the lazy report of ``test_file``'s jobs ``keys`` (see :class:`_LazyReport`),
+    ``jobs_per_child`` keys to a child."""
     import pytest
 
     @pytest.fixture(scope="module")
     def interpreter_report():
-        return _LazyReport(test_file, keys, env)
+        return _LazyReport(test_file, keys, env, jobs_per_child)
 
     return interpreter_report
 

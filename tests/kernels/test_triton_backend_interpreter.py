@@ -76,7 +76,8 @@ def _jobs():
 if __name__ == "__main__":
     harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__, list(CASES), JAX_PLATFORMS="cpu")
+    # a child per layer (each takes 5-30 s): split between pytest-xdist's workers, none is run twice
+    interpreter_report = harness.report_fixture(__file__, list(CASES), jobs_per_child=1, JAX_PLATFORMS="cpu")
 
     @pytest.mark.parametrize("case", sorted(CASES))
     def test_triton_backend_layer_matches_the_xla_backend(interpreter_report, case):
