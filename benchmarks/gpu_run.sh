@@ -37,8 +37,8 @@ for step in "$@"; do
       timeout 110 python3 benchmarks/fp8_gmm_bench.py --out "$OUT" --shapes mixtral-4096-rows-2-groups deepseek-8192-rows-64-groups 2>&1 | tee "$OUT/fp8_gmm_bench.log" | tail -30 ;;
     gathered-rows) timeout 200 python3 -m pytest tests/gpu/test_triton_grouped_matmul.py tests/gpu/test_triton_swiglu_gmm.py \
         -k gather -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gathered_rows_tests.log" | tail -6
-      timeout 380 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n512 --variants keptcopy new gradstages --pipelined \
-        --profile --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_gathered_rows.log" | grep -v "INFO\|Unable" | tail -40
+      timeout 380 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n512 \
+        --variants keptcopy new gradstages --pipelined --profile --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_gathered_rows.log" | grep -v "INFO\|Unable" | tail -40
       rm -rf "$OUT"/ab/trace_* ;;
     tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
         .whl-next/*.whl || exit 1

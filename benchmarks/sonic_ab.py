@@ -5,9 +5,10 @@ Each variant is a ``KernelBackend`` built from the Triton one (``base``: no fuse
 is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_gmm`` / ``gather_tgmm``, so no
 ``expert_combine``); ``permuted``: ``new`` with the up projection reading the permuted copy of the tokens (no
 ``gather_swiglu_gmm``); ``keptcopy``: ``new`` whose training step keeps the permuted copy of the tokens
-for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``gradstages``: ``new`` with ``gather_tgmm``
-asking for two more pipeline stages, ``triton_launch.GATHERED_GRAD_EXTRA_STAGES``; ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off,
-``gmm_pair`` for every width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
+for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``gradstages``: ``new`` with
+``gather_tgmm`` asking for two more pipeline stages, ``triton_launch.GATHERED_GRAD_EXTRA_STAGES``;
+``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every
+width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
 ``wide``: ``new`` with the fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with
 ``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
 groups of 128-255 rows on the 64-row tiles, ``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` /
@@ -50,8 +51,8 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "wide", "unflattened", "rows64",
-            "combine512", "combine1024")
+VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "wide",
+            "unflattened", "rows64", "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
 
