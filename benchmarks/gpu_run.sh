@@ -6,7 +6,7 @@
 # `tests` (tests/gpu) takes about 7 minutes and `kernel-tests` (tests/kernels without the interpreter
 # cases, which CI runs) about 3: run them in separate calls of the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
-#             gathered-rows (the next one-GPU run: benchmarks/NOTES.md, last section)
+#             gathered-rows
 #             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")

@@ -539,12 +539,13 @@ GATHERED_ROWS_EXTRA_STAGES = 2
 loads wait on their index loads, which take two stages of the pipeline: compiled offline for sm_90
 (``benchmarks/kernel_resources.py``'s method, Triton 3.6) the 128 x 256 x 64 tile holds 2 operand
 buffers (96 KB) at 3 stages and 4, and 3 (145 KB, 223 registers, no spill) at 5, as ``tgmm_kernel``
-holds 3 at its 3. Not yet timed on a GPU (``benchmarks/NOTES.md``)."""
+holds 3 at its 3. On an H100 the two products then run 0.566 ms at 1.4B-n256 against 0.844 for the
+kept copy's row gather and ``tgmm`` (``benchmarks/NOTES.md``)."""
 
 GATHERED_GRAD_EXTRA_STAGES = 0
 """The same for ``gather_tgmm``'s row loop, whose gathered gradient rows wait on index loads too:
-compiled offline it holds 2 gradient buffers at its table's 3 stages and 3 at 5. Timed only at 3
-(0.39 ms at 1.4B-n256); ``sonic_ab.py``'s ``gradstages`` variant times it at 5."""
+compiled offline it holds 2 gradient buffers at its table's 3 stages and 3 at 5. At 5 it ran 10%
+slower on an H100 (0.390 -> 0.429 ms at 1.4B-n256; ``sonic_ab.py``'s ``gradstages`` variant), so none."""
 
 
 def gather_lhs_tgmm(lhs_source, grad, lhs_index, group_sizes, *, num_groups: int | None = None, group_offset=0,
