@@ -3,8 +3,9 @@
 # each logging under $OUT. Run from the repository root with .whl (jax-triton, tokamax and its needs)
 # and .gpu_stubs (the xprof stand-in tokamax imports) carried; for the EP steps, NCCL_NVLS_ENABLE=0.
 # Each step remakes result files that benchmarks/README.md lists (the step is named there). On one H100,
-# `tests` (tests/gpu) takes about 7 minutes and `kernel-tests` (tests/kernels without the interpreter
-# cases, which CI runs) about 3: run them in separate calls of the 10-minute limit.
+# `tests` (tests/gpu without the SwiGLU files) takes about 8 minutes, `swiglu-tests` (those files) 2.5
+# and `kernel-tests` (tests/kernels without the interpreter cases, which CI runs) about 3: `tests` in a
+# call of its own within the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
 #             gathered-rows
 #             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
@@ -22,14 +23,16 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv |
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
-    tests) python3 -m pytest tests/gpu -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    tests) python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_triton_swiglu_*.py" -v -rs -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernel-tests) python3 -m pytest tests/kernels -m "not triton_interpreter" -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_kernel_tests.log" | tail -8 ;;
     sweep) timeout 330 python3 benchmarks/gmm_sweep.py --out "$OUT/gmm_sweep.json" 2>&1 | tee "$OUT/gmm_sweep.log" | tail -22 ;;
     bench) python3 benchmarks/moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | tail -16 ;;
     bench-small) python3 benchmarks/moe_layer.py --configs small --reps 3 --out "$OUT/small" 2>&1 | tail -8 ;;
     swiglu) timeout 420 python3 benchmarks/swiglu_fusion.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_fusion.log" | tail -16 ;;
-    swiglu-tests) timeout 150 python3 -m pytest tests/gpu/test_triton_swiglu_gmm.py -v -rs -p no:cacheprovider 2>&1 \
+    swiglu-tests) timeout 240 python3 -m pytest tests/gpu/test_triton_swiglu_gmm.py tests/gpu/test_triton_swiglu_rows.py -v -rs \
+        -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_swiglu_tests.log" | tail -8 ;;
     swiglu-rows) timeout 400 python3 benchmarks/swiglu_rows_sweep.py --out "$OUT" 2>&1 | tee "$OUT/swiglu_rows_sweep.log" | grep -v "^20.*INFO.*Unable" | tail -70 ;;
     fp8) timeout 110 python3 -m pytest tests/gpu/test_triton_fp8_gmm.py -v -rs -p no:cacheprovider 2>&1 \
