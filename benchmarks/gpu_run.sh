@@ -7,7 +7,7 @@
 # and `kernel-tests` (tests/kernels without the interpreter cases, which CI runs) about 3: `tests` in a
 # call of its own within the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
-#             gathered-rows row-sum
+#             gathered-rows
 #             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
@@ -42,12 +42,6 @@ for step in "$@"; do
         -k gather -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gathered_rows_tests.log" | tail -6
       timeout 380 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n512 \
         --variants keptcopy new gradstages --pipelined --profile --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_gathered_rows.log" | grep -v "INFO\|Unable" | tail -40
-      rm -rf "$OUT"/ab/trace_* ;;
-    row-sum) timeout 150 python3 -m pytest tests/gpu/test_triton_gather_rows.py -q -rs -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_row_sum_tests.log" | tail -6
-      timeout 420 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n1024 30B-n512 \
-        --variants xlasum new --pipelined --profile --reps 5 --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_row_sum.log" \
-        | grep -v "INFO\|Unable" | tail -40
       rm -rf "$OUT"/ab/trace_* ;;
     tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
         .whl-next/*.whl || exit 1

@@ -8,8 +8,7 @@ is; ``apart``: ``new`` with the last product and the combine apart (no ``gather_
 for the up projection's weight gradients (no ``gather_lhs_tgmm``); ``gradstages``: ``new`` with
 ``gather_tgmm`` asking for two more pipeline stages, ``triton_launch.GATHERED_GRAD_EXTRA_STAGES``;
 ``nosum``: ``new`` without ``gmm_sum``; ``pair``: ``new`` with the fused kernel off, ``gmm_pair`` for every
-width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather; ``xlasum``: ``new``
-with ``unpermute`` (the tokens' cotangent) left to XLA's gather and reduce, ``primitives.GPU_ROW_SUM``;
+width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gather;
 ``wide``: ``new`` with the fused SwiGLU kernel for experts up to 2048 wide; ``unflattened``: ``new`` with
 ``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
 groups of 128-255 rows on the 64-row tiles, ``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` /
@@ -52,8 +51,8 @@ log = logging.getLogger("sonic_ab")
 SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.nan, math.nan)
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
-VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "xlasum",
-            "wide", "unflattened", "rows64", "combine512", "combine1024")
+VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "wide",
+            "unflattened", "rows64", "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
 
@@ -71,7 +70,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-keptcopy", gather_lhs_tgmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "xlasum", "unflattened", "rows64", "gradstages", "combine512", "combine1024"):
+    if variant in ("new", "xlagather", "unflattened", "rows64", "gradstages", "combine512", "combine1024"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -149,7 +148,6 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
         for variant in variants:
             layer = layer_for(variant, model.fn, shape.K, x.dtype)
             primitives.GPU_ROW_GATHER = variant not in ("base", "xlagather")  # read when lowering
-            primitives.GPU_ROW_SUM = variant not in ("base", "xlasum")
             tiles = tgm._WIDE_SHORT_K, tgm._WIDE  # read when lowering, as the flag above
             if variant in ("base", "unflattened"):
                 tgm._WIDE_SHORT_K, tgm._WIDE = (dataclasses.replace(tile, flatten=False) for tile in tiles)
@@ -166,7 +164,7 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 fwd = jax.jit(layer).lower(params, x).compile()
                 both = jax.jit(moe_layer._fwd_vjp(layer)).lower(params, x, cotangent).compile()
             finally:
-                primitives.GPU_ROW_GATHER = primitives.GPU_ROW_SUM = True
+                primitives.GPU_ROW_GATHER = True
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = combine_width
                 tgm.FULL_TILE_MIN_ROWS = full_tile_rows
                 tgm.GATHERED_GRAD_EXTRA_STAGES = grad_stages

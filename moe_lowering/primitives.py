@@ -982,16 +982,10 @@ def expert_combine(rows, weight, route_weights, routing_inverse, token_of_row, o
 # row-gather kernel instead (``kernels/gather_rows``, 0.32 ms there). ``spread`` could only move
 # there once the dropped rows' mask was part of the combine family (``num_valid``): with a separate
 # ``where`` on the rows, its transpose stayed an XLA select pass over all rows and the kernel lost.
-# ``unpermute`` (the tokens' cotangent: each token's k copies added up) went the same way: XLA ran
-# its gather and reduce over ``[T, k, D]`` as a loop fusion at 1.2-1.4 TB/s on an H100 (1.69 ms at
-# SonicMoE's 30B-n512 shape); the row sum (``kernels/gather_rows``) reads each copy with 16-byte loads
-# and writes each token once. Other platforms, batched uses and odd dtypes keep the jnp code.
+# Other platforms, batched uses and odd dtypes keep the jnp code.
 
 GPU_ROW_GATHER = True
 """Whether CUDA lowers ``permute`` and ``spread`` to the Triton row gather (False: XLA's gather)."""
-
-GPU_ROW_SUM = True
-"""Whether CUDA lowers ``unpermute`` to the Triton row sum (False: XLA's gather and reduce)."""
 
 
 @functools.cache
@@ -1001,15 +995,6 @@ def _triton_gather_rows():
     except ImportError:
         return None
     return gather_rows
-
-
-@functools.cache
-def _triton_sum_rows():
-    try:
-        from moe_lowering.kernels.gather_rows.triton_launch import sum_rows
-    except ImportError:
-        return None
-    return sum_rows
 
 
 def _permute_cuda(tokens, token_of_row, inverse, *, batch):
@@ -1027,13 +1012,6 @@ def _spread_cuda(x, weights, inverse, token_of_row, order, num_valid, *, dtype, 
     return gather(x, token_of_row, _spread_row_weights(weights, order, num_valid, acc), dtype)
 
 
-def _unpermute_cuda(rows, token_of_row, inverse, *, dtype, batch):
-    row_sum = _triton_sum_rows() if GPU_ROW_SUM else None
-    if row_sum is None or batch or rows.ndim != 2 or inverse.ndim != 2:
-        return unpermute_p.impl(rows, token_of_row, inverse, dtype=dtype, batch=batch)
-    return row_sum(rows, inverse, dtype)
-
-
-for _primitive, _lowering in ((permute_p, _permute_cuda), (spread_p, _spread_cuda), (unpermute_p, _unpermute_cuda)):
+for _primitive, _lowering in ((permute_p, _permute_cuda), (spread_p, _spread_cuda)):
     _compat._mlir.register_lowering(_primitive, _compat._mlir.lower_fun(_lowering, multiple_results=False),
                                     platform="cuda", cacheable=False)

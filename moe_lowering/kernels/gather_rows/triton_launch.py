@@ -1,5 +1,4 @@
-"""``gather_rows`` and ``sum_rows`` on a CUDA GPU: :mod:`.triton_kernels` as XLA custom calls (contracts:
-:mod:`.reference`)."""
+"""``gather_rows`` on a CUDA GPU: :mod:`.triton_kernels` as an XLA custom call (contract: :mod:`.reference`)."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import jax.numpy as jnp
 import jax_triton
 
 from moe_lowering.kernels.gather_rows import reference
-from moe_lowering.kernels.gather_rows.triton_kernels import gather_rows_kernel, sum_rows_kernel
+from moe_lowering.kernels.gather_rows.triton_kernels import gather_rows_kernel
 
 _DTYPES = {jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)}
 BLOCK_R = 16
@@ -37,34 +36,4 @@ def gather_rows(src, index, scale=None, out_dtype=None):
         BLOCK_R=BLOCK_R,
         BLOCK_D=block_d,
         HAS_SCALE=scale is not None,
-    )
-
-
-SUM_BLOCK_T = 16
-
-
-def sum_rows(src, index, out_dtype=None):
-    """``out[t] = sum_j src[index[t, j]]``, ``[T, D]`` from ``src [S, D]`` and ``index [T, k]``: each
-    program adds its tokens' copies in float32 registers and writes each output row once."""
-    out_dtype = jnp.dtype(out_dtype or src.dtype)
-    num_out, d = index.shape[0], src.shape[-1]
-    if num_out == 0 or d == 0:
-        return jnp.zeros((num_out, d), out_dtype)
-    if (src.ndim != 2 or index.ndim != 2 or index.shape[1] == 0 or src.shape[0] == 0
-            or not {jnp.dtype(src.dtype), out_dtype} <= _DTYPES):
-        return reference.sum_rows_reference(src, index, out_dtype)
-    block_d = min(256, 1 << max(0, (d - 1).bit_length()))
-    return jax_triton.triton_call(
-        src,
-        index.astype(jnp.int32),
-        kernel=sum_rows_kernel,
-        out_shape=jax.ShapeDtypeStruct((num_out, d), out_dtype),
-        grid=(-(-num_out // SUM_BLOCK_T),),
-        num_warps=4,
-        num_stages=1,
-        T=num_out,
-        K=index.shape[1],
-        D=d,
-        BLOCK_T=SUM_BLOCK_T,
-        BLOCK_D=block_d,
     )
