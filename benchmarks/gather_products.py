@@ -7,7 +7,13 @@ gathered inside the loads). This times each against what it replaces, the plain 
 a materialised ``[T*K, d]`` copy (the copy itself, ``spread``, and ``combine_weights_ct`` are not
 counted), for a list of tile shapes, by GPU kernel time (``jax.profiler``), not wall time.
 
+``--up`` times the up projection's weight gradient instead: ``gather_lhs_tgmm`` (the token rows
+gathered as loaded, the tiles stored transposed) per tile shape of ``UP_TILES``, against ``tgmm`` of
+the materialised permuted copy and the row gather that makes the copy, with each result's relative
+error against ``tgmm``'s.
+
     python benchmarks/gather_products.py --shapes 1.4B-n256 7B-n256 --out /tmp/gather
+    python benchmarks/gather_products.py --up --shapes 1.4B-n256 30B-n512 --out /tmp/gather_up
 """
 
 from __future__ import annotations
@@ -33,6 +39,17 @@ TILES = {  # name: (block_m, block_n, block_k, num_warps, num_stages)
     "128x128x128s3": (128, 128, 128, 8, 3),
 }
 
+UP_TILES = {  # gather_lhs_tgmm: block over the expert's width, over d, over the rows; warps; stages
+    "128x256x64s3": (128, 256, 64, 8, 3),
+    "128x256x64s4": (128, 256, 64, 8, 4),
+    "128x256x64s6": (128, 256, 64, 8, 6),
+    "128x128x64s5": (128, 128, 64, 8, 5),
+    "128x128x64s5w4": (128, 128, 64, 4, 5),
+    "256x128x64s4": (256, 128, 64, 8, 4),
+    "64x256x64s5": (64, 256, 64, 8, 5),
+    "128x256x32s6": (128, 256, 32, 8, 6),
+}
+
 
 def operands(shape, key):
     """Sorted rows of a balanced random routing: ``(d_out [T, d], w_down [E, n, d], hidden [T*K, n],
@@ -54,8 +71,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["1.4B-n256", "7B-n256"], choices=sorted(SHAPES))
     parser.add_argument("--tiles", nargs="+", default=list(TILES), choices=list(TILES))
+    parser.add_argument("--up", action="store_true", help="the up projection's weight gradient instead")
+    parser.add_argument("--tiles-up", action="store_true", help="with --up: every tile of UP_TILES too")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.up:
+        return main_up(args)
     from ep_overlap import profile_summary
     from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
 
@@ -89,6 +110,50 @@ def main(argv=None):
             print(f"{name:10s} {label:32s} {row[label].get('total_ms', row[label].get('error'))}", flush=True)
         results["shapes"][name] = row
         (args.out / "gather_products.json").write_text(json.dumps(results, indent=1))
+
+
+def main_up(args):
+    from ep_overlap import profile_summary
+    from moe_lowering.kernels.gather_rows.triton_launch import gather_rows
+    from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"device": jax.devices()[0].device_kind, "date": datetime.date.today().isoformat(), "shapes": {}}
+    for name in args.shapes:
+        shape = SHAPES[name]
+        _, _, d_pre, token_of_row, _, sizes = operands(shape, jax.random.key(0))
+        tokens = jax.random.normal(jax.random.key(1), (shape.T, shape.d), jnp.bfloat16)
+        rows = gather_rows(tokens, token_of_row)
+        want = jax.jit(lambda r, g: tgm.tgmm(r, g, sizes))(rows, d_pre).astype(jnp.float32)
+        scale = float(jnp.linalg.norm(want))
+        runs = {"row gather (the copy)": (lambda t: gather_rows(t, token_of_row), (tokens,), False),
+                "tgmm (permuted copy)": (lambda g, r: tgm.tgmm(r, g, sizes), (d_pre, rows), True)}
+        for tile in [None, *UP_TILES][:None if args.tiles_up else 1]:
+            config = None if tile is None else tgm.TileConfig(*UP_TILES[tile][:3], num_warps=UP_TILES[tile][3],
+                                                              num_stages=UP_TILES[tile][4])
+            runs[f"gather_lhs_tgmm {tile or 'table'}"] = (
+                lambda g, t, c=config: tgm.gather_lhs_tgmm(t, g, token_of_row, sizes, config=c), (d_pre, tokens), True)
+        # Gate and up products as one launch over a [rows, 2n] cotangent: how much of the gathered
+        # kernel's cost is reading the token rows once per product.
+        both = jnp.concatenate([d_pre, d_pre[::-1]], axis=1)
+        runs["tgmm both (2n)"] = (lambda g, r: tgm.tgmm(r, g, sizes), (both, rows), False)
+        runs["gather_lhs_tgmm both (2n)"] = (lambda g, t: tgm.gather_lhs_tgmm(t, g, token_of_row, sizes),
+                                             (both, tokens), False)
+        row = {}
+        for label, (fn, fn_args, checked) in runs.items():
+            try:
+                summary = profile_summary(jax.jit(fn), fn_args, args.out / "traces" / f"{name}_{len(row)}")
+                kernels = summary.get("top_kernels_ms", {})
+                row[label] = {"total_ms": round(sum(kernels.values()), 4), "kernels": kernels}
+                if checked:
+                    got = jax.jit(fn)(*fn_args).astype(jnp.float32)
+                    row[label]["rel_error"] = float(jnp.linalg.norm(got - want)) / scale
+            except Exception as err:  # a tile shape that does not compile or fit: recorded, not fatal
+                row[label] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            print(f"{name:10s} {label:32s} {row[label].get('total_ms', row[label].get('error'))} "
+                  f"{row[label].get('rel_error', '')}", flush=True)
+        results["shapes"][name] = row
+        (args.out / "gather_products_up.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
