@@ -77,7 +77,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.up:
         return main_up(args)
-    from ep_overlap import profile_summary
     from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -99,21 +98,33 @@ def main(argv=None):
                                                          config=c), (d_out, w_down, hidden))
             runs[f"gather_tgmm {label}"] = (
                 lambda h, o, c=config: tgm.gather_tgmm(h, o, token_of_row, scale, sizes, config=c), (hidden, d_out))
-        row = {}
-        for label, (fn, fn_args) in runs.items():
-            try:
-                summary = profile_summary(jax.jit(fn), fn_args, args.out / "traces" / f"{name}_{len(row)}")
-                kernels = summary.get("top_kernels_ms", {})
-                row[label] = {"total_ms": round(sum(kernels.values()), 4), "kernels": kernels}
-            except Exception as err:  # a tile shape that does not compile or fit: recorded, not fatal
-                row[label] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-            print(f"{name:10s} {label:32s} {row[label].get('total_ms', row[label].get('error'))}", flush=True)
-        results["shapes"][name] = row
+        results["shapes"][name] = _profile_runs(name, {label: (*run, False) for label, run in runs.items()},
+                                                args.out)
         (args.out / "gather_products.json").write_text(json.dumps(results, indent=1))
 
 
-def main_up(args):
+def _profile_runs(name, runs, out: Path, want=None) -> dict:
+    """GPU kernel time of each ``label: (fn, args, checked)`` run; ``checked`` runs also get their
+    result's relative error against ``want``. A run that does not compile or fit is recorded, not fatal."""
     from ep_overlap import profile_summary
+
+    row = {}
+    for label, (fn, fn_args, checked) in runs.items():
+        try:
+            summary = profile_summary(jax.jit(fn), fn_args, out / "traces" / f"{name}_{len(row)}")
+            kernels = summary.get("top_kernels_ms", {})
+            row[label] = {"total_ms": round(sum(kernels.values()), 4), "kernels": kernels}
+            if checked:
+                got = jax.jit(fn)(*fn_args).astype(jnp.float32)
+                row[label]["rel_error"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        except Exception as err:  # noqa: BLE001
+            row[label] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        print(f"{name:10s} {label:32s} {row[label].get('total_ms', row[label].get('error'))} "
+              f"{row[label].get('rel_error', '')}", flush=True)
+    return row
+
+
+def main_up(args):
     from moe_lowering.kernels.gather_rows.triton_launch import gather_rows
     from moe_lowering.kernels.grouped_matmul import triton_launch as tgm
 
@@ -125,7 +136,6 @@ def main_up(args):
         tokens = jax.random.normal(jax.random.key(1), (shape.T, shape.d), jnp.bfloat16)
         rows = gather_rows(tokens, token_of_row)
         want = jax.jit(lambda r, g: tgm.tgmm(r, g, sizes))(rows, d_pre).astype(jnp.float32)
-        scale = float(jnp.linalg.norm(want))
         runs = {"row gather (the copy)": (lambda t: gather_rows(t, token_of_row), (tokens,), False),
                 "tgmm (permuted copy)": (lambda g, r: tgm.tgmm(r, g, sizes), (d_pre, rows), True)}
         for tile in [None, *UP_TILES][:None if args.tiles_up else 1]:
@@ -139,20 +149,7 @@ def main_up(args):
         runs["tgmm both (2n)"] = (lambda g, r: tgm.tgmm(r, g, sizes), (both, rows), False)
         runs["gather_lhs_tgmm both (2n)"] = (lambda g, t: tgm.gather_lhs_tgmm(t, g, token_of_row, sizes),
                                              (both, tokens), False)
-        row = {}
-        for label, (fn, fn_args, checked) in runs.items():
-            try:
-                summary = profile_summary(jax.jit(fn), fn_args, args.out / "traces" / f"{name}_{len(row)}")
-                kernels = summary.get("top_kernels_ms", {})
-                row[label] = {"total_ms": round(sum(kernels.values()), 4), "kernels": kernels}
-                if checked:
-                    got = jax.jit(fn)(*fn_args).astype(jnp.float32)
-                    row[label]["rel_error"] = float(jnp.linalg.norm(got - want)) / scale
-            except Exception as err:  # a tile shape that does not compile or fit: recorded, not fatal
-                row[label] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
-            print(f"{name:10s} {label:32s} {row[label].get('total_ms', row[label].get('error'))} "
-                  f"{row[label].get('rel_error', '')}", flush=True)
-        results["shapes"][name] = row
+        results["shapes"][name] = _profile_runs(name, runs, args.out, want)
         (args.out / "gather_products_up.json").write_text(json.dumps(results, indent=1))
 
 
