@@ -137,8 +137,8 @@ def main_up(args):
         rows = gather_rows(tokens, token_of_row)
         want = jax.jit(lambda r, g: tgm.tgmm(r, g, sizes))(rows, d_pre).astype(jnp.float32)
         runs = {"row gather (the copy)": (lambda t: gather_rows(t, token_of_row), (tokens,), False),
-                "tgmm (permuted copy)": (lambda g, r: tgm.tgmm(r, g, sizes), (d_pre, rows), True)}
-        for tile in [None, *UP_TILES][:None if args.tiles_up else 1]:
+                "tgmm (permuted copy)": (lambda g, r: tgm.tgmm(r, g, sizes), (d_pre, rows), False)}
+        for tile in [None, *UP_TILES] if args.tiles_up else [None]:
             config = None if tile is None else tgm.TileConfig(*UP_TILES[tile][:3], num_warps=UP_TILES[tile][3],
                                                               num_stages=UP_TILES[tile][4])
             runs[f"gather_lhs_tgmm {tile or 'table'}"] = (

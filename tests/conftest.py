@@ -7,7 +7,7 @@ time. So, without a GPU plugin, XLA's CPU code is compiled without LLVM's optimi
 (``--xla_backend_optimization_level=0``, unless ``XLA_FLAGS`` sets a level), and a run shares one
 persistent compilation cache between its pytest-xdist workers and the interpreter tests' children
 (a temporary folder, removed when the run ends), so a program compiled by one test is loaded by the
-next. On a 2-core machine the two together took the suite from 1050 to 680 s.
+next. On a 2-core machine the two together took the first CI entry's tests from 1050 to 661 s.
 
 Set before any test initialises a JAX backend, so every test module sees the same devices.
 ``tests/parallel`` is importable from every test directory, for its shared ``parallel_cases``.
