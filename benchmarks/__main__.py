@@ -47,6 +47,10 @@ kernel sweeps:
   swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
   swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
   tma-probe     tma_probe.py            gmm with TMA-descriptor loads (jax-triton 0.4.0) against gmm_kernel's pointer loads
+  descriptor-probe descriptor_loads_probe.py  gmm / gather_gmm with TMA-descriptor loads, and warp-specialised
+                                        (Triton's launcher on torch tensors)
+  tma-store-probe tma_store_probe.py    the small-group weight gradient with a TMA store epilogue (torch tensors)
+  dense-ceiling dense_ceiling.py        dense cuBLAS products of SonicMoE's shapes: the ceiling for any MoE layer
   kernel-resources kernel_resources.py  registers, spills, shared memory and pipeline stages per kernel, compiled
                                         offline for sm_90 (no GPU)
 
