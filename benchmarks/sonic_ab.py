@@ -13,8 +13,7 @@ width; ``xlagather``: ``new`` with ``permute`` and ``spread`` left to XLA's gath
 ``gmm_kernel``'s tile loop not flattened into its K loop, ``TileConfig.flatten``; ``rows64``: ``new`` with
 groups of 128-255 rows on the 64-row tiles, ``triton_launch.FULL_TILE_MIN_ROWS``; ``combine512`` /
 ``combine1024``: ``new`` with the last product and the combine as one piece up to that width,
-``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``; ``pointers``: ``new`` with every operand a pointer load,
-no TMA descriptors, ``triton_launch.DESCRIPTOR_LOADS``). The rewritten layer (``moe_optimize`` of the zoo's
+``sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH``). The rewritten layer (``moe_optimize`` of the zoo's
 Mixtral-idiom dense reference, as ``sonic.py`` runs it) is compiled per variant, checked against ``base``
 (relative error of the output and of every gradient), and timed forward and forward+backward in alternating
 rounds (median of ``--reps`` per round), so every variant sees the same machine state. Forward+backward is
@@ -53,7 +52,7 @@ SHAPES = SONIC_SHAPES | {name: SonicShape(name, c.T, c.d, c.f, c.E, c.k, math.na
                          for name, c in moe_layer.CONFIGS.items() if name != "small"}
 """SonicMoE's twelve shapes, and the layer configs of ``moe_layer.py`` (no SonicMoE numbers: ratio NaN)."""
 VARIANTS = ("base", "new", "apart", "permuted", "keptcopy", "gradstages", "nosum", "pair", "xlagather", "wide",
-            "unflattened", "rows64", "combine512", "combine1024", "pointers")
+            "unflattened", "rows64", "combine512", "combine1024")
 WIDE_MAX_N = 2048
 
 
@@ -71,8 +70,7 @@ def backend_for(variant: str):
         return dataclasses.replace(triton, name="triton-keptcopy", gather_lhs_tgmm=None)
     if variant == "apart":  # the last product and the combine apart (no expert_combine)
         return dataclasses.replace(triton, name="triton-apart", gather_gmm=None, gather_tgmm=None)
-    if variant in ("new", "xlagather", "unflattened", "rows64", "gradstages", "combine512", "combine1024",
-                   "pointers"):
+    if variant in ("new", "xlagather", "unflattened", "rows64", "gradstages", "combine512", "combine1024"):
         return triton
     if variant == "wide":
         return dataclasses.replace(triton, name="triton-wide", swiglu_gmm_max_n=WIDE_MAX_N,
@@ -159,8 +157,6 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
             grad_stages = tgm.GATHERED_GRAD_EXTRA_STAGES  # read when lowering
             if variant == "gradstages":
                 tgm.GATHERED_GRAD_EXTRA_STAGES = 2
-            descriptor_loads = tgm.DESCRIPTOR_LOADS  # read when tracing the launches
-            tgm.DESCRIPTOR_LOADS = variant != "pointers"
             combine_width = sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH
             if variant.startswith("combine"):
                 sparse_moe.COMBINE_IN_LAST_PRODUCT_MAX_WIDTH = int(variant.removeprefix("combine"))
@@ -173,7 +169,6 @@ def run(names, variants, reps: int, rounds: int, profile: bool, out_dir: Path, h
                 tgm.FULL_TILE_MIN_ROWS = full_tile_rows
                 tgm.GATHERED_GRAD_EXTRA_STAGES = grad_stages
                 tgm._WIDE_SHORT_K, tgm._WIDE = tiles
-                tgm.DESCRIPTOR_LOADS = descriptor_loads
             compiled[variant] = (fwd, both)
             if hlo:
                 (out_dir / f"hlo_{name}_{variant}_fwd.txt").write_text(fwd.as_text())

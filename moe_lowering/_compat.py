@@ -8,8 +8,6 @@ identify them by identity, never by name.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
@@ -133,16 +131,3 @@ def register_lowering(primitive, impl, multiple_results: bool) -> None:
     at each use (not cached into one shared function per signature), as the code it replaced was."""
     _mlir.register_lowering(primitive, _mlir.lower_fun(impl, multiple_results=multiple_results), cacheable=False)
 
-
-
-def register_platform_lowering(primitive, rule, platform: str) -> None:
-    """Lowers ``primitive`` with an MLIR rule of its own (``rule(ctx, *operands, **params)``) on
-    ``platform`` only; elsewhere the primitive has no lowering."""
-    _mlir.register_lowering(primitive, rule, platform=platform)
-
-
-def def_impl_by_lowering(primitive) -> None:
-    """Eager calls of ``primitive`` compile and run its lowering, as ``jit`` of it would."""
-    from jax._src import dispatch
-
-    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))

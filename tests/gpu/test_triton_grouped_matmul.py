@@ -135,60 +135,6 @@ def test_flattened_tile_loop_gives_the_same_bits(monkeypatch, tail_apart, k, tra
     assert _relative_error(jnp.asarray(outs[True]), expected) < TOLERANCE[jnp.bfloat16]
 
 
-DESCRIPTOR_CASES = {**CASES, "many-waves": ([3000, 0, 129, 4000, 1, 5000, 2500, 700], 15367, 0, 8)}
-
-
-def _with_and_without_descriptors(monkeypatch, product):
-    """``product()`` with the row-tiled products' operands read through TMA descriptors and with
-    pointer loads (``triton_launch.DESCRIPTOR_LOADS``), as float32 numpy arrays."""
-    from moe_lowering.kernels import descriptor_call
-
-    if float(jax.devices()[0].compute_capability) < 9.0:
-        pytest.skip("TMA descriptors need compute capability 9.0")
-    assert descriptor_call.available(), "a Hopper GPU whose jaxlib cannot launch descriptor kernels"
-    outs = {}
-    for descriptors in (False, True):
-        monkeypatch.setattr(tgm, "DESCRIPTOR_LOADS", descriptors)
-        outs[descriptors] = [np.asarray(jnp.asarray(out, jnp.float32)) for out in product()]
-    return outs[True], outs[False]
-
-
-@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs", "rhsT"])
-@pytest.mark.parametrize("dtype,config", DTYPE_CONFIGS)
-@pytest.mark.parametrize("case", sorted(DESCRIPTOR_CASES))
-def test_descriptor_loads_give_the_pointer_loads_bits(monkeypatch, case, dtype, config, transpose_rhs):
-    """``gmm`` and ``gather_gmm`` with their operands read through TMA descriptors write every bit
-    the pointer loads write, at every table tile: rows past the groups (zero) and past ``M``, a
-    column tile past ``N`` (transposed, it reads the next group's weights into columns never stored),
-    a local window of the groups, many waves with the tail apart; and they match the reference."""
-    group_sizes, num_rows, group_offset, num_local = DESCRIPTOR_CASES[case]
-    k, n = 256, 328
-    keys = jax.random.split(jax.random.key(hash(("descriptors", case, transpose_rhs)) % 2**31), 5)
-    lhs = _random(keys[0], (num_rows, k), dtype)
-    rhs = _random(keys[1], (num_local, n, k) if transpose_rhs else (num_local, k, n), dtype)
-    source, index, scale = _gathered(keys[2], num_rows, k, dtype)
-    dot_with = _random(keys[3], (num_rows, n), dtype)
-    sizes = jnp.asarray(group_sizes, jnp.int32)
-
-    def products():
-        _poison((num_rows, n), dtype)
-        out = tgm.gmm(lhs, rhs, sizes, group_offset=group_offset, transpose_rhs=transpose_rhs, config=config)
-        _poison((num_rows, n), dtype)
-        gathered, dots = tgm.gather_gmm(source, rhs, index, scale, dot_with, sizes, group_offset=group_offset,
-                                        transpose_rhs=transpose_rhs, config=config)
-        return out, gathered, dots
-
-    with_descriptors, with_pointers = _with_and_without_descriptors(monkeypatch, products)
-    for got, want in zip(with_descriptors, with_pointers):
-        np.testing.assert_array_equal(got, want)
-    expected = _gmm_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes, group_offset,
-                              transpose_rhs)
-    assert _relative_error(jnp.asarray(with_descriptors[0]), expected) < TOLERANCE[dtype]
-    rows = np.asarray(source.astype(jnp.float32))[np.asarray(index)]
-    product = _gmm_reference(rows, rhs.astype(jnp.float32), group_sizes, group_offset, transpose_rhs)
-    assert _relative_error(jnp.asarray(with_descriptors[1]), product * np.asarray(scale)[:, None]) < TOLERANCE[dtype]
-
-
 @pytest.mark.parametrize("k", [512, 2304], ids=["short-k", "long-k"])
 @pytest.mark.parametrize("group_sizes", [[3000, 0, 2500, 700], [130, 0, 257, 3, 0, 411, 199]],
                          ids=["large-groups", "groups-of-142-rows"])

@@ -192,35 +192,6 @@ def test_gather_swiglu_gmm_matches_reference(case, dtype, with_preactivations):
         assert _relative_error(out.astype(jnp.float32), expected) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype,config", DTYPE_CONFIGS)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_descriptor_loads_give_the_pointer_loads_bits(case, dtype, config, monkeypatch):
-    """The fused kernels with the weights (and the rows, unless gathered) read through TMA descriptors
-    write every bit the pointer loads write: the output and both stored products, rows read in place
-    and gathered, N = 328 leaving a partial column tile at every table tile."""
-    from moe_lowering.kernels import descriptor_call
-
-    if float(jax.devices()[0].compute_capability) < 9.0:
-        pytest.skip("TMA descriptors need compute capability 9.0")
-    assert descriptor_call.available(), "a Hopper GPU whose jaxlib cannot launch descriptor kernels"
-    lhs, gate, up, _, sizes, offset = _operands(case, dtype, k=256)
-    keys = jax.random.split(jax.random.key(5), 2)
-    tokens = jax.random.normal(keys[0], (lhs.shape[0] // 2 + 1, lhs.shape[1]), jnp.float32).astype(dtype)
-    index = jax.random.randint(keys[1], (lhs.shape[0],), 0, tokens.shape[0])
-    outs = {}
-    for descriptors in (False, True):
-        monkeypatch.setattr(tgm, "DESCRIPTOR_LOADS", descriptors)
-        jnp.full((lhs.shape[0], 3 * gate.shape[2]), jnp.nan, dtype).block_until_ready()
-        in_place = tsw.swiglu_gmm(lhs, gate, up, sizes, group_offset=offset, with_preactivations=True, config=config)
-        jnp.full((lhs.shape[0], 3 * gate.shape[2]), jnp.nan, dtype).block_until_ready()
-        gathered = tsw.gather_swiglu_gmm(tokens, gate, up, index, sizes, group_offset=offset,
-                                         with_preactivations=True, config=config)
-        outs[descriptors] = [np.asarray(out.astype(jnp.float32)) for out in (*in_place, *gathered)]
-    for got, want in zip(outs[True], outs[False]):
-        np.testing.assert_array_equal(got, want)
-    assert not any(np.isnan(out).any() for out in outs[True])
-
-
 def test_layer_forward_reads_the_tokens_without_permuting_them(monkeypatch):
     """The rewritten Mixtral layer's forward with ``gather_swiglu_gmm``: no row-gather kernel (the
     permuted copy is never made), the same output as on permuted rows; differentiated, the weight

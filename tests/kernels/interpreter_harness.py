@@ -143,8 +143,7 @@ def install_interpreted_jax_triton(multiprocessors: int = 4):
     are imported): ``triton_call`` runs the kernel on host copies of its operands through
     ``jax.pure_callback``, as jax_triton 0.3 launches it (every operand and every output a kernel
     argument, in that order; an output aliasing an operand is that operand's buffer; zeroed outputs
-    zeroed, the others poisoned: NaN, or -7 for integers), and for ``descriptor_call``'s launches
-    of kernels reading through TMA descriptors. The launchers see ``multiprocessors``
+    zeroed, the others poisoned: NaN, or -7 for integers). The launchers see ``multiprocessors``
     multiprocessors, so the persistent loops take several tiles a program. One kernel runs at a time:
     XLA may run independent callbacks on several threads, and the interpreter patches ``triton.language``
     while it runs a kernel."""
@@ -183,11 +182,7 @@ def install_interpreted_jax_triton(multiprocessors: int = 4):
     module = types.ModuleType("jax_triton")
     module.triton_call = triton_call
     sys.modules["jax_triton"] = module
-    from moe_lowering.kernels import descriptor_call
     from moe_lowering.kernels.grouped_matmul import triton_launch
-
-    descriptor_call.triton_call = triton_call  # the interpreter builds descriptors without a scratch buffer
-    descriptor_call.available = lambda: True
 
     triton_launch._multiprocessor_count = lambda: multiprocessors
 

@@ -108,42 +108,17 @@ def _zero_outside_groups(out_ptr, pid, sizes, group_ids, offset, is_local, n_til
 
 
 @triton.jit
-def _weight_descriptor(rhs_ptr, K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
-                       TRANSPOSE_RHS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A TMA descriptor of the local groups' weights as one matrix, ``[G * N, K]`` read transposed,
-    else ``[G * K, N]``, in blocks of one tile's K step. ``K % BLOCK_K == 0`` (a step never reaches
-    into the next group's weights); columns past ``N`` read as zeros, or, transposed, as the next
-    group's rows, which only reach output columns that are never stored."""
-    tl.static_assert(K % BLOCK_K == 0, "descriptor loads need K to be a multiple of BLOCK_K")
-    if TRANSPOSE_RHS:
-        weights = tl.make_tensor_descriptor(rhs_ptr, [NUM_LOCAL_GROUPS * N, K], [K, 1], [BLOCK_N, BLOCK_K])
-    else:
-        weights = tl.make_tensor_descriptor(rhs_ptr, [NUM_LOCAL_GROUPS * K, N], [N, 1], [BLOCK_K, BLOCK_N])
-    return weights
-
-
-@triton.jit
-def _rows_descriptor(lhs_ptr, M: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A TMA descriptor of ``lhs`` ``[M, K]`` in ``[BLOCK_M, BLOCK_K]`` blocks (rows past ``M`` read as zeros)."""
-    tl.static_assert(K % BLOCK_K == 0, "descriptor loads need K to be a multiple of BLOCK_K")
-    return tl.make_tensor_descriptor(lhs_ptr, [M, K], [K, 1], [BLOCK_M, BLOCK_K])
-
-
-@triton.jit
 def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: tl.constexpr, K: tl.constexpr,
                   N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, COMPUTE_F32: tl.constexpr, row_index_ptr=None,
-                  LHS_SOURCE_ROWS: tl.constexpr = 0, lhs_desc=None, rhs_desc=None, col0=0,
-                  DESCRIPTORS: tl.constexpr = False):
+                  LHS_SOURCE_ROWS: tl.constexpr = 0):
     """float32 ``lhs[row0 : row0 + BLOCK_M, k_begin:k_end] @ rhs[local_group][k_begin:k_end, cols]``
     (rows past ``M`` read clamped). ``k_begin`` and ``k_end`` are multiples of ``BLOCK_K`` or ``K``:
     the main kernels pass the constants ``0, K``, so their loop keeps constant bounds.
 
     With ``LHS_SOURCE_ROWS > 0`` the product's row ``r`` is ``lhs[row_index[r]]`` of a
     ``[LHS_SOURCE_ROWS, K]`` ``lhs`` (indices clamped into it): the rows are gathered as they
-    are loaded, so no gathered copy is ever written. With ``DESCRIPTORS`` the weights (from
-    :func:`_weight_descriptor`, columns from ``col0``) and, unless gathered, the rows (from
-    :func:`_rows_descriptor`) are TMA loads: the same blocks in the same order, so the same bits."""
+    are loaded, so no gathered copy is ever written."""
     in_m = tl.arange(0, BLOCK_M)
     in_k = tl.arange(0, BLOCK_K)
     # Rows past the group (or past M) are read clamped and never stored. Column indices stay
@@ -166,16 +141,7 @@ def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: 
     b_cols_ok = (cols < N)[None, :] | TRANSPOSE_RHS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        if DESCRIPTORS:
-            if LHS_SOURCE_ROWS > 0:
-                a = tl.load(a_ptrs)
-            else:
-                a = lhs_desc.load([row0, k0])
-            if TRANSPOSE_RHS:
-                b = rhs_desc.load([local_group * N + col0, k0]).T
-            else:
-                b = rhs_desc.load([local_group * K + k0, col0])
-        elif K % BLOCK_K == 0:
+        if K % BLOCK_K == 0:
             a = tl.load(a_ptrs)
             if TRANSPOSE_RHS or N % BLOCK_N == 0:
                 b = tl.load(b_ptrs)
@@ -197,8 +163,7 @@ def _tile_product(lhs_ptr, rhs_ptr, local_group, row0, cols, k_begin, k_end, M: 
 @triton.jit
 def _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles, tile_ends, n_tiles, M: tl.constexpr,
               K: tl.constexpr, N: tl.constexpr, TRANSPOSE_RHS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr,
-              lhs_desc=None, rhs_desc=None, DESCRIPTORS: tl.constexpr = False):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, COMPUTE_F32: tl.constexpr):
     """Work item ``tile`` of a row-tiled grouped product: ``(float32 tile, first row, columns, group end)``."""
     group, group_start, group_end, pm, pn = _tile_position(
         tile, group_ids, starts, ends, m_tiles, tile_ends, n_tiles, M, GROUP_M
@@ -206,8 +171,7 @@ def _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles, 
     row0 = group_start + pm * BLOCK_M
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
-                        BLOCK_N, BLOCK_K, COMPUTE_F32, lhs_desc=lhs_desc, rhs_desc=rhs_desc, col0=pn * BLOCK_N,
-                        DESCRIPTORS=DESCRIPTORS)
+                        BLOCK_N, BLOCK_K, COMPUTE_F32)
     return acc, row0, cols, group_end
 
 
@@ -234,7 +198,6 @@ def gmm_kernel(
     ZERO_OUTSIDE: tl.constexpr = True,
     TAIL_APART: tl.constexpr = False,
     FLATTEN: tl.constexpr = False,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``out[r] = lhs[r] @ rhs[group(r) - offset]`` for rows of local groups, zero elsewhere
     (left unwritten elsewhere without ``ZERO_OUTSIDE``).
@@ -243,8 +206,6 @@ def gmm_kernel(
     ``TAIL_APART`` the tiles past the last full wave are left to ``gmm_tail_kernel`` wherever
     ``_tail_split`` cuts them. ``FLATTEN``: the tile loop and the K loop are software-pipelined as
     one, so the next tile's first blocks load during this tile's last steps and its store.
-    ``DESCRIPTORS``: both operands are TMA loads (``K % BLOCK_K == 0``; launched by
-    :mod:`moe_lowering.kernels.descriptor_call`, which gives the descriptors their scratch).
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
@@ -253,17 +214,12 @@ def gmm_kernel(
     )
     if TAIL_APART:
         num_tiles = _tail_split(num_tiles, NUM_PROGRAMS, (K + BLOCK_K - 1) // BLOCK_K)[0]
-    lhs_desc = None
-    rhs_desc = None
-    if DESCRIPTORS:
-        lhs_desc = _rows_descriptor(lhs_ptr, M, K, BLOCK_M, BLOCK_K)
-        rhs_desc = _weight_descriptor(rhs_ptr, K, N, NUM_LOCAL_GROUPS, TRANSPOSE_RHS, BLOCK_N, BLOCK_K)
 
     in_m = tl.arange(0, BLOCK_M)
     for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         acc, row0, cols, group_end = _row_tile(lhs_ptr, rhs_ptr, tile, group_ids, offset, starts, ends, m_tiles,
                                                tile_ends, n_tiles, M, K, N, TRANSPOSE_RHS, BLOCK_M, BLOCK_N, BLOCK_K,
-                                               GROUP_M, COMPUTE_F32, lhs_desc, rhs_desc, DESCRIPTORS)
+                                               GROUP_M, COMPUTE_F32)
         rows = row0 + in_m
         out_ptrs = out_ptr + tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]
         store_mask = (rows < group_end)[:, None] & (cols < N)[None, :]
@@ -300,7 +256,6 @@ def gather_gmm_kernel(
     NUM_PROGRAMS: tl.constexpr,
     COMPUTE_F32: tl.constexpr,
     WITH_DOTS: tl.constexpr,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``out[r] = row_scale[r] * (lhs[row_index[r]] @ rhs[group(r) - offset])`` for rows of local
     groups, zero elsewhere; ``lhs`` is ``[LHS_SOURCE_ROWS, K]``.
@@ -311,16 +266,12 @@ def gather_gmm_kernel(
     epilogue also stores ``dots[c, r]``, the unscaled product's row ``r`` times ``dot_with[r]``
     summed over column tile ``c`` (unwritten outside the local groups): with ``dot_with`` the
     product's own input rows, the routing weights' cotangent, without re-reading the forward's output.
-    ``DESCRIPTORS``: the weights are TMA loads (the gathered rows stay pointer loads).
     """
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
-    rhs_desc = None
-    if DESCRIPTORS:
-        rhs_desc = _weight_descriptor(rhs_ptr, K, N, NUM_LOCAL_GROUPS, TRANSPOSE_RHS, BLOCK_N, BLOCK_K)
     in_m = tl.arange(0, BLOCK_M)
     for tile in range(pid, num_tiles, NUM_PROGRAMS):
         group, group_start, group_end, pm, pn = _tile_position(
@@ -329,8 +280,7 @@ def gather_gmm_kernel(
         row0 = group_start + pm * BLOCK_M
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _tile_product(lhs_ptr, rhs_ptr, group - offset, row0, cols, 0, K, M, K, N, TRANSPOSE_RHS, BLOCK_M,
-                            BLOCK_N, BLOCK_K, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS, rhs_desc=rhs_desc,
-                            col0=pn * BLOCK_N, DESCRIPTORS=DESCRIPTORS)
+                            BLOCK_N, BLOCK_K, COMPUTE_F32, row_index_ptr, LHS_SOURCE_ROWS)
         rows = row0 + in_m
         in_rows = rows < group_end
         offsets = tl.cast(row0, tl.int64) * N + in_m[:, None] * N + cols[None, :]

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import jax_triton
 
-from moe_lowering.kernels import descriptor_call
 from moe_lowering.kernels.grouped_matmul import reference
 from moe_lowering.kernels.grouped_matmul.triton_kernels import (
     gather_gmm_kernel,
@@ -43,11 +42,6 @@ _KERNEL_DTYPES = _TENSOR_CORE_DTYPES + (jnp.dtype(jnp.float32),)
 # them along K (``triton_kernels.gmm_tail_kernel``): a GPU one row tile over a wave boundary
 # otherwise runs a whole extra wave (benchmarks/EP_NOTES.md, round 8). False only to measure that.
 TAIL_APART = True
-
-# Where Hopper's TMA unit can fetch a row-tiled product's operands (the weights, and the rows unless
-# gathered), ``gmm`` and ``gather_gmm`` read them through descriptors: at the same tile on an H100,
-# 5-13% and 3-9% faster than pointer loads, the same bits (benchmarks/NOTES.md). False only to measure that.
-DESCRIPTOR_LOADS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,34 +207,18 @@ def _for_output(config: TileConfig, out_dtype) -> TileConfig:
     return dataclasses.replace(config, flatten=False)
 
 
-def _descriptor_loads(k: int, block_k: int, *row_bytes: int) -> bool:
-    """Whether a row-tiled launch reads operands through TMA descriptors: ``K`` is a whole number of
-    ``BLOCK_K`` steps (a step never reaches into the next group's weights), every row read through one
-    is a whole number of 16-byte units (TMA's stride rule), and descriptor kernels can launch here."""
-    return (DESCRIPTOR_LOADS and k % block_k == 0 and all(size % 16 == 0 for size in row_bytes)
-            and descriptor_call.available())
-
-
-def _launcher(descriptors: bool):
-    return descriptor_call.triton_call if descriptors else jax_triton.triton_call
-
-
 def _gmm_main(lhs, rhs, operands, launch: dict, out_dtype, transpose_rhs: bool, zero_outside: bool, flatten: bool):
     """``gmm_kernel``'s launch: the whole product, or its full waves only with ``TAIL_APART``."""
-    k, n = launch["K"], launch["N"]
-    descriptors = _descriptor_loads(k, launch["BLOCK_K"], k * lhs.dtype.itemsize,
-                                    (k if transpose_rhs else n) * rhs.dtype.itemsize)
-    return _launcher(descriptors)(
+    return jax_triton.triton_call(
         lhs,
         rhs,
         *operands,
         kernel=gmm_kernel,
-        out_shape=jax.ShapeDtypeStruct((launch["M"], n), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((launch["M"], launch["N"]), out_dtype),
         TRANSPOSE_RHS=bool(transpose_rhs),
         ZERO_OUTSIDE=bool(zero_outside),
         TAIL_APART=TAIL_APART,
         FLATTEN=flatten,
-        DESCRIPTORS=descriptors,
         **launch,
     )
 
@@ -390,8 +368,7 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
     launch = _row_tiled_launch(lhs.dtype, rhs.dtype, num_rows, k, n, num_local_groups, group_sizes.shape[0], config)
     n_tiles = -(-n // launch["BLOCK_N"])
     row_scale = row_scale.astype(jnp.float32)
-    descriptors = _descriptor_loads(k, launch["BLOCK_K"], (k if transpose_rhs else n) * rhs.dtype.itemsize)
-    out, partial_dots = _launcher(descriptors)(
+    out, partial_dots = jax_triton.triton_call(
         lhs,
         rhs,
         row_index.astype(jnp.int32),
@@ -405,7 +382,6 @@ def gather_gmm(lhs, rhs, row_index, row_scale, dot_with, group_sizes, *, group_o
         LHS_SOURCE_ROWS=lhs.shape[0],
         TRANSPOSE_RHS=bool(transpose_rhs),
         WITH_DOTS=dot_with is not None,
-        DESCRIPTORS=descriptors,
         **launch,
     )
     if dot_with is None:

@@ -14,14 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from moe_lowering.kernels.grouped_matmul.triton_kernels import (
-    _group_layout,
-    _outside_rows,
-    _rows_descriptor,
-    _tile_position,
-    _weight_descriptor,
-    _zero_tile,
-)
+from moe_lowering.kernels.grouped_matmul.triton_kernels import _group_layout, _outside_rows, _tile_position, _zero_tile
 
 
 @triton.jit
@@ -49,25 +42,15 @@ def _swiglu_gmm_tiles(
     STORE_PREACTIVATIONS: tl.constexpr,
     row_index_ptr=None,
     LHS_SOURCE_ROWS: tl.constexpr = 0,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """The body of the kernels below; ``gate_out`` / ``up_out`` are written only with
     ``STORE_PREACTIVATIONS``; with ``LHS_SOURCE_ROWS > 0`` row ``r`` is ``lhs[row_index[r]]`` of a
-    ``[LHS_SOURCE_ROWS, K]`` ``lhs``, gathered as loaded (indices clamped into it). ``DESCRIPTORS``:
-    both weights and, unless gathered, the rows are TMA loads (as in ``gmm_kernel``: the same bits)."""
+    ``[LHS_SOURCE_ROWS, K]`` ``lhs``, gathered as loaded (indices clamped into it)."""
     pid = tl.program_id(0)
     n_tiles = (N + BLOCK_N - 1) // BLOCK_N
     group_ids, sizes, offset, starts, ends, is_local, m_tiles, tile_ends, num_tiles = _group_layout(
         group_sizes_ptr, group_offset_ptr, n_tiles, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M
     )
-    lhs_desc = None
-    gate_desc = None
-    up_desc = None
-    if DESCRIPTORS:
-        if LHS_SOURCE_ROWS == 0:
-            lhs_desc = _rows_descriptor(lhs_ptr, M, K, BLOCK_M, BLOCK_K)
-        gate_desc = _weight_descriptor(gate_ptr, K, N, NUM_LOCAL_GROUPS, False, BLOCK_N, BLOCK_K)
-        up_desc = _weight_descriptor(up_ptr, K, N, NUM_LOCAL_GROUPS, False, BLOCK_N, BLOCK_K)
 
     in_m = tl.arange(0, BLOCK_M)
     in_n = tl.arange(0, BLOCK_N)
@@ -94,15 +77,7 @@ def _swiglu_gmm_tiles(
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if DESCRIPTORS:
-                if LHS_SOURCE_ROWS > 0:
-                    a = tl.load(a_ptrs)
-                else:
-                    a = lhs_desc.load([row0, k0])
-                weight_row = (group - offset) * K + k0
-                wg = gate_desc.load([weight_row, pn * BLOCK_N])
-                wu = up_desc.load([weight_row, pn * BLOCK_N])
-            elif K % BLOCK_K == 0:
+            if K % BLOCK_K == 0:
                 a = tl.load(a_ptrs)
                 if N % BLOCK_N == 0:
                     wg = tl.load(g_ptrs)
@@ -156,12 +131,11 @@ def swiglu_gmm_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``out[r] = silu(lhs[r] @ gate[g]) * (lhs[r] @ up[g])``, ``g = group(r) - offset``; zero outside."""
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, out_ptr, out_ptr,
                       M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                      NUM_PROGRAMS, COMPUTE_F32, False, DESCRIPTORS=DESCRIPTORS)
+                      NUM_PROGRAMS, COMPUTE_F32, False)
 
 
 @triton.jit
@@ -170,12 +144,11 @@ def swiglu_gmm_preactivations_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr, NUM_GROUPS: tl.constexpr,
     GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``swiglu_gmm_kernel`` that also stores both products (rounded to the output type), zero outside."""
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr,
                       up_out_ptr, M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K,
-                      GROUP_M, NUM_PROGRAMS, COMPUTE_F32, True, DESCRIPTORS=DESCRIPTORS)
+                      GROUP_M, NUM_PROGRAMS, COMPUTE_F32, True)
 
 
 @triton.jit
@@ -184,14 +157,13 @@ def gather_swiglu_gmm_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``swiglu_gmm_kernel`` whose row ``r`` is ``lhs[row_index[r]]`` of the ``[LHS_SOURCE_ROWS, K]``
     token rows: the permutation of the tokens into expert order happens in the loads, so its
     ``[M, K]`` copy is never written."""
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, out_ptr, out_ptr, M, K, N,
                       NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
-                      COMPUTE_F32, False, row_index_ptr, LHS_SOURCE_ROWS, DESCRIPTORS)
+                      COMPUTE_F32, False, row_index_ptr, LHS_SOURCE_ROWS)
 
 
 @triton.jit
@@ -200,11 +172,10 @@ def gather_swiglu_gmm_preactivations_kernel(
     M: tl.constexpr, K: tl.constexpr, N: tl.constexpr, LHS_SOURCE_ROWS: tl.constexpr, NUM_LOCAL_GROUPS: tl.constexpr,
     NUM_GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, COMPUTE_F32: tl.constexpr,
-    DESCRIPTORS: tl.constexpr = False,
 ):
     """``gather_swiglu_gmm_kernel`` that also stores both products, the backward's residuals: a
     training step's forward reads the tokens by index too, and no permuted copy is kept for the
     weight gradients (``gather_lhs_tgmm`` reads the tokens again)."""
     _swiglu_gmm_tiles(lhs_ptr, gate_ptr, up_ptr, group_sizes_ptr, group_offset_ptr, out_ptr, gate_out_ptr, up_out_ptr,
                       M, K, N, NUM_LOCAL_GROUPS, NUM_GROUPS, GROUPS_PAD, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                      NUM_PROGRAMS, COMPUTE_F32, True, row_index_ptr, LHS_SOURCE_ROWS, DESCRIPTORS)
+                      NUM_PROGRAMS, COMPUTE_F32, True, row_index_ptr, LHS_SOURCE_ROWS)

@@ -13,14 +13,13 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import jax_triton
 
 from moe_lowering.kernels.grouped_matmul.triton_launch import (
     _KERNEL_DTYPES,
     TileConfig,
     _check_group_sizes,
     _compute_f32,
-    _descriptor_loads,
-    _launcher,
     _next_power_of_two,
     _offset_array,
     _row_tile_grid,
@@ -73,9 +72,7 @@ def swiglu_gmm(
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
     out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
-    descriptors = _descriptor_loads(k, config.block_k, k * lhs.dtype.itemsize, n * gate_rhs.dtype.itemsize,
-                                    n * up_rhs.dtype.itemsize)
-    return _launcher(descriptors)(
+    return jax_triton.triton_call(
         lhs,
         gate_rhs,
         up_rhs,
@@ -98,7 +95,6 @@ def swiglu_gmm(
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
-        DESCRIPTORS=descriptors,
     )
 
 
@@ -151,8 +147,7 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
     num_programs = _row_tile_grid(num_rows, n, num_local_groups, config)
     num_groups = group_sizes.shape[0]
     out_shape = jax.ShapeDtypeStruct((num_rows, n), out_dtype)
-    descriptors = _descriptor_loads(k, config.block_k, n * gate_rhs.dtype.itemsize, n * up_rhs.dtype.itemsize)
-    return _launcher(descriptors)(
+    return jax_triton.triton_call(
         tokens,
         gate_rhs,
         up_rhs,
@@ -177,5 +172,4 @@ def gather_swiglu_gmm(tokens, gate_rhs, up_rhs, row_index, group_sizes, *, group
         GROUP_M=config.group_m,
         NUM_PROGRAMS=num_programs,
         COMPUTE_F32=compute_f32,
-        DESCRIPTORS=descriptors,
     )

@@ -33,13 +33,9 @@ def _tgmm_reference(lhs, grad, group_sizes, group_offset, num_groups):
 
 GMM_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}": (case, k, t)
                 for case in CASES for k in (24, 32) for t in (False, True)}
-# Both operands as TMA-descriptor loads (K a multiple of BLOCK_K): rows past M read as zeros, the
-# transposed weights' last column tile reading into the next group's rows.
-GMM_VARIANTS.update({f"{case}-k{k}-{'rhsT' if t else 'rhs'}-descriptors": (case, k, t, True)
-                     for case in CASES for k in (32, 48) for t in (False, True)})
 
 
-def _run_gmm(kernels, case, k, transpose_rhs, descriptors=False):
+def _run_gmm(kernels, case, k, transpose_rhs):
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k)
     n = 40
@@ -51,8 +47,7 @@ def _run_gmm(kernels, case, k, transpose_rhs, descriptors=False):
     kernels.gmm_kernel[(NUM_PROGRAMS,)](
         HostTensor(lhs), HostTensor(rhs), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)),
         HostTensor(out), M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes),
-        GROUPS_PAD=8, TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True,
-        DESCRIPTORS=descriptors, **BLOCK,
+        GROUPS_PAD=8, TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, **BLOCK,
     )
     return out, gmm_reference(lhs, rhs, group_sizes, group_offset, transpose_rhs)
 
@@ -101,10 +96,6 @@ HALF_CASES = {
 HALF_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}-p{programs}": (case, k, t, programs, HALF_BLOCK)
                  for case, (_, all_programs) in HALF_CASES.items() for k in (24, 128, 136) for t in (False, True)
                  for programs in all_programs}
-# The main kernel on descriptor loads, its tail apart (the tail kernel keeps pointer loads).
-HALF_VARIANTS.update({f"{case}-k128-{'rhsT' if t else 'rhs'}-p{all_programs[0]}-descriptors":
-                      (case, 128, t, all_programs[0], HALF_BLOCK, True)
-                      for case, (_, all_programs) in HALF_CASES.items() for t in (False, True)})
 PUSH_CASES = [*((case, (4, 6), BLOCK) for case in ("empty-group", "group-offset-window")),
               *((case, all_programs, HALF_BLOCK) for case, (_, all_programs) in HALF_CASES.items())]
 PUSH_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, False, programs, block)
@@ -185,7 +176,7 @@ def expected_pair_counters(case, k, programs, block):
 def tail_kinds(variants):
     """What the tails of ``variants`` exercise, from the sizes."""
     kinds = set()
-    for case, k, transpose_rhs, programs, block, *_ in variants.values():
+    for case, k, transpose_rhs, programs, block in variants.values():
         units, pieces = tail_units(case, k, programs, block)
         if not units:
             continue
@@ -206,7 +197,7 @@ def _tail_launch(programs, block, **shapes):
     return partials, counters, dict(TAIL_PAD=1 << max(0, (programs // 2 - 1).bit_length()), **shapes)
 
 
-def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block, descriptors=False):
+def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block):
     """``gmm_kernel`` leaving its tail apart, then ``gmm_tail_kernel`` into the same output."""
     group_sizes, num_rows, group_offset, num_local = _case(case)
     rng = np.random.default_rng(len(group_sizes) * 1000 + num_rows + k)
@@ -217,7 +208,7 @@ def _run_gmm_with_tail(kernels, case, k, transpose_rhs, programs, block, descrip
     operands = [HostTensor(lhs), HostTensor(rhs), HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32))]
     common = dict(M=num_rows, K=k, N=N, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
                   TRANSPOSE_RHS=transpose_rhs, NUM_PROGRAMS=programs, COMPUTE_F32=True, **block)
-    kernels.gmm_kernel[(programs,)](*operands, HostTensor(out), TAIL_APART=True, DESCRIPTORS=descriptors, **common)
+    kernels.gmm_kernel[(programs,)](*operands, HostTensor(out), TAIL_APART=True, **common)
     partials, counters, tail_common = _tail_launch(programs, block, **common)
     kernels.gmm_tail_kernel[(programs,)](*operands, HostTensor(out), HostTensor(out), HostTensor(partials),
                                          HostTensor(counters), **tail_common)
@@ -324,9 +315,6 @@ def _run_gmm_sum(kernels, case, k, programs):
 GATHER_VARIANTS = {f"{case}-{'dots' if dots else 'nodots'}": (case, dots)
                    for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
                    for dots in (True, False)}
-# The weights as TMA-descriptor loads (K = 32, two steps), the gathered rows as pointer loads.
-GATHER_VARIANTS.update({f"{case}-dots-descriptors": (case, True, True)
-                        for case in ("empty-group", "trailing-rows-outside", "group-offset-window")})
 GATHER_TGMM_VARIANTS = {f"{kernel}-{case}": (kernel, case) for kernel in ("gather_tgmm_kernel",
                                                                           "gather_tgmm_resident_kernel")
                         for case in ("empty-group", "several-steps", "resident-blocks")}
@@ -346,10 +334,10 @@ def _gather_operands(rng, num_rows, width):
     return source, index, scale, gathered
 
 
-def _run_gather_gmm(kernels, case, with_dots, descriptors=False):
+def _run_gather_gmm(kernels, case, with_dots):
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 10 + num_rows)
-    k = 32 if descriptors else 24
+    k = 24
     group_sizes = np.asarray(group_sizes, np.int32)
     source, index, scale, _ = _gather_operands(rng, num_rows, k)
     rhs = rng.standard_normal((num_local, N, k)).astype(np.float32)
@@ -362,7 +350,7 @@ def _run_gather_gmm(kernels, case, with_dots, descriptors=False):
         HostTensor(group_sizes), HostTensor(np.array([group_offset], np.int32)), HostTensor(out), HostTensor(dots),
         M=num_rows, K=k, N=N, LHS_SOURCE_ROWS=source.shape[0], NUM_LOCAL_GROUPS=num_local,
         NUM_GROUPS=len(group_sizes), GROUPS_PAD=8, TRANSPOSE_RHS=True, NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True,
-        WITH_DOTS=with_dots, DESCRIPTORS=descriptors, **BLOCK,
+        WITH_DOTS=with_dots, **BLOCK,
     )
     product = gmm_reference(source[np.minimum(index, source.shape[0] - 1)], rhs, group_sizes, group_offset, True)
     in_groups = harness.row_groups(group_sizes, num_rows) - group_offset
@@ -472,7 +460,7 @@ else:
         result = interpreter_report[f"gather-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
-        if "-dots" in name:
+        if name.endswith("-dots"):
             assert result["dots_unwritten"] == 0 and result["dots_error"] < 1e-4, result
         else:
             assert result["dots_untouched"], result
@@ -501,7 +489,7 @@ else:
     def test_gmm_with_its_tail_apart_matches_reference(interpreter_report, name):
         """The main kernel's full waves plus the tail kernel's K pieces of the active units write every
         output once, and the tail kernel numbered and cut the units as ``tail_units`` says."""
-        case, k, _, programs, block = {**TAIL_VARIANTS, **HALF_VARIANTS}[name][:5]
+        case, k, _, programs, block = {**TAIL_VARIANTS, **HALF_VARIANTS}[name]
         result = interpreter_report[f"tail-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result

@@ -3,8 +3,8 @@
 Checks the fused kernel's scheduling, both accumulators, the epilogue and the zero rows outside
 the local groups against a float64 reference, with and without the stored pre-activations, and with
 the rows gathered from fewer token rows as loaded (``gather_swiglu_gmm_kernel``, with and without
-the pre-activations), and with the weights (and ungathered rows) read through TMA descriptors. The
-kernels run in a child process (``interpreter_harness``).
+the pre-activations). The kernels run in
+a child process (``interpreter_harness``).
 """
 
 from __future__ import annotations
@@ -32,22 +32,16 @@ def _silu(x):
 GATHER_VARIANTS = {f"gather-{case}-{kind}": (case, 24, 40, kind == "with-preactivations", True)
                    for case in ("empty-group", "trailing-rows-outside", "group-offset-window", "all-empty")
                    for kind in ("fused", "with-preactivations")}
-# Both weights (and the rows, unless gathered) as TMA-descriptor loads: K = 32, two steps; N = 40,
-# the last column tile reading past N (zeros).
-DESCRIPTOR_VARIANTS = {f"descriptors-{'gather-' if gathered else ''}{case}-with-preactivations":
-                       (case, 32, 40, True, gathered, True)
-                       for case in ("empty-group", "trailing-rows-outside", "group-offset-window")
-                       for gathered in (False, True)}
 
 
-def _run(kernels, case, k, n, with_preactivations, gathered=False, descriptors=False):
+def _run(kernels, case, k, n, with_preactivations, gathered=False):
     group_sizes, num_rows, group_offset, num_local = CASES[case]
     rng = np.random.default_rng(len(group_sizes) * 100 + num_rows + k + n)
     group_sizes = np.asarray(group_sizes, np.int32)
     gate, up = (rng.standard_normal((num_local, k, n)).astype(np.float32) for _ in range(2))
     outs = [np.full((num_rows, n), np.nan, np.float32) for _ in range(3 if with_preactivations else 1)]
     common = dict(M=num_rows, K=k, N=n, NUM_LOCAL_GROUPS=num_local, NUM_GROUPS=len(group_sizes), GROUPS_PAD=8,
-                  NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, DESCRIPTORS=descriptors, **BLOCK)
+                  NUM_PROGRAMS=NUM_PROGRAMS, COMPUTE_F32=True, **BLOCK)
     offset = np.array([group_offset], np.int32)
     if gathered:  # rows gathered from half as many token rows; some indices out of range (clamped)
         tokens = rng.standard_normal((num_rows // 2 + 1, k)).astype(np.float32)
@@ -75,15 +69,15 @@ def _jobs():
     from moe_lowering.kernels.swiglu_gmm import triton_kernels
 
     return {name: (lambda v=variant: _run(triton_kernels, *v))
-            for name, variant in {**VARIANTS, **GATHER_VARIANTS, **DESCRIPTOR_VARIANTS}.items()}
+            for name, variant in {**VARIANTS, **GATHER_VARIANTS}.items()}
 
 
 if __name__ == "__main__":
     harness.run_as_child(_jobs)
 else:
-    interpreter_report = harness.report_fixture(__file__, [*VARIANTS, *GATHER_VARIANTS, *DESCRIPTOR_VARIANTS])
+    interpreter_report = harness.report_fixture(__file__, [*VARIANTS, *GATHER_VARIANTS])
 
-    @pytest.mark.parametrize("name", sorted({**VARIANTS, **GATHER_VARIANTS, **DESCRIPTOR_VARIANTS}))
+    @pytest.mark.parametrize("name", sorted({**VARIANTS, **GATHER_VARIANTS}))
     def test_swiglu_kernel_matches_reference(interpreter_report, name):
         for output, result in interpreter_report[name].items():
             assert result["unwritten"] == 0, f"{output}: {result['unwritten']} elements were never written"
