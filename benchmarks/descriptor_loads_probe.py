@@ -206,45 +206,40 @@ def ws_dense_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl
 
 def diagnose() -> list:
     """Where the warp-specialised kernels' outputs go wrong, on small products."""
-    rows = []
     gen = torch.Generator().manual_seed(1)
     m, k, n = 1024, 256, 512
     a = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
     b = torch.randn(k, n, generator=gen).to(torch.bfloat16).cuda()
-    expected = (a.float() @ b.float())
-    for ws in (False, True):
-        for stages in (2, 3):
-            c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            row = {"case": f"dense ws={ws} s{stages}"}
-            try:
-                ws_dense_kernel[(m // 128, n // 256)](a, b, c, M=m, N=n, K=k, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                                     WARP_SPECIALIZE=ws, num_warps=4, num_stages=stages)
-                torch.cuda.synchronize()
-                row.update(_where_wrong(c, expected))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+    dense_expected = (a.float() @ b.float())
     sizes = torch.full((4,), m // 4, dtype=torch.int32)
     rhs = torch.randn(4, k, n, generator=gen).to(torch.bfloat16).cuda()
-    expected = _reference(a, rhs, sizes, False).float()
+    grouped_expected = _reference(a, rhs, sizes, False).float()
     info, num_tiles = _tile_info(sizes, n, 128, 256)
     info, num_tiles_d = info.cuda(), torch.tensor([num_tiles], dtype=torch.int32, device="cuda")
+    cases = {}
+    for ws in (False, True):
+        for stages in (2, 3):
+            cases[f"dense ws={ws} s{stages}"] = (dense_expected, lambda c, ws=ws, stages=stages: ws_dense_kernel[
+                (m // 128, n // 256)](a, b, c, M=m, N=n, K=k, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
+                                      WARP_SPECIALIZE=ws, num_warps=4, num_stages=stages))
     for programs in (num_tiles, 3):
         for ws in (False, True):
-            c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            row = {"case": f"grouped ws={ws} programs={programs}"}
-            try:
-                ws_gmm_kernel[(programs,)](a, rhs, info, num_tiles_d, c, M=m, K=k, N=n, NUM_LOCAL_GROUPS=4,
-                                           TRANSPOSE_RHS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64,
-                                           NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=not ws,
-                                           num_warps=4 if ws else 8, num_stages=3)
-                torch.cuda.synchronize()
-                row.update(_where_wrong(c, expected))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            cases[f"grouped ws={ws} programs={programs}"] = (grouped_expected, lambda c, ws=ws, p=programs: ws_gmm_kernel[
+                (p,)](a, rhs, info, num_tiles_d, c, M=m, K=k, N=n, NUM_LOCAL_GROUPS=4, TRANSPOSE_RHS=False,
+                      BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, NUM_PROGRAMS=p, WARP_SPECIALIZE=ws, FLATTEN=not ws,
+                      num_warps=4 if ws else 8, num_stages=3))
+    rows = []
+    for case, (expected, launch) in cases.items():
+        c = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        row = {"case": case}
+        try:
+            launch(c)
+            torch.cuda.synchronize()
+            row.update(_where_wrong(c, expected))
+        except Exception as exc:  # report and go on
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
