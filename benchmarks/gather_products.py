@@ -111,11 +111,12 @@ def _profile_runs(name, runs, out: Path, want=None) -> dict:
     row = {}
     for label, (fn, fn_args, checked) in runs.items():
         try:
-            summary = profile_summary(jax.jit(fn), fn_args, out / "traces" / f"{name}_{len(row)}")
+            jitted = jax.jit(fn)
+            summary = profile_summary(jitted, fn_args, out / "traces" / f"{name}_{len(row)}")
             kernels = summary.get("top_kernels_ms", {})
             row[label] = {"total_ms": round(sum(kernels.values()), 4), "kernels": kernels}
             if checked:
-                got = jax.jit(fn)(*fn_args).astype(jnp.float32)
+                got = jitted(*fn_args).astype(jnp.float32)
                 row[label]["rel_error"] = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         except Exception as err:  # noqa: BLE001
             row[label] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}

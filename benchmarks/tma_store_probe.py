@@ -122,9 +122,9 @@ def main() -> None:
                 out = torch.full((g, k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                 row = {"product": name, "variant": f"{label} {programs_per_sm}/SM {warps} warps s{stages}"}
                 try:
-                    def launch():
-                        kernel[(programs,)](lhs, grad, sizes_d, offset, out, **consts, **extra, NUM_PROGRAMS=programs,
-                                            num_warps=warps, num_stages=stages)
+                    def launch(operands=(lhs, grad, sizes_d, offset, out)):
+                        kernel[(programs,)](*operands, **consts, **extra, NUM_PROGRAMS=programs, num_warps=warps,
+                                            num_stages=stages)
                     launch()
                     torch.cuda.synchronize()
                     err = 0.0
