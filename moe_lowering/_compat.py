@@ -13,6 +13,7 @@ from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import mesh as _abstract_mesh
 from jax._src import pjit as _pjit
 from jax.extend import core as jex_core
 
@@ -47,8 +48,25 @@ def custom_jvp_rule(params, num_inputs: int):
     """``(jaxpr, consts, out_zeros)`` of a ``custom_jvp_call`` eqn's derivative rule with every
     tangent nonzero: inputs ``(*primals, *tangents)``, outputs ``(*primals, *nonzero tangents)``."""
     rule = params["jvp_jaxpr_fun"]
-    jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * num_inputs))
+    with _mesh_of_call(params):
+        jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * num_inputs))
     return open_jaxpr(jaxpr), list(consts) + sub_jaxpr_consts(jaxpr), list(out_zeros)
+
+
+def _mesh_of_call(params):
+    """The abstract mesh the ``custom_jvp_call`` eqn was traced under, made current while its rule is
+    traced (a lazy trace at the eqn's avals): a rule first traced when the expert body is replayed
+    inside the expert-parallel ``shard_map`` would otherwise meet a Manual context mesh with avals
+    typed on the caller's Auto mesh (``jax.set_mesh``) and fail."""
+    import contextlib
+
+    avals = getattr(open_jaxpr(params["call_jaxpr"]), "in_avals", ())
+    meshes = {getattr(getattr(a, "sharding", None), "mesh", None) for a in avals}
+    meshes.discard(None)
+    mesh = next(iter(meshes), None) if len(meshes) == 1 else None
+    if mesh is None or getattr(mesh, "empty", True) or mesh == _abstract_mesh.get_abstract_mesh():
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def custom_jvp_name(params) -> str:
