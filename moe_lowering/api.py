@@ -60,8 +60,8 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
     for path, region in scope.all_regions():
         owner = _scope_at(scope, path)
         layout = region_layout(owner, region, input_shardings)
-        described = None
-        if layout is not None:
+        described = None if layout is None else layout.describe()  # an UnsupportedLayout says why
+        if layout:
             transport = resolve_transport(exchange_transport, layout.devices, backend)
             plan = plan_exchange(layout, region.program, num_tokens=region.num_tokens, top_k=region.top_k,
                                  num_experts=region.num_experts,

@@ -5,7 +5,9 @@ leading dimension is the expert dimension E) and asks :func:`plan_layout` for a 
 The layout fixes the ``shard_map`` specs of the sharded lowering:
 
 * the **expert axis** shards E: each of its ranks holds ``E / ep`` experts and receives, through
-  an all-to-all, exactly the token copies routed to them;
+  an all-to-all, exactly the token copies routed to them. It may be several mesh axes taken as
+  one (``P(('fsdp', 'expert'))``: ranks in the order ``shard_map`` gives them); E that does not
+  divide over it is padded, as GSPMD pads it, with experts no token routes to;
 * the **FSDP axis** shards a feature dimension (d or f) of the expert weights; the lowering
   all-gathers them before the grouped GEMMs (optionally in FP8) and reduce-scatters their
   gradients;
@@ -32,11 +34,13 @@ class Layout:
     ``expert_param_specs`` holds one normalised spec per expert-indexed parameter (``[E, ...]``:
     expert weights and per-expert biases), in program order: E on ``expert_axis`` (or
     replicated when there is none), at most one other dimension on ``fsdp_axis``.
+    ``expert_axis`` is one axis name or a tuple of them (their product is the expert-parallel
+    axis; collectives take either).
     """
 
     mesh: object
     num_experts: int
-    expert_axis: str | None
+    expert_axis: str | tuple[str, ...] | None
     fsdp_axis: str | None
     token_axes: tuple[str, ...]
     expert_param_specs: tuple[PartitionSpec, ...]
@@ -57,15 +61,21 @@ class Layout:
 
     @property
     def expert_parallel_size(self) -> int:
-        return self.mesh.shape[self.expert_axis] if self.expert_axis else 1
+        return math.prod(self.mesh.shape[a] for a in _axes_of(self.expert_axis))
 
     @property
     def fsdp_size(self) -> int:
         return self.mesh.shape[self.fsdp_axis] if self.fsdp_axis else 1
 
     @property
+    def padded_experts(self) -> int:
+        """E rounded up to a multiple of the expert-parallel ranks: the experts past ``num_experts``
+        are phantoms (zero weights, no token routes to them), as GSPMD pads an uneven E."""
+        return -(-self.num_experts // self.expert_parallel_size) * self.expert_parallel_size
+
+    @property
     def local_experts(self) -> int:
-        return self.num_experts // self.expert_parallel_size
+        return self.padded_experts // self.expert_parallel_size
 
     @property
     def compute_axes(self) -> tuple[str, ...]:
@@ -98,10 +108,12 @@ class Layout:
         """
         parts = []
         if self.expert_axis:
+            padding = self.padded_experts - self.num_experts
             parts.append(
                 f"expert parallel over {self.expert_axis!r} ({self.expert_parallel_size} ranks x "
-                f"{self.local_experts} experts): {_exchange_words(exchange_transport, backend)}, "
-                "all-gather of the counts matrix"
+                f"{self.local_experts} experts"
+                + (f", {self.num_experts} padded with {padding} that no token routes to" if padding else "")
+                + f"): {_exchange_words(exchange_transport, backend)}, all-gather of the counts matrix"
             )
         else:
             parts.append("no expert-parallel axis: every device holds all experts")
@@ -143,73 +155,82 @@ def _axes_of(entry) -> tuple[str, ...]:
     return tuple(entry)
 
 
-def _single_axis(entry, what: str) -> str | None:
-    axes = _axes_of(entry)
-    if len(axes) > 1:
-        raise ValueError(
-            f"{what} is sharded over several mesh axes {axes}; the sharded MoE lowering supports one axis there"
-        )
-    return axes[0] if axes else None
+@dataclass(frozen=True)
+class UnsupportedLayout:
+    """A sharding the expert-parallel lowering does not serve (falsy, like a failed match): the
+    region runs the single-device sparse layer under the caller's shardings instead, and
+    ``explain`` gives ``reason``."""
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return f"not expert parallel ({self.reason}): the single-device sparse layer runs under the caller's shardings"
 
 
 def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[PartitionSpec | None], num_experts: int
-                ) -> Layout | None:
+                ) -> Layout | UnsupportedLayout | None:
     """The layout for tokens ``[T, D]`` sharded as ``tokens_spec`` and expert-indexed params as ``weight_specs``.
 
     ``weight_specs`` has one entry per parameter whose leading dimension is E (``EXPERT_WEIGHT``
     and ``PER_EXPERT`` inputs, in program order); ``None`` means replicated. Returns ``None``
-    when nothing is sharded (the single-device lowering is then the right one) and raises
-    ``ValueError`` for a layout the lowering cannot honour.
+    when nothing is sharded (the single-device lowering is then the right one) and an
+    :class:`UnsupportedLayout` saying why for a layout the lowering cannot honour (never raises:
+    every such layout is one the program itself runs under).
     """
     if num_experts <= 0:
-        raise ValueError(f"num_experts must be positive, got {num_experts}")
+        return UnsupportedLayout(f"num_experts must be positive, got {num_experts}")
     axis_names = tuple(mesh.axis_names)
     tokens_spec = PartitionSpec() if tokens_spec is None else tokens_spec
     if len(tokens_spec) > 2:
-        raise ValueError(f"tokens must be 2-D [T, D]; got a spec of rank {len(tokens_spec)}: {tokens_spec}")
+        return UnsupportedLayout(f"tokens must be 2-D [T, D]; got a spec of rank {len(tokens_spec)}: {tokens_spec}")
     if len(tokens_spec) == 2 and tokens_spec[1] is not None:
-        raise ValueError(
-            f"tokens are sharded along d_model ({tokens_spec}); the sharded MoE lowering needs whole token rows"
-        )
+        return UnsupportedLayout(
+            f"tokens are sharded along d_model ({tokens_spec}); the sharded MoE lowering needs whole token rows")
     token_axes = _axes_of(tokens_spec[0]) if len(tokens_spec) else ()
     for axis in token_axes:
         if axis not in axis_names:
-            raise ValueError(f"token spec names axis {axis!r}, which the mesh {axis_names} lacks")
+            return UnsupportedLayout(f"token spec names axis {axis!r}, which the mesh {axis_names} lacks")
 
     specs = [PartitionSpec() if s is None else s for s in weight_specs]
-    expert_axes, fsdp_axes = set(), set()
+    expert_entries, fsdp_axes = set(), set()
     for position, spec in enumerate(specs):
         for dim, entry in enumerate(spec):
-            axis = _single_axis(entry, f"dimension {dim} of expert parameter {position} ({spec})")
-            if axis is None:
+            axes = _axes_of(entry)
+            missing = [a for a in axes if a not in axis_names]
+            if missing:
+                return UnsupportedLayout(f"expert parameter {position} ({spec}) names axis {missing[0]!r}, "
+                                         "which the mesh lacks")
+            if not axes:
                 continue
-            if axis not in axis_names:
-                raise ValueError(f"expert parameter {position} ({spec}) names axis {axis!r}, which the mesh lacks")
-            (expert_axes if dim == 0 else fsdp_axes).add(axis)
-    if len(expert_axes) > 1:
-        raise ValueError(f"expert parameters shard E over different axes {sorted(expert_axes)}")
+            if dim == 0:
+                expert_entries.add(axes)
+            elif len(axes) > 1:
+                return UnsupportedLayout(f"dimension {dim} of expert parameter {position} ({spec}) is sharded over "
+                                         f"several mesh axes {axes}; the FSDP gather supports one axis")
+            else:
+                fsdp_axes.add(axes[0])
+    if len(expert_entries) > 1:
+        return UnsupportedLayout(f"expert parameters shard E over different axes {sorted(expert_entries)}")
     if len(fsdp_axes) > 1:
-        raise ValueError(f"expert parameters shard their feature dims over several axes {sorted(fsdp_axes)}")
-    expert_axis = next(iter(expert_axes), None)
+        return UnsupportedLayout(f"expert parameters shard their feature dims over several axes {sorted(fsdp_axes)}")
+    expert_axes = next(iter(expert_entries), ())
+    expert_axis = None if not expert_axes else expert_axes[0] if len(expert_axes) == 1 else expert_axes
     fsdp_axis = next(iter(fsdp_axes), None)
-    if expert_axis is not None and expert_axis == fsdp_axis:
-        raise ValueError(f"axis {expert_axis!r} shards both E and a feature dimension of the expert weights")
+    if fsdp_axis is not None and fsdp_axis in expert_axes:
+        return UnsupportedLayout(f"axis {fsdp_axis!r} shards both E and a feature dimension of the expert weights")
     for position, spec in enumerate(specs):
         feature_axes = [a for a in spec[1:] if a is not None]
         if len(feature_axes) > 1:
-            raise ValueError(f"expert parameter {position} ({spec}) shards two feature dims over FSDP")
+            return UnsupportedLayout(f"expert parameter {position} ({spec}) shards two feature dims over FSDP")
 
-    if expert_axis is not None and num_experts % mesh.shape[expert_axis]:
-        raise ValueError(
-            f"{num_experts} experts cannot be split evenly over the {mesh.shape[expert_axis]} ranks of "
-            f"expert axis {expert_axis!r}"
-        )
     if mesh.size == 1 or (not token_axes and expert_axis is None and fsdp_axis is None):
         return None
 
-    normalised = tuple(
-        PartitionSpec(expert_axis, *[_single_axis(e, "feature dim") for e in spec[1:]]) for spec in specs
-    )
+    normalised = tuple(PartitionSpec(expert_axis, *[_axes_of(e)[0] if e else None for e in spec[1:]])
+                       for spec in specs)
     return Layout(
         mesh=mesh,
         num_experts=num_experts,

@@ -175,7 +175,7 @@ def plan_exchange(layout: Layout, program: ExpertProgram, *, num_tokens: int, to
         config = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
                                  local_experts=layout.local_experts, capacity=-(-rows_per_pair // chunks),
                                  chunks=chunks, backend=backend, transport=exchange_transport)
-    deduplicated = (config is not None and deduplication_pays(top_k, num_experts, ep)
+    deduplicated = (config is not None and deduplication_pays(top_k, layout.padded_experts, ep)
                     and deduplicates(config, local_rows))
     return ExchangePlan(exchange_transport, local_tokens, rows_per_pair, chunks, config, deduplicated)
 
@@ -234,19 +234,24 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
         params = tuple(jnp.pad(p, ((0, pad),) + ((0, 0),) * (p.ndim - 1)) if kind is ParamKind.PER_TOKEN else p
                        for p, kind in zip(params, program.param_kinds))
 
+    params = _padded_experts(params, program, layout)
     token_spec = PartitionSpec(axes)
     param_specs = _param_specs(program, layout, token_spec)
     in_specs = (token_spec, token_spec, token_spec, *param_specs)
     args = [tokens, expert_indices, expert_weights, *params]
     args = [_jax_shim.reshard(a, mesh, s) for a, s in zip(args, in_specs)]
 
+    padded_experts = layout.padded_experts  # the phantom experts past num_experts receive no rows
+
     def local_moe(tokens, expert_indices, expert_weights, *params):
         expert_indices = expert_indices.astype(jnp.int32)
+        if padded_experts > num_experts:  # an index past E selects no expert, phantoms included
+            expert_indices = jnp.where(expert_indices < num_experts, expert_indices, -1)
         dropped = jnp.zeros((), jnp.int32)
         if capacity is not None:
-            earlier = earlier_device_counts(local_expert_counts(expert_indices, num_experts), axes)
-            expert_indices, dropped = drop_over_capacity(expert_indices, num_experts, capacity, earlier)
-        routing = sort_by_expert(expert_indices, num_experts)
+            earlier = earlier_device_counts(local_expert_counts(expert_indices, padded_experts), axes)
+            expert_indices, dropped = drop_over_capacity(expert_indices, padded_experts, capacity, earlier)
+        routing = sort_by_expert(expert_indices, padded_experts)
         rows = permute(tokens, routing)
         params = _gather_fsdp(params, program, layout, weight_gather_quant)
         if cfg is None:
@@ -271,6 +276,18 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     else:
         out = _jax_shim.reshard(out, mesh, layout.tokens_spec)
     return (out, stats) if return_stats else out
+
+
+def _padded_experts(params, program: ExpertProgram, layout: Layout):
+    """Expert-indexed params with zero phantom experts appended up to ``layout.padded_experts``
+    (E that does not divide over the expert-parallel ranks); the pad's transpose slices their
+    gradients back to E."""
+    extra = layout.padded_experts - layout.num_experts
+    if not extra:
+        return params
+    log.info("sharded_sparse_moe: padding %d experts with %d that no token routes to", layout.num_experts, extra)
+    return tuple(jnp.pad(p, ((0, extra),) + ((0, 0),) * (p.ndim - 1)) if kind in _EXPERT_INDEXED else p
+                 for p, kind in zip(params, program.param_kinds))
 
 
 def _unpadded(out, num_tokens: int, layout: Layout):

@@ -179,7 +179,7 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     params = _region_params(region, read)
     capacity_factor = options.capacity_factor if region.combine is None else None
     layout = _sharded_layout(region, sharding_of)
-    if layout is not None:
+    if layout:
         from moe_lowering.parallel import sharded_sparse_moe
         from moe_lowering.parallel.exchange import resolve_transport
 
@@ -270,7 +270,8 @@ def _sharding_of(graph: JaxprGraph, declared: dict, atom):
 
 
 def _sharded_layout(region: MoeRegion, sharding_of):
-    """The expert-parallel layout read off the operands' shardings, or None for one device."""
+    """The expert-parallel layout read off the operands' shardings: None for one device, a falsy
+    ``UnsupportedLayout`` (the single-device layer, with its reason) for shardings it cannot serve."""
     from jax.sharding import PartitionSpec
 
     token_sharding = sharding_of(region.tokens)

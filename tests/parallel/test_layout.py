@@ -1,4 +1,4 @@
-"""plan_layout: which axis is EP, which FSDP, which shard tokens; clear errors for the rest."""
+"""plan_layout: which axis is EP, which FSDP, which shard tokens; a reason for the rest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from moe_lowering.parallel import plan_layout
+from moe_lowering.parallel import UnsupportedLayout, plan_layout
 
 
 def mesh(shape, names, axis_type=AxisType.Explicit):
@@ -57,17 +57,36 @@ def test_nothing_sharded_means_single_device_path():
 
 
 @pytest.mark.parametrize(
-    "tokens_spec, weight_specs, num_experts, message",
+    "tokens_spec, weight_specs, message",
     [
-        (P("expert"), [P("expert")], 5, "cannot be split evenly"),
-        (P(None, "fsdp"), [P("expert")], 8, "along d_model"),
-        (P("expert"), [P(("expert", "fsdp"))], 8, "several mesh axes"),
-        (P("expert"), [P("expert"), P("fsdp")], 8, "different axes"),
-        (P("expert"), [P("expert", "fsdp", None), P("expert", None, "data")], 8, "several axes"),
-        (P("expert"), [P("expert", "expert")], 8, "both E and a feature"),
-        (P("nope"), [P("expert")], 8, "lacks"),
+        (P(None, "fsdp"), [P("expert")], "along d_model"),
+        (P("expert"), [P("expert"), P("fsdp")], "different axes"),
+        (P("expert"), [P("expert", ("fsdp", "data"))], "several mesh axes"),
+        (P("expert"), [P("expert", "fsdp", None), P("expert", None, "data")], "several axes"),
+        (P("expert"), [P("expert", "expert")], "both E and a feature"),
+        (P("expert"), [P(("expert", "fsdp"), "fsdp")], "both E and a feature"),
+        (P("nope"), [P("expert")], "lacks"),
+        (P("expert"), [P("nope")], "lacks"),
     ],
 )
-def test_unsupported_layouts_raise(tokens_spec, weight_specs, num_experts, message):
-    with pytest.raises(ValueError, match=message):
-        plan_layout(mesh((2, 2, 2), ("data", "expert", "fsdp")), tokens_spec, weight_specs, num_experts)
+def test_unsupported_layouts_decline_with_a_reason(tokens_spec, weight_specs, message):
+    """Shardings the program runs under but the lowering cannot serve: a falsy layout whose reason
+    ``explain`` gives (the single-device sparse layer runs), never an exception."""
+    layout = plan_layout(mesh((2, 2, 2), ("data", "expert", "fsdp")), tokens_spec, weight_specs, 8)
+    assert isinstance(layout, UnsupportedLayout) and not layout
+    assert message in layout.reason and "single-device sparse layer" in layout.describe()
+
+
+def test_uneven_experts_are_padded_with_phantoms():
+    """E = 6 over 4 ranks (GSPMD pads it): 8 experts, 2 a rank, the last two never routed to."""
+    layout = plan_layout(mesh((2, 4), ("data", "expert")), P(), [P("expert")] * 3, 6)
+    assert (layout.num_experts, layout.padded_experts, layout.local_experts) == (6, 8, 2)
+    assert "6 padded with 2 that no token routes to" in layout.describe()
+    assert plan_layout(mesh((2, 4), ("data", "expert")), P(), [P("expert")], 8).padded_experts == 8
+
+
+def test_experts_over_two_axes_are_one_product_axis():
+    layout = plan_layout(mesh((2, 2, 2), ("data", "expert", "fsdp")), P(), [P(("data", "expert"), "fsdp")] * 2, 8)
+    assert layout.expert_axis == ("data", "expert") and layout.expert_parallel_size == 4
+    assert layout.local_experts == 2 and layout.fsdp_axis == "fsdp"
+    assert layout.expert_param_specs[0] == P(("data", "expert"), "fsdp")
