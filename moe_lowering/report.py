@@ -33,6 +33,7 @@ class RegionReport:
     scope: str = ""
     parallel_layout: str | None = None
     device_checks: tuple[str, ...] = ()  # assumptions checked at run time, the dense layer as fallback
+    backward: bool = False  # the layer's own derivative in the program, proven and rewritten with it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +51,8 @@ class RegionReport:
             f"  peak intermediate: dense {_bytes(self.dense_peak_intermediate_bytes)} -> "
             f"sorted {_bytes(self.rewritten_peak_intermediate_bytes)}"
             + (f"\n  sharded: {self.parallel_layout}" if self.parallel_layout else "")
+            + ("\n  rewritten forward and backward (the program's derivative of the layer is jax.vjp of it)"
+               if self.backward else "")
             + (f"\n  checked on device, dense layer as fallback: {', '.join(self.device_checks)}"
                if self.device_checks else "")
         )
@@ -143,6 +146,7 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         scope=scope,
         parallel_layout=parallel_layout,
         device_checks=device_checks(region.style),
+        backward=region.derivative is not None,
     )
 
 

@@ -41,6 +41,7 @@ from moe_lowering.expert_program import (
     topological_nodes,
 )
 from moe_lowering.passes.abstract import FEATURE, SLOT, Combined, Gate, GateValue, Roles, Rows, is_token, token_roles
+from moe_lowering.passes.derivative_match import RegionDerivative, match_derivative
 from moe_lowering.passes.derivative_support import Support, derivative_support, tangent_free
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, IndexInBounds, ParamSource, RoutingAnchor, rule, rules
@@ -74,6 +75,7 @@ class MoeRegion:
     gate_values: tuple[GateValue, ...] = ()  # top-k styles: the routing weights as the program computes them
     combine_support: Support | None = None  # capacity style: where combine's derivative can be non-zero
     slot_groups: tuple = ()  # capacity style: token axes whose every index has its own [E, C] slots
+    derivative: RegionDerivative | None = None  # the region's own backward in the program, rewritten with it
 
     @property
     def num_experts(self) -> int:
@@ -234,20 +236,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         missing = sorted(set(range(an.num_experts)) - combined.experts)
         return FailedMatch(f"the per-expert loop leaves out experts {missing}", graph.producer[output], "expert-program")
     replaced = _interior(an, output)
-    for eqn_index in replaced:
-        eqn = graph.eqns[eqn_index]
-        for value in eqn.outputs:
-            if value is output:
-                continue
-            outside = [u for u in graph.users.get(value, ()) if u.index not in replaced]
-            if outside or value in graph.output_set:
-                where = outside[0].where() if outside else "the function's outputs"
-                return FailedMatch(
-                    f"an interior value of the MoE (the expert activations {list(value.shape)}) is also used "
-                    f"outside it, at {where}; replacing the layer would change that use",
-                    eqn,
-                    "private-interior",
-                )
+    used_outside = _used_outside(graph, replaced, output)
     program_nodes = topological_nodes(combined.node)
     used = sorted({n.weight for n in program_nodes if isinstance(n, ExpertMatmul)} | {
         o.index for n in program_nodes if isinstance(n, Elementwise) for o in n.operands if isinstance(o, ParamRef)
@@ -290,6 +279,11 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
     elif not _gate_values_complete(combined, an.num_experts):
         return FailedMatch("the routing weights are not one value per expert layer", graph.producer[output],
                            "gate-values")
+    derivative = None
+    if used_outside is not None:
+        derivative = _derivative(an, combined, replaced, output, params, used_outside)
+        if isinstance(derivative, FailedMatch):
+            return derivative
     return MoeRegion(
         anchor=an.anchor,
         output=output,
@@ -307,7 +301,53 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         gate_values=combined.gate_values,
         combine_support=combine_support,
         slot_groups=combined.slot_groups,
+        derivative=derivative,
     )
+
+
+def _used_outside(graph: JaxprGraph, replaced, output):
+    """The first interior eqn one of whose values is read outside the region (or leaves the function)."""
+    for eqn_index in sorted(replaced):
+        eqn = graph.eqns[eqn_index]
+        for value in eqn.outputs:
+            if value is output:
+                continue
+            if value in graph.output_set or any(u.index not in replaced for u in graph.users.get(value, ())):
+                return eqn
+    return None
+
+
+def _derivative(an: Analysis, combined: Combined, replaced, output: Value, params, interior_eqn: Eqn):
+    """The region's interior is read outside it: only its own backward may read it, proven against
+    ``jax.vjp`` of the dense region (``derivative_match.py``)."""
+    graph = an.graph
+    if combined.combine is not None:
+        return FailedMatch(
+            "an interior value of the MoE (the expert activations) is also used outside it, by the layer's "
+            "derivative; a capacity layer's derivative is not rewritten (its dense fallback branch would need "
+            "a backward of its own), so the layer is left dense", interior_eqn, "private-interior")
+    gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
+    reads = {combined.tokens} | {p.source for p in params} | {v.atom for v in combined.gate_values}
+    reads |= {a for e in gate_eqns for a in e.inputs}
+    return match_derivative(graph, frozenset(replaced), output, gate_eqns, frozenset(reads))
+
+
+def _gate_construction(an: Analysis, atoms) -> tuple[Eqn, ...]:
+    """The eqns that build the routing weights (one-hot masks times factors) the region multiplies in.
+
+    The sparse layer equals the dense one as a function of these eqns' operands, not of the gate:
+    off the chosen experts the dense gate's cotangent is not zero, the sparse one's is."""
+    graph = an.graph
+    found: dict = {}
+    stack = [a for a in atoms if isinstance(a, Value)]
+    while stack:
+        value = stack.pop()
+        eqn = graph.producer.get(value)
+        if eqn is None or eqn.index in found or not isinstance(an.values.get(value), Gate):
+            continue
+        found[eqn.index] = eqn
+        stack.extend(a for a in eqn.inputs if isinstance(a, Value))
+    return tuple(found[i] for i in sorted(found))
 
 
 def _gate_values_complete(combined: Combined, num_experts: int) -> bool:

@@ -102,14 +102,26 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
 
     replaced = set()
     by_output_eqn = {}
+    cotangents_at = {}  # eqn index -> (region, DerivativeOutput) of the region's backward computed there
     for region in scope.regions:
         replaced |= region.replaced
         by_output_eqn[graph.producer[region.output].index] = region
+        if region.derivative is not None:
+            replaced |= region.derivative.replaced
+            for out in region.derivative.outputs:
+                cotangents_at.setdefault(graph.producer[out.value].index, []).append((region, out))
+    backward = {}  # region -> its sparse pullback, then the cotangents it gave
     for eqn in graph.eqns:
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
-            if region is not None:
+            if region is not None and region.derivative is not None:
+                env[region.output], backward[region] = differentiable_region(region, read, options, sharding_of)
+            elif region is not None:
                 env[region.output] = lower_region(region, read, options, sharding_of, graph)
+            for region, out in cotangents_at.get(eqn.index, ()):
+                if callable(backward[region]):
+                    backward[region] = backward[region](read(region.derivative.cotangent))
+                env[out.value] = _region_cotangent(backward[region][out.input_index], out, read)
             continue
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
@@ -149,6 +161,37 @@ def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of
     # cotangents) when the dense branch is taken, and 0 * NaN would reach the gradients
     return lax.cond(_capacity_assumptions_fail(region, read), lambda: _dense_region(graph, region, read),
                     lambda: _sparse_region(region, read, options, sharding_of))
+
+
+def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None):
+    """``(output, pullback)``: the sparse layer and its VJP, as a function of the dense region's operands.
+
+    The routing weights are rebuilt from their operands inside (``RegionDerivative.gate_eqns``): the
+    sparse layer equals the dense one as a function of those, so its VJP is the dense region's,
+    which the program's backward was proven to be (``derivative_match.py``).
+    """
+    derivative = region.derivative
+
+    def layer(*values):
+        local = dict(zip(derivative.inputs, values))
+
+        def value(atom):
+            return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
+
+        for eqn in derivative.gate_eqns:
+            outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs], **eqn.primitive.get_bind_params(eqn.params))
+            local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+        return _sparse_region(region, value, options, sharding_of)
+
+    return jax.vjp(layer, *[read(a) for a in derivative.inputs])
+
+
+def _region_cotangent(cotangent, out, read):
+    """The sparse VJP's cotangent of one region operand, with the program's other terms of that sum."""
+    value = jnp.asarray(cotangent).astype(out.value.dtype).reshape(out.value.shape)
+    for term in out.rest:
+        value = value + read(term)
+    return value
 
 
 def _dense_region(graph: JaxprGraph, region: MoeRegion, read):

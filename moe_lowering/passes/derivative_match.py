@@ -1,0 +1,360 @@
+"""Proves that the ops outside a matched MoE region that read its interior are its own derivative.
+
+A training step traced whole holds the dense layer's forward *and* the backward JAX's autodiff
+emitted for it beside the forward: the backward reads the layer's dense ``[T, E, F]``
+activations, so the forward cannot be replaced alone. The backward can be replaced with it, by
+the sparse layer's VJP, where it is proven to be exactly the dense region's VJP:
+
+* the region (its interior eqns, plus the eqns that build its routing weights from the routing's
+  float values, for the sparse layer equals the dense one only as a function of those: its
+  gate's cotangent off the chosen experts differs) is re-bound as a function of its operands and
+  ``jax.vjp`` of it is traced: the *reference*;
+* both programs are hash-consed: a value's key is its primitive, its params and its operands'
+  keys, the leaves being the region's operands and the cotangent of its output; ``jit`` bodies
+  are inlined (``graph.py``) and ``add_any`` trees are keyed by the multiset of their terms;
+* every op outside the region that (transitively) reads an interior value must compute a value
+  of the reference; the values it leaves with must be cotangents of the region's operands, or
+  sums whose region part is exactly such a cotangent (the rest, e.g. the router's share of the
+  tokens' cotangent, is re-added).
+
+Anything else, a forward-mode (``jvp``) use among them, is declined with the use that broke the
+proof and its location.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from moe_lowering import _compat
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
+from moe_lowering.passes.match_core import FailedMatch
+
+_ADD_ANY = "add_any"
+_MAX_COTANGENT_CANDIDATES = 8
+
+
+@dataclass(frozen=True)
+class DerivativeOutput:
+    """A program value the sparse VJP replaces: the cotangent of ``inputs[input_index]``, plus ``rest``
+    (terms of the program's sum that are not the region's, re-added as they are)."""
+
+    value: Value
+    input_index: int
+    rest: tuple
+
+
+@dataclass(frozen=True)
+class RegionDerivative:
+    """The region's backward as found in the program, proven to be the dense region's VJP."""
+
+    inputs: tuple  # the dense region's operands (routing-weight construction included): the VJP's primals
+    gate_eqns: tuple[Eqn, ...]  # build the routing weights from ``inputs``: re-bound inside the sparse VJP
+    cotangent: Value  # the incoming cotangent of the region's output
+    replaced: frozenset  # program eqn indices the sparse VJP replaces
+    outputs: tuple[DerivativeOutput, ...]
+
+
+def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate_eqns: tuple[Eqn, ...],
+                     sparse_reads: frozenset) -> RegionDerivative | FailedMatch:
+    """The proof described in the module docstring, for the region of ``interior`` eqns with ``output``.
+
+    ``sparse_reads``: the values the sparse layer reads (tokens, weights, routing weights); a
+    cotangent the program takes of any other operand would not be the sparse layer's.
+    """
+    region_eqns = sorted({graph.eqns[i] for i in interior} | set(gate_eqns), key=lambda e: e.index)
+    inputs = _operands(region_eqns)
+    interior_values = {v for i in interior for v in graph.eqns[i].outputs if v is not output}
+    for value in interior_values:
+        if value in graph.output_set:
+            return FailedMatch(
+                f"an interior value of the MoE (the expert activations {list(value.shape)}) leaves "
+                "its scope as an output (a remat policy saving it, or a scan carrying it to its backward): the layer's derivative is not in this scope, so it cannot be rewritten with it",
+                graph.producer[value], "private-interior")
+    readers = [e for e in graph.eqns if e.index not in interior
+               and any(isinstance(a, Value) and a in interior_values for a in e.inputs)]
+    gate_ids = {e.index for e in gate_eqns}
+    reference = _reference(region_eqns, inputs, output)
+    if isinstance(reference, FailedMatch):
+        return reference
+    candidates = _cotangent_candidates(graph, output, interior_values, readers, interior | gate_ids)
+    if not candidates:
+        return FailedMatch(
+            f"an interior value of the MoE is used outside it by {_describe(readers[0])}, and no cotangent of the "
+            f"layer's output [{', '.join(map(str, output.shape))}] reaches that use: it is not the layer's "
+            "reverse-mode derivative (forward mode, jvp, is not rewritten)", readers[0], "private-interior")
+    first_failure = None
+    for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
+        found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
+        if not isinstance(found, FailedMatch):
+            return found
+        first_failure = first_failure or found
+    return first_failure
+
+
+def _describe(eqn: Eqn) -> str:
+    return f"`{eqn.primitive}` at {eqn.where()}"
+
+
+def _operands(eqns) -> tuple:
+    """Values the eqns read and do not compute, in order of first use."""
+    produced = {v for e in eqns for v in e.outputs}
+    seen: dict = {}
+    for eqn in eqns:
+        for atom in eqn.inputs:
+            if isinstance(atom, Value) and atom not in produced:
+                seen.setdefault(atom, None)
+    return tuple(seen)
+
+
+# --------------------------------------------------------------------------- hash-consing
+
+
+class _Keys:
+    """Interned structural keys: equal keys, equal computations over the same leaves."""
+
+    def __init__(self):
+        self.ids: dict = {}
+        self.terms: dict[int, tuple] = {}  # add_any key -> its flattened, sorted terms
+        self.backward: set[int] = set()  # keys that depend on the cotangent
+
+    def intern(self, key, backward: bool) -> int:
+        found = self.ids.get(key)
+        if found is None:
+            found = self.ids[key] = len(self.ids)
+            if backward:
+                self.backward.add(found)
+        return found
+
+    def leaf(self, name) -> int:
+        return self.intern(("leaf", name), name == "cotangent")
+
+    def const(self, atom: Const) -> int:
+        value = np.asarray(atom.value)
+        return self.intern(("const", str(value.dtype), value.shape, value.tobytes()), False)
+
+    def eqn_outputs(self, eqn: Eqn, operand_keys) -> list[int]:
+        backward = any(k in self.backward for k in operand_keys)
+        if str(eqn.primitive) == _ADD_ANY:
+            terms = tuple(sorted(t for k in operand_keys for t in self.terms.get(k, (k,))))
+            key = self.intern((_ADD_ANY, terms), backward)
+            self.terms[key] = terms
+            return [key]
+        head = (str(eqn.primitive), _params_key(eqn.params), tuple(operand_keys))
+        return [self.intern(head + (j,), backward) for j in range(len(eqn.outputs))]
+
+    def term_set(self, key: int) -> collections.Counter:
+        return collections.Counter(self.terms.get(key, (key,)))
+
+
+def _params_key(params: dict):
+    return tuple(sorted((name, _param_key(value)) for name, value in params.items()))
+
+
+def _param_key(value):
+    if hasattr(value, "eqns") or hasattr(value, "jaxpr"):
+        return ("jaxpr", str(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_param_key(v) for v in value)
+    if isinstance(value, dict):
+        return _params_key(value)
+    if isinstance(value, np.ndarray):
+        return ("array", str(value.dtype), value.shape, value.tobytes())
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", repr(value))
+    return value
+
+
+def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
+    """Keys of every value of ``graph`` computed from ``leaves`` and constants alone."""
+    keyed = dict(leaves)
+    for eqn in graph.eqns:
+        if any(v in leaves for v in eqn.outputs):
+            continue
+        operand_keys = []
+        for atom in eqn.inputs:
+            key = keys.const(atom) if isinstance(atom, Const) else keyed.get(atom)
+            if key is None:
+                break
+            operand_keys.append(key)
+        else:
+            keyed.update(zip(eqn.outputs, keys.eqn_outputs(eqn, operand_keys)))
+    return keyed
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+@dataclass(frozen=True)
+class _Reference:
+    keys: _Keys
+    known: frozenset  # every key the reference VJP computes
+    cotangents: tuple  # per input: the key of its cotangent, or None (integer inputs)
+
+
+def _reference(region_eqns, inputs, output) -> _Reference | FailedMatch:
+    """``jax.vjp`` of the dense region, traced with its operands and output cotangent as free inputs."""
+
+    def region(*values):
+        local = dict(zip(inputs, values))
+        for eqn in region_eqns:
+            args = [a.value if isinstance(a, Const) else local[a] for a in eqn.inputs]
+            outs = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+            local.update(zip(eqn.outputs, outs if eqn.primitive.multiple_results else [outs]))
+        return local[output]
+
+    def pullback(primals, cotangent):
+        return jax.vjp(region, *primals)[1](cotangent)
+
+    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in inputs]
+    try:
+        closed = jax.make_jaxpr(pullback)(avals, jax.ShapeDtypeStruct(output.shape, output.dtype))
+    except Exception as error:  # noqa: BLE001 - a region JAX cannot differentiate is declined, not raised
+        return FailedMatch(f"JAX cannot differentiate the dense region on its own ({type(error).__name__}: "
+                           f"{error}), so its derivative in the program cannot be checked", None, "private-interior")
+    ref_graph = build_graph(closed)
+    keys = _Keys()
+    leaves = {v: keys.leaf(("input", i)) for i, v in enumerate(ref_graph.inputs[:-1])}
+    leaves[ref_graph.inputs[-1]] = keys.leaf("cotangent")
+    keyed = _key_graph(keys, ref_graph, leaves)
+    cotangents = []
+    for atom, primal in zip(ref_graph.outputs, inputs):
+        differentiable = np.issubdtype(np.dtype(primal.dtype), np.inexact)
+        cotangents.append(keyed.get(atom) if differentiable and isinstance(atom, Value) else None)
+    return _Reference(keys, frozenset(keyed.values()), tuple(cotangents))
+
+
+# --------------------------------------------------------------------------- the proof
+
+
+def _cotangent_candidates(graph: JaxprGraph, output: Value, interior_values, readers, region_ids) -> list:
+    """Values that may be the incoming cotangent of ``output``: of its type, read (through other ops)
+    by the readers of the interior, not computed inside the region; latest first."""
+    outside = [a for e in readers for a in e.inputs if isinstance(a, Value) and a not in interior_values]
+    ancestors = set()
+    for atom in outside:
+        ancestors |= graph.ancestors(atom)
+    found = [v for v in ancestors if v.aval.shape == output.aval.shape and v.dtype == output.dtype
+             and v is not output
+             and (graph.producer.get(v) is None or graph.producer[v].index not in region_ids)]
+    return sorted(found, key=lambda v: -graph.producer[v].index if v in graph.producer else 1)
+
+
+def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads):
+    keys = reference.keys
+    leaves = {v: keys.leaf(("input", i)) for i, v in enumerate(inputs)}
+    leaves[cotangent] = keys.leaf("cotangent")
+    keyed = _key_graph(keys, graph, leaves)
+    known = reference.known
+    derived = set(interior_values)
+    uses = []
+    for eqn in graph.eqns:
+        if eqn.index in interior or not any(isinstance(a, Value) and a in derived for a in eqn.inputs):
+            continue
+        if str(eqn.primitive) == _ADD_ANY or all(keyed.get(v) in known for v in eqn.outputs):
+            uses.append(eqn)
+            derived.update(eqn.outputs)
+        elif any(isinstance(a, Value) and a in interior_values for a in eqn.inputs):
+            return FailedMatch(
+                f"an interior value of the MoE is used outside it by {_describe(eqn)}, which is not an op of the "
+                "layer's reverse-mode derivative (compared with jax.vjp of the dense layer): replacing the layer "
+                "would change that use", eqn, "private-interior")
+    derived -= set(interior_values)
+    use_ids = {e.index for e in uses}
+    mixed_sums = {v for e in uses for v in e.outputs if keyed.get(v) not in known}
+    leaving = []
+    for eqn in uses:
+        for value in eqn.outputs:
+            users = graph.users.get(value, ())
+            if value in graph.output_set or any(u.index not in use_ids for u in users):
+                leaving.append(value)
+            elif value in mixed_sums and any(str(u.primitive) != _ADD_ANY for u in users):
+                return FailedMatch(f"a sum of the layer's derivative and other terms is used by "
+                                   f"{_describe(users[0])} before it is complete", users[0], "private-interior")
+    outputs = []
+    for value in leaving:
+        matched = _match_output(graph, reference, keyed, value, derived, inputs, sparse_reads)
+        if isinstance(matched, FailedMatch):
+            return matched
+        outputs.append(matched)
+    pinned = {cotangent} | {a for o in outputs for a in o.rest}
+    removed = _dead_backward(graph, keyed, reference, use_ids, interior, pinned)
+    return RegionDerivative(inputs, tuple(gate_eqns), cotangent, frozenset(removed), tuple(outputs))
+
+
+def _terms(graph: JaxprGraph, value, derived) -> list:
+    """The terms of the ``add_any`` tree ending at ``value`` (through the sums computed from the interior)."""
+    eqn = graph.producer.get(value)
+    if eqn is None or str(eqn.primitive) != _ADD_ANY or value not in derived:
+        return [value]
+    return [t for a in eqn.inputs for t in _terms(graph, a, derived)]
+
+
+def _match_output(graph, reference: _Reference, keyed, value, derived, inputs, sparse_reads):
+    """``value`` as the cotangent of one region operand plus terms that are not the region's."""
+    keys = reference.keys
+    terms = _terms(graph, value, derived)
+    available = collections.Counter()
+    for term in terms:
+        key = term if isinstance(term, Const) else keyed.get(term)
+        if key is not None and not isinstance(term, Const):
+            available.update(keys.term_set(key))
+    best = None
+    for index, key in enumerate(reference.cotangents):
+        if key is None:
+            continue
+        wanted = keys.term_set(key)
+        if all(available[t] >= n for t, n in wanted.items()) and (best is None or sum(wanted.values()) > best[1]):
+            best = (index, sum(wanted.values()), wanted)
+    users = graph.users.get(value, ())
+    where = _describe(users[0]) if users else "the function's outputs"
+    if best is None:
+        return FailedMatch(
+            f"a value computed from the MoE's interior ({list(value.shape)}) is used by {where}, and it is not the "
+            "derivative of the layer with respect to any of its operands", graph.producer[value], "private-interior")
+    index, _, wanted = best
+    if inputs[index] not in sparse_reads:
+        return FailedMatch(
+            f"the program takes the derivative of the layer with respect to an operand the sparse layer does not "
+            f"read ({list(inputs[index].shape)}, used by {where})", graph.producer[value], "private-interior")
+    if keyed.get(value) not in keys.backward and not (wanted.keys() & keys.backward):
+        return FailedMatch(f"the layer's derivative at {where} does not depend on the output's cotangent",
+                           graph.producer[value], "private-interior")
+    rest = []
+    remaining = collections.Counter(wanted)
+    for term in terms:
+        key = keyed.get(term) if isinstance(term, Value) else None
+        parts = keys.term_set(key) if key is not None else None
+        if parts is not None and all(remaining[t] >= n for t, n in parts.items()):
+            remaining.subtract(parts)
+            continue
+        if isinstance(term, Value) and term in derived:
+            return FailedMatch(f"a sum at {where} adds a value computed from the MoE's interior that is not part "
+                               "of the layer's derivative", graph.producer[value], "private-interior")
+        rest.append(term)
+    if any(n > 0 for n in remaining.values()):
+        return FailedMatch(f"the derivative of the layer at {where} is split across values the rewrite cannot "
+                           "re-add", graph.producer[value], "private-interior")
+    return DerivativeOutput(value, index, tuple(rest))
+
+
+def _dead_backward(graph: JaxprGraph, keyed, reference: _Reference, removed_ids, interior, pinned) -> set:
+    """The uses of the interior, and the ops of the reference's backward that only they read."""
+    removed = set(removed_ids)
+    keys = reference.keys
+    for eqn in reversed(graph.eqns):
+        if eqn.index in removed or eqn.index in interior:
+            continue
+        outs = [keyed.get(v) for v in eqn.outputs]
+        if any(k is None or k not in reference.known or k not in keys.backward for k in outs):
+            continue
+        if any(v in pinned or v in graph.output_set for v in eqn.outputs):
+            continue
+        if all(u.index in removed for v in eqn.outputs for u in graph.users.get(v, ())):
+            removed.add(eqn.index)
+    return removed

@@ -1,0 +1,86 @@
+"""Whole training steps: the MoE layer's forward and its own backward, emitted by JAX's autodiff,
+rewritten together (``passes/derivative_match.py``), or declined with the use that broke the proof.
+
+Each step is compared with the undecorated step: the loss and every gradient, float32 tight. A
+rewritten step must hold no dense ``[T, E, F]`` (or ``[T, E, d]``) value anywhere in its jaxpr.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_lowering import NoMoeFoundWarning, explain, moe_optimize
+from moe_lowering.testing import zoo
+
+SIZES = zoo.Sizes(T=16, d=8, f=12, E=4, k=2)  # every dense intermediate holds T * E * min(d, f) = 512 or more
+MIXTRAL = zoo.build_mixtral(SIZES)
+
+
+def _loss(params, x):
+    return jnp.mean(jnp.sin(MIXTRAL.fn(params, x)) ** 2)
+
+
+def _args(dtype=jnp.float32):
+    return MIXTRAL.args(jax.random.key(0), dtype)
+
+
+def _largest_value(closed) -> int:
+    """Elements of the largest value any eqn of ``closed`` (its sub-jaxprs included) computes."""
+    largest = 0
+
+    def walk(jaxpr):
+        nonlocal largest
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                largest = max(largest, math.prod(getattr(var.aval, "shape", ())))
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return largest
+
+
+def _dense_elements(sizes=SIZES) -> int:
+    return sizes.T * sizes.E * min(sizes.d, sizes.f)
+
+
+def _assert_close(expected, got, rtol):
+    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        want, have = np.asarray(want, np.float64), np.asarray(have, np.float64)
+        scale = max(np.max(np.abs(want)), 1e-30)
+        assert np.max(np.abs(want - have)) <= rtol * scale, (want.shape, np.max(np.abs(want - have)) / scale)
+
+
+def _check_rewritten(step, *args, rtol=1e-5, regions=1):
+    report = explain(step, *args)
+    assert len(report.regions) == regions, str(report)
+    assert all(r.backward for r in report.regions), str(report)
+    assert "rewritten forward and backward" in str(report)
+    rewritten = moe_optimize(step, strict=True)
+    _assert_close(step(*args), rewritten(*args), rtol)
+    assert _largest_value(jax.make_jaxpr(rewritten)(*args)) < _dense_elements(), "a dense [T, E, F] value is left"
+    assert _largest_value(jax.make_jaxpr(step)(*args)) >= _dense_elements()  # the check can fail
+    return report
+
+
+def test_value_and_grad_of_a_plain_loss():
+    params, x = _args()
+
+    def step(params, x):
+        return jax.value_and_grad(_loss, argnums=(0, 1))(params, x)
+
+    _check_rewritten(step, params, x)
+
+
+def test_grad_of_the_weights_only_under_jit():
+    params, x = _args()
+    _check_rewritten(jax.jit(jax.grad(_loss)), params, x)
