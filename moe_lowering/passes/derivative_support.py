@@ -8,14 +8,37 @@ where it can be non-zero, as a :class:`Support`: the program's own ops replayed 
 check evaluates it (:func:`support_indicator`) and falls back to the dense layer where it reaches
 an empty slot.
 
-Why replaying is sound: the derivative of each op below is linear in its operands' derivatives
-with coefficients that are the other, derivative-free operands, and each op is monotone on
-non-negative inputs. So evaluating the op on non-negative indicators of (derivative bound, free
-operand) gives a non-negative array that is zero wherever the true derivative must be zero:
-``mul`` intersects, ``add`` unites, ``dot_general`` multiplies out (an outer product, or a sum
-over the contracted axes), layout ops, slices and sums move or merge the bounds, ``select_n``
-picks one. An op without such a rule bounds nothing (every element may vary), and a bound made
-only of such unknowns is no proof.
+Why replaying is sound. Write ``B(v)`` for the bound of a value ``v`` with a derivative ``dv``,
+``[c]`` for the indicator ``c != 0`` of a derivative-free value ``c``. The invariant: every
+``B(v)`` is a non-negative array (its entries 0 or 1; clamped to 1 where a sum could grow past
+it) and ``B(v)[i] == 0`` implies ``dv[i] == 0`` for every tangent of the program's inputs. The
+leaves hold it: all zeros bound a derivative-free value, all ones bound any value (``[c]`` is
+only ever a coefficient, and a ``select_n`` predicate only selects). Each rule keeps it because
+it uses only operations that are monotone on non-negative numbers and give zero only where every
+term is zero — no sign enters, so nothing cancels:
+
+- ``neg``, ``sub``: ``d(-a) = -da`` is zero where ``da`` is: ``B(-a) = B(a)`` (neg is not
+  replayed); ``d(a - b) = da - db`` is zero where both are: ``B(a) + B(b)``, the same as ``add``.
+- ``add``: ``d(a + b) = da + db``; ``B(a) + B(b)`` is zero only where both are (non-negative).
+- ``mul`` by a derivative-free ``c`` (of either sign): ``d(a * c) = da * c`` is zero where ``da``
+  or ``c`` is: ``B(a) * [c]``, never ``B(a) * c`` (a negative ``c`` would flip a sign, and one of
+  size 1e-30 would round the bound to zero).
+- ``dot_general`` with a derivative-free operand ``c``: each output entry of the derivative is a
+  sum over the contracted indices of ``da * c``; it is zero unless some term has ``da != 0`` and
+  ``c != 0``, and then ``sum(B(a) * [c]) >= 1`` (non-negative terms) — the same contraction of
+  ``B(a)`` and ``[c]`` bounds it. Batch and free dimensions move entries without mixing them.
+- ``reduce_sum``: a sum of non-negative bounds is zero only where every term's is.
+- ``select_n`` with a derivative-free predicate: the derivative is the selected case's, so is the
+  replayed selection of the cases' bounds.
+- ``convert_element_type`` (float to float), ``reduce_precision``, ``copy`` and the annotations
+  (sharding, remat names): the derivative is the operand's, cast or rounded (which can only make
+  an entry zero): ``B`` of the operand.
+- ``broadcast_in_dim``, ``reshape``, ``transpose``, ``squeeze``, ``slice``, ``rev``: linear maps
+  that move (or copy) entries without combining them, so the op applied to ``B(a)`` is zero
+  exactly where the op applied to ``da`` must be.
+
+An op without such a rule bounds nothing (every element may vary), and a bound made only of such
+unknowns is no proof.
 """
 
 from __future__ import annotations
@@ -45,7 +68,7 @@ def _zero_derivative_primitives() -> frozenset:
 @functools.cache
 def _replayed_primitives() -> frozenset:
     """Ops whose derivative bound is the op itself applied to its operand's bound."""
-    return frozenset((lax.neg_p, lax.reduce_precision_p, lax.copy_p, lax.broadcast_in_dim_p, lax.reshape_p,
+    return frozenset((lax.reduce_precision_p, lax.copy_p, lax.broadcast_in_dim_p, lax.reshape_p,
                       lax.transpose_p, lax.squeeze_p, lax.slice_p, lax.reduce_sum_p, lax.rev_p)
                      + identity_annotations())
 
@@ -146,6 +169,8 @@ def _support_of_eqn(graph: JaxprGraph, eqn: Eqn, atom, memo: dict, depth: int) -
 
     if prim is lax.convert_element_type_p:
         return sub(inputs[0])  # a float to float cast (to an integer the result is derivative-free)
+    if prim is lax.neg_p:
+        return sub(inputs[0])  # where -a's derivative is non-zero, a's is: never a negative bound
     if prim in _replayed_primitives():
         inner = sub(inputs[0])
         return Support(tuple(atom.shape), eqn, (inner,), bounded=inner.bounded)  # each takes one operand
@@ -198,9 +223,12 @@ def support_indicator(support: Support, read):
 
 
 def _replay(eqn: Eqn, operands):
+    """The op on non-negative indicators; a sum (``add``, ``reduce_sum``, a contraction) is clamped
+    back to 1, so no chain of sums can overflow float32."""
     params = dict(eqn.params)
     if eqn.primitive is lax.dot_general_p:
         params["preferred_element_type"] = jnp.float32  # the indicators are float32, whatever the program's type
     elif eqn.primitive is lax.reduce_precision_p:
         return operands[0]  # rounding keeps a non-negative count non-zero
-    return eqn.primitive.bind(*operands, **params)
+    out = eqn.primitive.bind(*operands, **params)
+    return jnp.minimum(out, 1.0) if eqn.primitive in (lax.add_p, lax.reduce_sum_p, lax.dot_general_p) else out

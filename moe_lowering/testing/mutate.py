@@ -566,6 +566,74 @@ def _substitute_apply(eqn: Eqn, inputs, what: str, lookup=None):
     return _bind(eqn, inputs)
 
 
+# --- negation / cancelling_pair: a term of value zero whose derivative need not be, added to a
+# capacity layer's combine tensor (issue 38: a bound on its derivative must never cancel)
+
+
+def _combine_candidates(variants):
+    """At the eqn that computes a capacity layer's combine tensor, as the matcher finds it in the
+    unmutated program."""
+
+    def candidates(site: Site) -> list[str]:
+        if not any(out in _combine_values(site.graph) for out in site.eqn.outputs):
+            return []
+        return [f"{site.eqn.primitive},{v}" for v in variants]
+
+    return candidates
+
+
+def _combine_values(graph: JaxprGraph) -> frozenset:
+    from moe_lowering.passes.match import analyse
+
+    if "_mutate_combines" not in graph.__dict__:
+        regions, _ = analyse(graph)
+        graph.__dict__["_mutate_combines"] = frozenset(r.combine[0] for r in regions if r.combine is not None)
+    return graph.__dict__["_mutate_combines"]
+
+
+def _st(value):
+    """Zero in value, the derivative of ``value``: the straight-through idiom's residue."""
+    return value - lax.stop_gradient(value)
+
+
+def _zero_valued_terms(value):
+    """``(off, q, rolled)``: a derivative-free 0/1 mask of where ``value`` is zero (slots the token
+    does not occupy, some held by other tokens), and two values that vary there and that no bound
+    can confine (``tanh``): ``value`` summed over its last axis and broadcast back (a token's gate
+    on every slot of its expert), and that rolled by one along the axis before (the next expert)."""
+    off = (value == 0).astype(value.dtype)
+    q = jnp.tanh(jnp.broadcast_to(jnp.sum(value, axis=-1, keepdims=True), value.shape))
+    return off, q, jnp.roll(q, 1, axis=-2)
+
+
+def _negated_identity_contraction(value):
+    """``value`` contracted over its last axis with ``-I``: ``-value`` through a dot_general whose
+    derivative-free operand is negative."""
+    minus_identity = -jnp.eye(value.shape[-1], dtype=value.dtype)
+    return lax.dot_general(value, minus_identity, (((value.ndim - 1,), (0,)), ((), ())))
+
+
+_NEGATIONS = {
+    "neg_neg": lambda v, off, q, r: -(-v),
+    "plus_neg_of_twice_minus_stop": lambda v, off, q, r: v + off * q + (-(off * (2 * q - lax.stop_gradient(q)))),
+    "times_minus_one": lambda v, off, q, r: v + off * _st(q) + -1.0 * (off * _st(r)),
+}
+_CANCELLING_PAIRS = {
+    "straight_through_minus_rolled": lambda v, off, q, r: v + off * _st(q) + (-(off * _st(r))),
+    "twice_minus_once": lambda v, off, q, r: v + (off * (2 * _st(q)) - off * _st(q)),
+    "minus_identity_contraction":
+        lambda v, off, q, r: v + off * _st(q) + _negated_identity_contraction(off * _st(r)),
+}
+
+
+def _zero_term_apply(table):
+    def apply(eqn: Eqn, inputs, what: str, lookup=None):
+        (value,) = _bind(eqn, inputs)
+        return [table[what.split(",", 1)[1]](value, *_zero_valued_terms(value))]
+
+    return apply
+
+
 @dataclass(frozen=True)
 class Kind:
     """A mutation kind: where it applies and what it does. ``typed``: the change keeps types by
@@ -626,6 +694,14 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("substitute", _substitute_candidates, _substitute_apply, True,
          "an operand replaced by another value of the same shape and dtype computed earlier "
          "(e.g. router probabilities for a one-hot mask, dispatch for combine)", in_context=True),
+    Kind("negation", _combine_candidates(_NEGATIONS), _zero_term_apply(_NEGATIONS), True,
+         "a capacity layer's combine tensor v gets -(-v), or a zero term written with neg "
+         "with a derivative where v is zero (m): v + m*q + (-(m*(2q - stop_gradient(q)))), v + m*st(q) + "
+         "-1.0*(m*st(q'))",
+         in_context=True),
+    Kind("cancelling_pair", _combine_candidates(_CANCELLING_PAIRS), _zero_term_apply(_CANCELLING_PAIRS), True,
+         "the same, a pair whose values cancel: v + m*st(q) + (-(m*st(roll(q)))), v + (m*(2*st(q)) - m*st(q)), "
+         "v + m*st(q) + (m*st(roll(q))) @ -I; st(q) = q - stop_gradient(q)", in_context=True),
 )}
 KIND_NAMES: tuple[str, ...] = tuple(KINDS)
 

@@ -130,6 +130,65 @@ def test_a_contraction_sums_the_bounds():
     _assert_sound(indicator, tangents)
 
 
+def _straight_through(v):
+    return v - jax.lax.stop_gradient(v)
+
+
+def _minus_identity_contraction(v):
+    return jnp.einsum("GSEC,CD->GSED", v, -jnp.eye(C))
+
+
+# Each adds to a one-slot combine a term of value zero whose derivative lives on the other slots,
+# written so that a signed bound (neg replayed, sub subtracted, a coefficient's sign or size kept)
+# would cancel it to zero there.
+CANCELLING_TERMS = {
+    "neg_of_twice_minus_stop": lambda off, q, r: off * q + (-(off * (2 * q - jax.lax.stop_gradient(q)))),
+    "straight_through_pair": lambda off, q, r: off * _straight_through(q) + (-(off * _straight_through(r))),
+    "sub_of_equal_bounds": lambda off, q, r: off * (2 * _straight_through(q)) - off * _straight_through(q),
+    "times_minus_one": lambda off, q, r: off * _straight_through(q) + -1.0 * (off * _straight_through(r)),
+    "tiny_coefficient": lambda off, q, r: off * _straight_through(q) + 1e-30 * (off * _straight_through(r)),
+    "negative_contraction": lambda off, q, r: (off * _straight_through(q)
+                                               + _minus_identity_contraction(off * _straight_through(r))),
+    "select_of_negated": lambda off, q, r: off * _straight_through(q) + jnp.where(
+        off > 0, -(off * _straight_through(r)), 0.0),
+}
+
+
+@pytest.mark.parametrize("term", list(CANCELLING_TERMS))
+def test_a_derivative_written_to_cancel_is_bounded_where_it_is(term):
+    """The bound is unsigned: ``neg``, ``sub`` and ``add`` unite supports, a coefficient enters as
+    ``!= 0``, and every indicator is 0 or 1 (issue 38: ``neg`` replayed cancelled under ``add``)."""
+    logits, index, position = _routing()
+    slot = jnp.einsum("GSE,GSC->GSEC", jax.nn.one_hot(index, E), jax.nn.one_hot(position, C))
+
+    def combine(logits):
+        probs = jax.nn.softmax(logits)
+        gate = jnp.sum(probs * jax.nn.one_hot(index, E), -1)
+        q = jnp.broadcast_to(probs[..., None], slot.shape)
+        r = jnp.roll(q, 1, axis=-2)
+        return slot * gate[..., None, None] + CANCELLING_TERMS[term](1 - slot, q, r)
+
+    indicator, tangents = _bound_and_tangents(combine, logits)
+    _assert_sound(indicator, tangents)
+    assert set(np.unique(indicator)) <= {0.0, 1.0}
+    assert all(np.any((t != 0) & (np.asarray(slot) == 0)) for t in tangents)  # there is a derivative to bound
+
+
+def test_a_long_chain_of_contractions_stays_an_indicator():
+    """Sums of indicators are clamped to 1: thirty contractions over 64 entries do not overflow to
+    ``inf`` (and then to NaN under a zero coefficient), where the program's own values stay finite."""
+    mean = jnp.full((64, 64), 1 / 64)
+
+    def chain(v):
+        for _ in range(30):
+            v = v @ mean
+        return v * jnp.zeros((64,)).at[0].set(1.0)
+
+    indicator, tangents = _bound_and_tangents(chain, jnp.ones((2, 64)))
+    _assert_sound(indicator, tangents)
+    np.testing.assert_array_equal(indicator, np.broadcast_to(np.arange(64) == 0, (2, 64)).astype(np.float32))
+
+
 # --------------------------------------------------------------------------- praxis / GShard top-2
 
 

@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 from moe_lowering import NoMoeFoundWarning, explain, moe_optimize
+from moe_lowering.testing.device_checks import capacity_fallbacks
 
 T, D, F, E = 16, 8, 16, 4
 
@@ -148,6 +149,52 @@ def test_differentiable_dispatch_declines(variant):
     """The sparse layer moves rows by index: a dispatch tensor with a derivative cannot be lowered."""
     declined_because(_switch(variant), _params(jax.random.key(0)), _tokens(jax.random.key(1)),
                      "the dispatch tensor has a derivative")
+
+
+def _straight_through(v):
+    return v - lax.stop_gradient(v)
+
+
+def _switch_with_zero_valued_combine_term(term):
+    """Switch with biased experts (an empty slot's output is not zero) whose combine adds a term of
+    value zero and derivative ``-empty * d(probs)`` on the slots the token was not dispatched to,
+    written with ``neg`` so that a signed bound would cancel it (issue 38)."""
+
+    def switch(params, x):
+        num_tokens, num_experts = x.shape[0], params["router"].shape[-1]
+        slots = num_tokens // num_experts
+        probs = jax.nn.softmax(x @ params["router"], axis=-1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, -1), num_experts, dtype=jnp.int32)
+        gate = (probs * mask).sum(-1)
+        position = jnp.cumsum(mask, 0) * mask - 1
+        dispatch = jax.nn.one_hot(position, slots) * (mask * (position < slots))[..., None]
+        empty = 1 - dispatch
+        q3 = jnp.broadcast_to(probs[..., None], dispatch.shape)
+        if term == "neg_of_twice_minus_stop":
+            zero = empty * q3 + (-(empty * (2 * q3 - lax.stop_gradient(q3))))
+        else:  # "straight_through_pair": the probabilities and the probabilities rolled by one expert
+            r3 = jnp.broadcast_to(jnp.roll(probs, 1, axis=-1)[..., None], dispatch.shape)
+            zero = empty * _straight_through(q3) + (-(empty * _straight_through(r3)))
+        combine = dispatch * gate[:, None, None] + zero
+        expert_in = jnp.einsum("tec,td->ecd", dispatch, x)
+        hidden = jax.nn.relu(jnp.einsum("ecd,edf->ecf", expert_in, params["w_up"]) + params["b_up"][:, None])
+        expert_out = jnp.einsum("ecf,efd->ecd", hidden, params["w_down"]) + params["b_down"][:, None]
+        return jnp.einsum("tec,ecd->td", combine, expert_out)
+
+    return switch
+
+
+@pytest.mark.parametrize("term", ["neg_of_twice_minus_stop", "straight_through_pair"])
+def test_combine_derivative_written_to_cancel_is_kept(term):
+    """Zero in value, so the outputs were always exact; the router's gradient was 0.87x / 0.72x off
+    when ``neg`` was replayed into the derivative bound, which then cancelled under ``add``."""
+    params = _params(jax.random.key(29))
+    keys = jax.random.split(jax.random.key(30), 2)
+    params.update(b_up=jax.random.normal(keys[0], (E, F)), b_down=jax.random.normal(keys[1], (E, D)))
+    layer = _switch_with_zero_valued_combine_term(term)
+    x = _tokens(jax.random.key(31))
+    if rewritten_exactly(layer, params, x):
+        assert capacity_fallbacks(layer, params, x) == [True]  # the derivative reaches the empty slots
 
 
 def test_capacity_dense_fallback_keeps_gradients_finite():
