@@ -62,6 +62,7 @@ exit status:
 examples:
   moe-rewrite model.mlir -o model.moe.mlir --report regions.json --verify
   moe-rewrite dump/module_0001.jit_step.before_optimizations.txt --emit hlo -o step.txt
+  moe-rewrite model.mlir -o rewritten/                    # writes rewritten/model.mlir
   moe-rewrite dump/ -o dump_rewritten/
   python -m moe_lowering model.mlir -o model.moe.mlir     # the same tool
 """
@@ -99,7 +100,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser.add_argument("input", metavar="INPUT", help="StableHLO text, MLIR bytecode, HLO text, or a dump directory")
     parser.add_argument(
         "-o", "--output", metavar="OUTPUT",
-        help="where to write the result (a directory for a directory INPUT); default or '-': stdout",
+        help="where to write the result: a file, or a directory (one that exists, or ending in '/': "
+        "made) that receives it under INPUT's name; a directory for a directory INPUT; default or '-': stdout",
     )
     parser.add_argument(
         "--emit", choices=("stablehlo", "hlo"),
@@ -227,7 +229,11 @@ def _run(args) -> int:
         outputs = [os.path.join(args.output, os.path.basename(p)) for p in inputs]
         skip_unsupported = True
     else:
-        inputs, outputs, skip_unsupported = [args.input], [args.output], False
+        inputs, outputs, skip_unsupported = [args.input], [_module_output(args.input, args.output)], False
+        if not _is_stdout(outputs[0]) and os.path.realpath(outputs[0]) == os.path.realpath(args.input):
+            raise CliError(f"cannot write {outputs[0]}: it is INPUT (give -o another path)")
+    if args.report:
+        _module_output(None, args.report)
     targets = _check_targets(outputs + ([args.report] if args.report else []))  # before any work: fail fast
     _check_backend(args.backend)
 
@@ -414,6 +420,25 @@ def _read_bytes(path: str) -> bytes:
 
 def _is_stdout(target) -> bool:
     return target is None or target == "-"
+
+
+def _module_output(input_path, target):
+    """Where one module (``input_path``; None: the report) is written, for ``-o target``.
+
+    A directory, one that exists or a name ending in a separator (made if missing), receives the
+    module under the input's own name. A file's directory must exist: a mistyped path fails here
+    rather than growing a new tree.
+    """
+    if _is_stdout(target):
+        return target
+    separators = tuple(sep for sep in (os.sep, os.altsep) if sep)
+    if input_path is not None and (target.endswith(separators) or os.path.isdir(target)):
+        return os.path.join(target, os.path.basename(input_path))
+    parent = os.path.dirname(target)
+    if parent and not os.path.lexists(parent):
+        hint = " (end -o with '/' to write into a new directory)" if input_path is not None else ""
+        raise CliError(f"cannot write {target}: no directory {parent}{hint}")
+    return target
 
 
 def _check_targets(targets: list) -> list:

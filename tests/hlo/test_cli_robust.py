@@ -273,6 +273,44 @@ def test_conflicting_outputs_exit_2(args, mixtral_text, tmp_path, capsys, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mlir"]
 
 
+NEGATE_HLO = """HloModule jit_negate, entry_computation_layout={(f32[4,8]{1,0})->f32[4,8]{1,0}}
+
+ENTRY main.2 {
+  x = f32[4,8]{1,0} parameter(0)
+  ROOT negate.1 = f32[4,8]{1,0} negate(x)
+}
+"""
+
+
+@pytest.mark.parametrize("form", ["existing", "trailing_slash_existing", "trailing_slash_new", "new_nested"])
+def test_output_directory_receives_the_module_under_its_name(form, tmp_path, capsys):
+    """``-o DIR`` (existing) or ``-o DIR/`` (made if missing) writes ``DIR/<input's name>``, not a file ``DIR``."""
+    source = tmp_path / "negate.txt"
+    source.write_text(NEGATE_HLO)
+    out = tmp_path / ("out" if form != "new_nested" else "new/nested")
+    if form.endswith("existing"):
+        out.mkdir()
+    target = str(out) + (os.sep if form != "existing" else "")
+    code, _, err = _run([source, "-o", target, "-q"], capsys)
+    assert code == 0, err
+    assert out.is_dir() and sorted(p.name for p in out.iterdir()) == ["negate.txt"]
+    assert (out / "negate.txt").read_text() == NEGATE_HLO  # nothing to rewrite: copied byte for byte
+
+
+@pytest.mark.parametrize("option", ["-o", "--report"])
+def test_file_output_into_a_missing_directory_is_an_error(option, tmp_path, capsys):
+    """A file path whose directory does not exist is refused with one line (a typo must not grow a tree)."""
+    source = tmp_path / "negate.txt"
+    source.write_text(NEGATE_HLO)
+    target = tmp_path / "missing" / "o.txt"
+    args = [source, "-o", tmp_path / "o.txt", "--report", target] if option == "--report" else [source, "-o", target]
+    code, _, err = _run(args, capsys)
+    assert code == 2
+    line = _one_error_line(err)
+    assert f"cannot write {target}: no directory {tmp_path / 'missing'}" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["negate.txt"]
+
+
 def _dump_with_two_modules(tmp_path, mixtral_hlo):
     dump = tmp_path / "dump"
     dump.mkdir()
@@ -329,7 +367,7 @@ def test_new_output_directories_are_removed_on_failure(mixtral_text, tmp_path, c
         return real_replace(src, dst)
 
     monkeypatch.setattr(cli.os, "replace", replace_failing_report)
-    code, _, err = _run([source, "-o", tmp_path / "new" / "deep" / "o.mlir", "--report", tmp_path / "r.json"], capsys)
+    code, _, err = _run([source, "-o", f"{tmp_path / 'new' / 'deep'}{os.sep}", "--report", tmp_path / "r.json"], capsys)
     assert code == 2 and "Input/output error" in _one_error_line(err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.mlir"]
 
