@@ -149,3 +149,21 @@ def register_lowering(primitive, impl, multiple_results: bool) -> None:
     at each use (not cached into one shared function per signature), as the code it replaced was."""
     _mlir.register_lowering(primitive, _mlir.lower_fun(impl, multiple_results=multiple_results), cacheable=False)
 
+
+
+# --------------------------------------------------------------------------- Flax NNX
+# Flax is optional: NNX objects can only be among a call's arguments once the caller imported
+# ``flax.nnx``, so it is looked up there and never imported here. ``split``/``merge``/``update``
+# and ``graph.is_graph_node`` are the same in Flax 0.10 through 0.12.
+
+def flax_nnx():
+    """The ``flax.nnx`` module if the program imported it, else ``None``."""
+    import sys
+
+    return sys.modules.get("flax.nnx")
+
+
+def nnx_is_graph_node(value) -> bool:
+    """Whether ``value`` is a Flax NNX object (module, variable, RNG stream) with state of its own."""
+    nnx = flax_nnx()
+    return nnx is not None and nnx.graph.is_graph_node(value)

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from moe_lowering import _compat
+from moe_lowering.arguments import CallArguments, StateNotCarriedError, StateWrites, split_call, traced_function, unbind
 from moe_lowering.kernels import BACKEND_NAMES
 from moe_lowering.passes.rewrite import RewriteOptions, ScopeResult, analyse_program, make_rewritten, region_layout
 from moe_lowering.report import ExplainReport, NearMiss, already_sparse_message, region_report
@@ -152,42 +153,36 @@ def _check_capacity(capacity_factor) -> None:
         raise ValueError(f"moe_optimize: capacity_factor must be positive or None (dropless), got {capacity_factor!r}")
 
 
-def _split_static(args, kwargs):
-    """Array leaves (and ``jax.ShapeDtypeStruct``, an array known by its type) are traced; anything
-    else is baked in as static: Python ``int``/``float``/``bool``/``complex`` numbers (concrete in
-    the undecorated function, so ``lax.top_k(x, k)`` and ``if train:`` work), strings, None,
-    callables. NumPy scalars count as arrays, as under ``jax.jit``."""
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = [isinstance(l, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)) for l in leaves]
-    return leaves, tree, dynamic
+def _trace(fn, call: CallArguments):
+    """``(closed jaxpr, output tree, StateWrites)`` of ``fn`` on ``call``'s arguments (see
+    ``arguments.split_call``: array leaves are traced; Python numbers, strings, None and callables
+    are baked in, so ``lax.top_k(x, k)`` and ``if train:`` work). The program returns ``fn``'s
+    outputs, then the Flax NNX state it wrote."""
+    flat_fn, writes = traced_function(fn, call, _name(fn))
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*call.dynamic_values())
+    return closed, jax.tree_util.tree_structure(out_shape), writes[0]
 
 
-def _trace(fn, args, kwargs):
-    leaves, tree, dynamic = _split_static(args, kwargs)
-    dynamic_leaves = [l for l, d in zip(leaves, dynamic) if d]
-
-    def flat_fn(*dynamic_values):
-        it = iter(dynamic_values)
-        full = [next(it) if d else l for l, d in zip(leaves, dynamic)]
-        a, k = jax.tree_util.tree_unflatten(tree, full)
-        return fn(*a, **k)
-
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic_leaves)
-    return closed, jax.tree_util.tree_structure(out_shape), dynamic_leaves
+def _finish(call: CallArguments, out_tree, writes: StateWrites, flat_outputs):
+    """The function's outputs from the program's; the NNX state it wrote written into the caller's objects."""
+    out, written = jax.tree_util.tree_unflatten(out_tree, flat_outputs)
+    writes.write_back(call, written)
+    return out
 
 
 def explain(fn, *args, **kwargs) -> ExplainReport:
     """Traces ``fn(*args, **kwargs)`` without running it and reports the MoE regions found."""
     target = fn.__wrapped__ if _compat.is_jitted(fn) else fn
     options = getattr(target, "__moe_options__", {})
-    target = getattr(target, "__moe_original__", target)
+    target, bound = unbind(getattr(target, "__moe_original__", target))
+    call = split_call((*bound, *args), kwargs)
     started = time.perf_counter()
-    closed, _, _ = _trace(target, args, kwargs)
+    closed, _, _ = _trace(target, call)
     traced = time.perf_counter()
     declared = options.get("declared_shardings")
     if declared is None and _compat.is_jitted(fn):
         declared = _compat.jit_options(fn).get("in_shardings")
-    report = build_report(analyse_program(closed), _input_shardings(args, kwargs, declared),
+    report = build_report(analyse_program(closed), _input_shardings(call, args, declared),
                           options.get("capacity_factor"), options.get("exchange_transport", "auto"),
                           options.get("backend", "auto"))
     log.info("moe_lowering: explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
@@ -228,16 +223,17 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
         raise TypeError(f"moe_optimize expects a function, got {type(fn).__name__}")
     jitted = _compat.is_jitted(fn)
     original = fn.__wrapped__ if jitted else fn
+    target, bound = unbind(original)  # an NNX module's state is an argument, read anew and written back
     declared = _compat.jit_options(fn).get("in_shardings") if jitted else None
     warned = []
-    compiled_calls: dict = {}  # call signature -> (jitted rewritten program, output tree), for eager calls
+    compiled_calls: dict = {}  # call signature -> (jitted rewritten program, output tree, state writes), eager calls
 
-    def rewrite(args, kwargs):
+    def rewrite(call, args):
         log.info("moe_lowering: tracing %s", _name(original))
         started = time.perf_counter()
-        closed, out_tree, dynamic_leaves = _trace(original, args, kwargs)
+        closed, out_tree, writes = _trace(target, call)
         traced = time.perf_counter()
-        shardings = _input_shardings(args, kwargs, declared)
+        shardings = _input_shardings(call, args, declared)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
                                      input_shardings=shardings, capacity_factor=capacity_factor,
                                      exchange_transport=exchange_transport)
@@ -253,27 +249,30 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
                 NoMoeFoundWarning,
                 stacklevel=3,
             )
-        return run, out_tree, dynamic_leaves, bool(report.regions)
+        if report.regions and writes.uncarried:
+            raise StateNotCarriedError(f"moe_optimize: {writes.uncarried}")
+        return (run, out_tree, writes) if report.regions else None
 
     @functools.wraps(original)
     def rewritten(*args, **kwargs):
-        leaves, tree, dynamic = _split_static(args, kwargs)
-        signature = None if jitted else _call_signature(leaves, tree, dynamic)
+        call = split_call((*bound, *args), kwargs)
+        signature = None if jitted else _call_signature(call)
         if signature is None:  # traced by an outer jit (which caches), or arguments that cannot key a cache
-            run, out_tree, dynamic_leaves, _ = rewrite(args, kwargs)
-            return jax.tree_util.tree_unflatten(out_tree, run(*dynamic_leaves))
-        if signature not in compiled_calls:
-            run, out_tree, _, rewritten_any = rewrite(args, kwargs)
-            # Nothing rewritten: the user's function itself runs, eagerly as called, bit for bit.
-            compiled_calls[signature] = None
-            if rewritten_any:
-                compiled_calls[signature] = (_jit_logged(run, leaves, dynamic, original), out_tree)
-            log.debug("moe_lowering: %s traced for a new call signature (%d cached)", _name(original),
-                      len(compiled_calls))
-        if compiled_calls[signature] is None:
+            program = rewrite(call, args)
+        else:
+            if signature not in compiled_calls:
+                program = rewrite(call, args)
+                if program is not None:
+                    run, out_tree, writes = program
+                    program = (_jit_logged(run, call, original), out_tree, writes)
+                compiled_calls[signature] = program
+                log.debug("moe_lowering: %s traced for a new call signature (%d cached)", _name(original),
+                          len(compiled_calls))
+            program = compiled_calls[signature]
+        if program is None:  # nothing rewritten: the user's function itself runs, as called, bit for bit
             return original(*args, **kwargs)
-        run, out_tree = compiled_calls[signature]
-        return jax.tree_util.tree_unflatten(out_tree, run(*(l for l, d in zip(leaves, dynamic) if d)))
+        run, out_tree, writes = program
+        return _finish(call, out_tree, writes, run(*call.dynamic_values()))
 
     rewritten.__moe_original__ = original
     rewritten.__moe_options__ = {"backend": backend, "capacity_factor": capacity_factor, "declared_shardings": declared,
@@ -283,13 +282,13 @@ def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight
     return rewritten
 
 
-def _jit_logged(run, leaves, dynamic, original):
+def _jit_logged(run, call: CallArguments, original):
     """``jax.jit(run)``; with INFO logging on, lowered and compiled here, so that the log says how long the
     rewritten program took to trace and lower and XLA to compile it (the first call then reuses both)."""
     jitted = jax.jit(run)
     if log.isEnabledFor(logging.INFO):
         started = time.perf_counter()
-        lowered = jitted.lower(*(l for l, d in zip(leaves, dynamic) if d))
+        lowered = jitted.lower(*call.dynamic_values())
         lowered_at = time.perf_counter()
         lowered.compile()
         log.info("moe_lowering: %s: rewritten program lowered in %s, compiled in %s", _name(original),
@@ -297,13 +296,13 @@ def _jit_logged(run, leaves, dynamic, original):
     return jitted
 
 
-def _call_signature(leaves, tree, dynamic):
-    """What an eager call's rewrite depends on (``_split_static``'s split of its arguments): the
-    argument tree, each traced leaf's type and sharding, each static leaf's value (a Python
-    number's too: ``f(p, x, 2)`` and ``f(p, x, 3)`` are two programs). ``None`` under an outer
-    trace, for ``ShapeDtypeStruct`` arguments, or for unhashable statics."""
-    key = [tree]
-    for leaf, is_dynamic in zip(leaves, dynamic):
+def _call_signature(call: CallArguments):
+    """What an eager call's rewrite depends on: the argument tree (and its NNX objects' graph),
+    each traced leaf's type and sharding, each static leaf's value (a Python number's too:
+    ``f(p, x, 2)`` and ``f(p, x, 3)`` are two programs). ``None`` under an outer trace, for
+    ``ShapeDtypeStruct`` arguments, or for unhashable statics."""
+    key = [call.structure()]
+    for leaf, is_dynamic in zip(call.leaves, call.dynamic):
         if isinstance(leaf, (jax.core.Tracer, jax.ShapeDtypeStruct)):
             return None
         if is_dynamic:
@@ -327,13 +326,14 @@ def _static_key(value):
     return type(value), value
 
 
-def _input_shardings(args, kwargs, declared) -> tuple:
-    """Per traced leaf: the ``NamedSharding`` a committed array carries or ``jit`` declared for it."""
+def _input_shardings(call: CallArguments, args, declared) -> tuple:
+    """Per traced leaf: the ``NamedSharding`` a committed array carries or ``jit`` declared for it
+    (declared per positional argument of ``args``: read where the call has no NNX objects)."""
     from jax.sharding import NamedSharding
 
-    leaves, _, dynamic = _split_static(args, kwargs)
+    leaves, dynamic = call.leaves, call.dynamic
     declared_leaves = [None] * len(leaves)
-    if declared is not None:
+    if declared is not None and not call.nodes:
         per_arg = declared if isinstance(declared, (tuple, list)) else (declared,) * len(args)
         expanded = []
         for arg, sharding in zip(args, per_arg):
