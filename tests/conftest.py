@@ -63,6 +63,25 @@ def pytest_unconfigure(config):
         shutil.rmtree(owned, ignore_errors=True)
 
 
+# The quick selection (README: ``pytest -m "not slow"``) leaves out what takes most of the suite's
+# time: the Triton interpreter's kernels, the mutation suite, the transcribed frameworks, the
+# end-to-end tutorial, the multi-device layers, the CLI's compile-and-verify runs and the
+# property tests. CI runs everything; ``slow`` only names the complement of the quick subset.
+SLOW_MARKERS = frozenset({"triton_interpreter", "mutation", "transcribed", "tutorial", "multidevice"})
+SLOW_PATHS = ("parallel/", "realworld/", "hlo/test_cli", "hlo/test_zoo_hlo_dumps.py", "passes/test_properties.py")
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs before ``-m`` deselects (pytest's own hook comes last); the interpreter files are named
+    here too, as tests/kernels/conftest.py may mark them after this."""
+    for item in items:
+        where = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+        if (where.startswith(SLOW_PATHS) or where.endswith("_interpreter.py")
+                or any(next(item.iter_markers(name), None) for name in SLOW_MARKERS)):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def float32_products():
     with jax.default_matmul_precision("highest"):
