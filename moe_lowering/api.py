@@ -6,37 +6,119 @@ import functools
 import logging
 import time
 import warnings
+from typing import Any, Callable, ParamSpec, Sequence, TypeVar, overload
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from moe_lowering import _compat
 from moe_lowering.arguments import CallArguments, StateNotCarriedError, StateWrites, split_call, traced_function, unbind
-from moe_lowering.kernels import BACKEND_NAMES
+from moe_lowering.kernels import BACKEND_NAMES, Backend
+from moe_lowering.parallel.exchange import ExchangeTransport
+from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, WeightGatherQuant
 from moe_lowering.passes.rewrite import RewriteOptions, ScopeResult, analyse_program, make_rewritten, region_layout
 from moe_lowering.report import ExplainReport, NearMiss, already_sparse_message, region_report
 
 log = logging.getLogger("moe_lowering")
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
 class MoeNotFoundError(ValueError):
-    """``strict=True`` and the program holds no MoE region that can be rewritten."""
+    """``strict=True`` and the program holds no MoE region that can be rewritten.
+
+    Raised by a function decorated with ``moe_optimize(strict=True)`` when it is first traced for
+    a call (not at decoration), and by ``optimize_jaxpr(strict=True)``. The message says why
+    nothing matched: the routing decision that came closest and the piece that did not match, or
+    that the program already runs a sparse MoE. A ``ValueError``, as a wrong argument is.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from moe_lowering import MoeNotFoundError, moe_optimize
+        >>> strict_double = moe_optimize(lambda x: 2 * x, strict=True)
+        >>> try:
+        ...     strict_double(jnp.ones(3))
+        ... except MoeNotFoundError as err:
+        ...     print(str(err)[:51])
+        moe_optimize(strict=True): no MoE region to rewrite
+    """
 
 
 class NoMoeFoundWarning(UserWarning):
-    """``moe_optimize`` found nothing to rewrite; the function runs unchanged."""
+    """``moe_optimize`` found nothing to rewrite; the function runs unchanged.
+
+    Warned once per decorated function, at its first call, with the same reason
+    ``MoeNotFoundError`` would give. ``strict=True`` raises instead; to silence it, filter it:
+    ``warnings.filterwarnings("ignore", category=NoMoeFoundWarning)``.
+
+    Examples:
+        >>> import warnings
+        >>> import jax.numpy as jnp
+        >>> from moe_lowering import NoMoeFoundWarning, moe_optimize
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     doubled = moe_optimize(lambda x: 2 * x)(jnp.ones(3))
+        >>> any(issubclass(w.category, NoMoeFoundWarning) for w in caught)
+        True
+        >>> doubled
+        Array([2., 2., 2.], dtype=float32)
+    """
 
 
-WEIGHT_GATHER_QUANT = (None, "fp8_e4m3", "mxfp8")
+def optimize_jaxpr(closed_jaxpr: Any, *, backend: Backend = "auto", strict: bool = False,
+                   weight_gather_quant: WeightGatherQuant | None = None,
+                   input_shardings: Sequence[NamedSharding | None] = (), capacity_factor: float | None = None,
+                   exchange_transport: ExchangeTransport = "auto") -> tuple[Callable[..., list[Any]], ExplainReport]:
+    """Rewrites the MoE regions of a traced program: the pass under ``moe_optimize`` and ``moe-rewrite``.
 
+    For code that holds a jaxpr rather than a function to decorate (a compiler pipeline, the
+    ``moe-rewrite`` tool). The program is analysed once; the function returned evaluates it with
+    each matched region replaced by the sorted, dropless grouped-GEMM MoE, and everything else
+    bound as it was.
 
-def optimize_jaxpr(closed_jaxpr, *, backend: str = "auto", strict: bool = False, weight_gather_quant=None,
-                   input_shardings=(), capacity_factor: float | None = None, exchange_transport: str = "auto"):
-    """``(fn, report)``: ``fn(*flat_args)`` runs ``closed_jaxpr`` with its MoE regions rewritten.
+    Args:
+        closed_jaxpr: The program, as ``jax.make_jaxpr(fn)(*args)`` returns it.
+        backend: The grouped-GEMM kernels: ``"auto"`` (Triton on a CUDA GPU where it loads, else
+            XLA), ``"xla"`` or ``"triton"``. See ``moe_lowering.Backend``.
+        strict: Raise ``MoeNotFoundError`` when no region can be rewritten (else ``fn`` runs the
+            program unchanged and ``report`` has no regions).
+        weight_gather_quant: ``None`` (exact), ``"fp8_e4m3"`` or ``"mxfp8"``: how FSDP-sharded
+            expert weights travel in their all-gather. See ``moe_lowering.WeightGatherQuant``.
+        input_shardings: One ``NamedSharding`` or ``None`` per flat input of ``closed_jaxpr``;
+            regions whose operands are sharded over a mesh take the expert-parallel lowering.
+            Empty (the default): nothing is sharded.
+        capacity_factor: ``None`` (the default) is dropless; a positive factor keeps each expert's
+            first ``ceil(capacity_factor * tokens * top_k / experts)`` token copies.
+        exchange_transport: How expert-parallel token rows travel; see
+            ``moe_lowering.ExchangeTransport``.
 
-    The shared entry point of the decorator and the ``moe-rewrite`` tool. ``input_shardings``
-    (one ``NamedSharding`` or ``None`` per flat input) lets regions whose operands are sharded
-    over a mesh take the expert-parallel lowering.
+    Returns:
+        ``(fn, report)``: ``fn(*flat_args)`` returns the list of the program's flat outputs (it
+        traces: wrap it in ``jax.jit``, differentiate it); ``report`` is the
+        ``ExplainReport`` of what was rewritten and what was not.
+
+    Raises:
+        ValueError: An option outside its choices, or a ``capacity_factor`` that is not positive.
+        MoeNotFoundError: ``strict=True`` and no region can be rewritten.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering import optimize_jaxpr
+        >>> def top1_layer(x, router, w):
+        ...     gate = jax.nn.one_hot(jnp.argmax(x @ router, axis=-1), 4)  # [T, E]
+        ...     return jnp.einsum("te,ted->td", gate, jnp.einsum("td,edf->tef", x, w))
+        >>> keys = jax.random.split(jax.random.key(0), 3)
+        >>> args = (jax.random.normal(keys[0], (8, 4)), jax.random.normal(keys[1], (4, 4)),
+        ...         jax.random.normal(keys[2], (4, 4, 6)))
+        >>> run, report = optimize_jaxpr(jax.make_jaxpr(top1_layer)(*args), backend="xla")
+        >>> len(report.regions), report.regions[0].top_k
+        (1, 1)
+        >>> [out] = jax.jit(run)(*args)
+        >>> bool(jnp.allclose(out, top1_layer(*args), atol=1e-5))
+        True
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)
@@ -134,7 +216,7 @@ def _check_backend(backend: str) -> None:
 
 
 def _check_quant(weight_gather_quant) -> None:
-    if weight_gather_quant not in WEIGHT_GATHER_QUANT:
+    if weight_gather_quant not in WEIGHT_GATHER_QUANTS:
         raise ValueError(
             f"moe_optimize: unknown weight_gather_quant {weight_gather_quant!r}; expected None, 'fp8_e4m3' or 'mxfp8'"
         )
@@ -170,8 +252,54 @@ def _finish(call: CallArguments, out_tree, writes: StateWrites, flat_outputs):
     return out
 
 
-def explain(fn, *args, **kwargs) -> ExplainReport:
-    """Traces ``fn(*args, **kwargs)`` without running it and reports the MoE regions found."""
+def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
+    """Reports what ``moe_optimize`` would rewrite in ``fn(*args, **kwargs)``, without running it.
+
+    ``fn`` is traced (nothing computes, nothing compiles), so arguments may be
+    ``jax.ShapeDtypeStruct`` s; Python numbers, strings and ``None`` are static, as they are for
+    the decorated function. On a function already decorated with ``moe_optimize``, its options
+    (``capacity_factor``, ``exchange_transport``, ``backend``) and a ``jax.jit``'s
+    ``in_shardings`` shape the report as they shape the rewrite; arrays sharded over a mesh
+    report the expert-parallel layout.
+
+    Args:
+        fn: The function to look into: plain, ``jax.jit``-wrapped, or decorated with
+            ``moe_optimize``.
+        *args: Its positional arguments: arrays, ``jax.ShapeDtypeStruct`` s, or static values.
+        **kwargs: Its keyword arguments, as ``args``.
+
+    Returns:
+        An ``ExplainReport``: ``regions``, one ``RegionReport`` per MoE layer the pass rewrites
+        (where, its shapes, expert body, capacity, FLOPs and peak intermediate bytes dense versus
+        sorted, the sharded layout and transport); ``near_misses``, one ``NearMiss`` per routing
+        decision that led to no rewrite, with the piece that did not match; and
+        ``already_sparse``, sparse MoE operations the program already runs. ``str(report)`` is a
+        readable summary, ``report.to_dict()`` a JSON-ready one.
+
+    Raises:
+        Exception: Whatever tracing ``fn`` raises (a shape error in ``fn``, a wrong argument).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering import explain
+        >>> def moe_layer(x, router, w_in, w_out):  # top-2 of 4 GELU experts, every expert on every token
+        ...     weights, experts = jax.lax.top_k(jax.nn.softmax(x @ router), 2)
+        ...     gate = (jax.nn.one_hot(experts, 4) * weights[..., None]).sum(1)  # [T, E]
+        ...     hidden = jax.nn.gelu(jnp.einsum("td,edf->tef", x, w_in))
+        ...     return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, w_out))
+        >>> f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        >>> report = explain(moe_layer, f32(16, 8), f32(8, 4), f32(4, 8, 32), f32(4, 32, 8))
+        >>> region = report.regions[0]
+        >>> region.tokens, region.experts, region.top_k, region.d_model, region.d_ff, region.capacity
+        (16, 4, 2, 8, 32, None)
+        >>> print(report)  # doctest: +ELLIPSIS
+        moe_lowering: 1 MoE region(s) found
+        MoE region (one-hot gate) at ... (moe_layer):
+          tokens=16 experts=4 top_k=2 d_model=8 d_ff=32 dtype=float32
+          expert body: gelu (tanh) [matmul, integer_pow, mul, add, mul, tanh, add, mul, mul, matmul]
+          FLOPs: dense 65.5K -> sorted 32.8K (2.0x fewer)
+          peak intermediate: dense 8 KiB -> sorted 4 KiB
+    """
     target = fn.__wrapped__ if _compat.is_jitted(fn) else fn
     options = getattr(target, "__moe_options__", {})
     target, bound = unbind(getattr(target, "__moe_original__", target))
@@ -190,27 +318,96 @@ def explain(fn, *args, **kwargs) -> ExplainReport:
     return report
 
 
-def moe_optimize(fn=None, *, backend: str = "auto", strict: bool = False, weight_gather_quant: str | None = None,
-                 capacity_factor: float | None = None, exchange_transport: str = "auto"):
+@overload
+def moe_optimize(fn: Callable[_P, _R], *, backend: Backend = ..., strict: bool = ...,
+                 weight_gather_quant: WeightGatherQuant | None = ..., capacity_factor: float | None = ...,
+                 exchange_transport: ExchangeTransport = ...) -> Callable[_P, _R]: ...
+
+
+@overload
+def moe_optimize(fn: None = None, *, backend: Backend = ..., strict: bool = ...,
+                 weight_gather_quant: WeightGatherQuant | None = ..., capacity_factor: float | None = ...,
+                 exchange_transport: ExchangeTransport = ...) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]: ...
+
+
+def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto", strict: bool = False,
+                 weight_gather_quant: WeightGatherQuant | None = None, capacity_factor: float | None = None,
+                 exchange_transport: ExchangeTransport = "auto"
+                 ) -> Callable[_P, _R] | Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     """Rewrites the dense-reference MoE layers of ``fn`` into sorted, dropless grouped-GEMM MoE.
 
-    Usable bare (``@moe_optimize``) or with options, on a plain or a ``jax.jit``-wrapped
-    function (the result is jitted the same way: shardings, static and donated arguments kept).
-    With nothing to rewrite the function runs unchanged after one ``NoMoeFoundWarning``;
-    ``strict=True`` raises ``MoeNotFoundError`` naming the piece that did not match.
+    A dense-reference layer runs every expert on every token and masks the result with the
+    routing: easy to read, ``experts / top_k`` times the work. On each new call signature the
+    decorated function is traced, its MoE layers are matched (routing, expert computation,
+    combine) and replaced by a sort of the token copies by expert, grouped GEMMs over only the
+    routed rows, and a weighted combine; everything else runs as written. Outputs and gradients
+    equal the reference's up to float reordering (dropless: no token is dropped). Where a
+    replacement's assumption cannot be proven at trace time it is checked on device, with the
+    dense layer as the fallback (``explain`` lists these checks).
 
-    Operands sharded over a mesh (explicit axes) get the expert-parallel lowering; with
-    ``weight_gather_quant="fp8_e4m3"`` or ``"mxfp8"`` the FSDP-sharded expert weights are
-    quantised per expert and block before their all-gather (``None`` keeps results exact).
-    ``capacity_factor`` opts into dropping: each expert keeps its first
-    ``ceil(capacity_factor * tokens * k / E)`` token copies in token order (on one device and
-    sharded alike); ``None``, the default, is dropless and keeps the reference's results.
-    ``exchange_transport`` says how expert-parallel token rows travel: ``"auto"`` (the default)
-    picks ``"peer"`` on a one-process GPU mesh with the Triton kernels and ``"all_to_all"``
-    otherwise; ``"all_to_all"`` (NCCL; works across processes), ``"peer"`` (Triton kernels store
-    rows GPU to GPU over NVLink and the last GEMM stores results home; every mesh device must be
-    a GPU of this process; the fastest measured, see ``benchmarks/EP_NOTES.md``), ``"ppermute"``
-    or ``"ragged"`` (``jax.lax.ragged_all_to_all``). ``explain`` names the transport picked.
+    Use it bare (``@moe_optimize``) or with options (``@moe_optimize(backend="xla")``), on a plain
+    or a ``jax.jit``-wrapped function (the result is jitted the same way: shardings, static and
+    donated arguments kept), inside or outside ``jax.jit``, ``jax.grad``, ``jax.vmap``. With
+    nothing to rewrite the function runs unchanged after one ``NoMoeFoundWarning``.
+
+    Args:
+        fn: The function holding the MoE layers; ``None`` (options only) returns the decorator.
+        backend: The grouped-GEMM kernels: ``"auto"`` (the default: the Triton kernels on a CUDA
+            GPU where they load, else XLA), ``"xla"`` (portable XLA tile loops, any device) or
+            ``"triton"`` (the Triton GPU kernels; raises ``BackendUnavailable`` at the first call
+            without a CUDA GPU, Triton and ``jax_triton``).
+        strict: Raise ``MoeNotFoundError`` (naming the piece that did not match) at the first call
+            when nothing can be rewritten, instead of warning and running unchanged.
+        weight_gather_quant: For expert weights sharded FSDP-style over a mesh: ``None`` (the
+            default; exact) gathers them as they are; ``"fp8_e4m3"`` (a float32 scale per 128x128
+            block) or ``"mxfp8"`` (a power-of-two scale per 1x32 block) quantises each device's
+            shard per expert and block before the all-gather, moving half the bytes of bf16.
+        capacity_factor: ``None`` (the default) is dropless and keeps the reference's results.
+            A positive factor opts into dropping: each expert keeps its first
+            ``ceil(capacity_factor * tokens * top_k / experts)`` token copies in token order (on
+            one device and sharded alike) and the dropped copies contribute nothing.
+        exchange_transport: How expert-parallel token rows travel between devices: ``"auto"``
+            (the default: ``"peer"`` on a one-process GPU mesh with the Triton kernels, else
+            ``"all_to_all"``), ``"all_to_all"`` (NCCL; works across processes), ``"peer"``
+            (Triton kernels store rows GPU to GPU over NVLink and the last GEMM stores results
+            home; every mesh device a GPU of this process; the fastest measured, see
+            ``benchmarks/EP_NOTES.md``), ``"ppermute"``, or ``"ragged"``
+            (``jax.lax.ragged_all_to_all``; not on XLA:CPU). ``explain`` names the one picked.
+
+    Returns:
+        The rewritten function, with ``fn``'s signature (jitted like ``fn`` when ``fn`` is a
+        ``jax.jit`` function); with ``fn=None``, a decorator that makes one.
+
+    Raises:
+        ValueError: An option outside its choices, or a ``capacity_factor`` that is not positive
+            (at decoration).
+        TypeError: ``fn`` is not callable.
+        MoeNotFoundError: ``strict=True`` and nothing to rewrite (at the first call).
+
+    Examples:
+        A dense-reference layer: every expert on every token, then a top-2 weighted combine.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering import moe_optimize
+        >>> def moe_layer(router, w_up, w_down, x):
+        ...     weights, experts = jax.lax.top_k(jax.nn.softmax(x @ router), 2)
+        ...     combine = (jax.nn.one_hot(experts, 4) * weights[..., None]).sum(1)  # [T, E]
+        ...     hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x, w_up))
+        ...     return jnp.einsum("te,ted->td", combine, jnp.einsum("tef,efd->ted", hidden, w_down))
+        >>> keys = jax.random.split(jax.random.key(0), 4)
+        >>> router, x = jax.random.normal(keys[0], (4, 4)), jax.random.normal(keys[1], (8, 4))
+        >>> w_up, w_down = jax.random.normal(keys[2], (4, 4, 8)), jax.random.normal(keys[3], (4, 8, 4))
+        >>> sparse_layer = jax.jit(moe_optimize(moe_layer))  # or @moe_optimize on its def
+        >>> out = sparse_layer(router, w_up, w_down, x)
+        >>> bool(jnp.allclose(out, jax.jit(moe_layer)(router, w_up, w_down, x), atol=1e-4))
+        True
+
+        With options, as a decorator factory; gradients flow through the rewrite:
+
+        >>> strict_layer = moe_optimize(backend="xla", strict=True)(moe_layer)
+        >>> loss = lambda w_up: jnp.sum(strict_layer(router, w_up, w_down, x) ** 2)
+        >>> jax.jit(jax.grad(loss))(w_up).shape
+        (4, 4, 8)
     """
     _check_backend(backend)
     _check_quant(weight_gather_quant)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -12,7 +13,49 @@ from moe_lowering.passes.assumptions import device_checks
 
 @dataclass(frozen=True)
 class RegionReport:
-    """One MoE layer the pass rewrites (or would rewrite), with its costs before and after."""
+    """One MoE layer the pass rewrites (or would rewrite), with its costs before and after.
+
+    The costs are counted from the matched shapes: the dense reference runs every expert on every
+    token, the sorted MoE only the routed token copies.
+
+    Attributes:
+        location: Where the routing decision stands in the source (``file:line:column (function)``).
+        style: How the dense layer combines its experts, e.g. ``"one-hot gate"``,
+            ``"gathered weights"``, ``"per-expert loop"``, ``"grouped capacity"``.
+        tokens: Tokens ``T`` the layer routes.
+        experts: Experts ``E``.
+        top_k: Experts each token is routed to.
+        d_model: Width of a token row.
+        d_ff: Hidden width of an expert.
+        activation: The expert body's activation, e.g. ``"swiglu"``, ``"gelu (tanh)"``, ``"identity"``.
+        gated: Whether the body multiplies two up-projections (GLU style).
+        capacity: Token copies each expert keeps (the layer's own, or ``capacity_factor``'s);
+            ``None``: dropless.
+        dtype: The layer's output dtype.
+        dense_flops: FLOPs of the dense reference's expert products.
+        rewritten_flops: FLOPs of the sorted MoE's grouped products.
+        dense_peak_intermediate_bytes: The dense layer's largest intermediate.
+        rewritten_peak_intermediate_bytes: The sorted MoE's largest intermediate.
+        expert_body: The expert body's primitives in order, e.g. ``"matmul, logistic, mul, mul, matmul"``.
+        scope: Where a layer inside a control-flow body (``scan``, ``while``, ``remat``) sits; empty at top level.
+        parallel_layout: The expert-parallel layout and exchange the sharded lowering runs; ``None`` unsharded.
+        device_checks: Assumptions checked on device at run time, with the dense layer as the fallback.
+        backward: Whether the program's own derivative of the layer (``jax.vjp`` of it, as in a
+            training step traced whole) was proven and rewritten with it.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering import explain
+        >>> def top1_layer(x, router, w):  # each token to its argmax expert, one linear map per expert
+        ...     gate = jax.nn.one_hot(jnp.argmax(x @ router, axis=-1), 4)  # [T, E]
+        ...     return jnp.einsum("te,ted->td", gate, jnp.einsum("td,edf->tef", x, w))
+        >>> shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
+        >>> [region] = explain(top1_layer, shape(8, 4), shape(4, 4), shape(4, 4, 6)).regions
+        >>> region.style, region.top_k, region.activation, region.dense_flops // region.rewritten_flops
+        ('one-hot gate', 1, 'identity', 4)
+        >>> region.to_dict()["d_ff"]
+        6
+    """
 
     location: str
     style: str
@@ -35,10 +78,12 @@ class RegionReport:
     device_checks: tuple[str, ...] = ()  # assumptions checked at run time, the dense layer as fallback
     backward: bool = False  # the layer's own derivative in the program, proven and rewritten with it
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
         return asdict(self)
 
     def summary(self) -> str:
+        """A few readable lines: where, shapes, body, FLOPs and peak intermediates, dense versus sorted."""
         cap = f", capacity {self.capacity}" if self.capacity else ""
         act = self.activation
         ratio = self.dense_flops / max(1, self.rewritten_flops)
@@ -60,30 +105,73 @@ class RegionReport:
 
 @dataclass(frozen=True)
 class NearMiss:
-    """A routing decision that did not lead to a rewrite, and the piece that did not match."""
+    """A routing decision that did not lead to a rewrite, and the piece that did not match.
+
+    Attributes:
+        routing: The routing decision and where it stands, e.g. ``"argmax (k=1, E=4) at file:13:28 (layer)"``.
+        reason: Why it led to no rewrite: the piece of the layer that did not match, or the
+            semantics the rewrite could not keep.
+        location: Where that piece stands in the source.
+        assumption: The replacement's assumption that could not be proven, if that was the reason.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering import explain
+        >>> def unrouted_layer(x, router, w):  # routes, then runs every expert on every token anyway
+        ...     choice = jnp.argmax(x @ router, axis=-1)
+        ...     return jnp.einsum("td,edf->tf", x, w) * choice[:, None]
+        >>> shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
+        >>> report = explain(unrouted_layer, shape(8, 4), shape(4, 4), shape(4, 4, 6))
+        >>> report.regions, len(report.near_misses)
+        ((), 1)
+    """
 
     routing: str
     reason: str
     location: str
     assumption: str = ""  # the replacement's assumption that could not be proven (passes/assumptions.py)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
         return asdict(self)
 
     def summary(self) -> str:
+        """Two or three readable lines: the routing, and why it was not rewritten."""
         unproven = f"\n  unproven assumption: {self.assumption}" if self.assumption else ""
         return f"not rewritten: routing {self.routing}\n  because {self.reason} (at {self.location}){unproven}"
 
 
 @dataclass(frozen=True)
 class ExplainReport:
-    """``regions``: the MoE layers found; ``near_misses``: routing that did not match, and why."""
+    """What ``explain`` found in a program: the MoE layers it rewrites, and the routing it could not.
+
+    ``explain`` returns one; ``optimize_jaxpr`` returns one beside the rewritten function, and
+    ``moe-rewrite --report`` writes ``to_dict()`` as JSON. ``str(report)`` is the readable summary:
+    a count line, then each region's ``summary()``, then each near miss's.
+
+    Attributes:
+        regions: One ``RegionReport`` per MoE layer the pass rewrites (or would rewrite).
+        near_misses: One ``NearMiss`` per routing decision (``top_k``, ``argmax`` or ``argsort``
+            over an expert axis) that led to no rewrite, with the reason.
+        already_sparse: Sparse MoE operations the program already runs, with their locations:
+            there is no dense layer to rewrite there.
+
+    Examples:
+        >>> from moe_lowering import ExplainReport
+        >>> report = ExplainReport(regions=())
+        >>> print(report)
+        moe_lowering: 0 MoE region(s) found
+        no routing decision (top_k or argmax over an expert axis) in the traced program
+        >>> report.to_dict()
+        {'regions': [], 'near_misses': [], 'already_sparse': []}
+    """
 
     regions: tuple[RegionReport, ...]
     near_misses: tuple[NearMiss, ...] = field(default=())
     already_sparse: tuple[str, ...] = ()  # sparse MoE operations the program already runs, with locations
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict: ``regions``, ``near_misses``, ``already_sparse``."""
         return {"regions": [r.to_dict() for r in self.regions], "near_misses": [n.to_dict() for n in self.near_misses],
                 "already_sparse": list(self.already_sparse)}
 

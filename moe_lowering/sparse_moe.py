@@ -14,14 +14,14 @@ all groups, so the backward is written out instead of derived. Being primitives 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from moe_lowering import primitives
 from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate, last_product_weight
-from moe_lowering.kernels import get_backend
+from moe_lowering.kernels import Backend, get_backend
 from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 
@@ -248,12 +248,49 @@ def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: 
                     output_matmul=output_matmul, row_swiglu_matmul=row_swiglu)
 
 
-def sparse_moe(tokens, expert_indices, expert_weights, params: Sequence, program: ExpertProgram, *,
-               num_experts: int, backend: str = "auto"):
+def sparse_moe(tokens: jax.Array, expert_indices: jax.Array, expert_weights: jax.Array, params: Sequence[Any],
+               program: ExpertProgram, *, num_experts: int, backend: Backend = "auto") -> jax.Array:
     """Dropless sorted MoE: ``out[t] = sum_j w[t, j] * program(tokens[t]; expert idx[t, j])``.
 
-    ``tokens [T, D]``, ``expert_indices [T, k]`` (an index outside ``[0, num_experts)`` drops
-    that copy: it is not computed and contributes nothing), ``expert_weights [T, k]``.
+    The layer every rewrite emits, for code that already has its routing: the token copies are
+    sorted by expert, run through the expert program with grouped GEMMs over only the routed rows,
+    and combined with their weights (in float32 or wider). Differentiable (forward and reverse
+    mode) and traceable under ``jax.jit`` and ``jax.vmap``; nothing synchronises with the host.
+
+    Args:
+        tokens: ``[T, D]`` token rows.
+        expert_indices: ``[T, k]`` integer expert choices; an index outside ``[0, num_experts)``
+            drops that copy (it is not computed and contributes nothing).
+        expert_weights: ``[T, k]`` routing weights, one per choice.
+        params: The program's inputs, in order: ``[E, K, N]`` expert weights, ``[E, F]`` per-expert
+            and ``[T, F]`` per-token operands, constants (``program.param_kinds`` says which).
+        program: The per-row expert computation, an ``ExpertProgram`` (the matcher lifts it from a
+            dense layer; by hand, build it from :mod:`moe_lowering.expert_program`'s nodes).
+        num_experts: ``E``.
+        backend: The grouped-GEMM kernels: ``"auto"``, ``"xla"`` or ``"triton"`` (see
+            ``moe_optimize``).
+
+    Returns:
+        ``[T, D_out]``, in ``tokens``' dtype where the program keeps it.
+
+    Raises:
+        ValueError: An unknown ``backend``.
+        BackendUnavailable: ``backend="triton"`` without a CUDA GPU, Triton or ``jax_triton``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput, topological_nodes
+        >>> from moe_lowering.sparse_moe import sparse_moe
+        >>> linear = ExpertMatmul(RowInput(), 0)  # a row times its expert's weight (input 0)
+        >>> program = ExpertProgram(linear, (ParamKind.EXPERT_WEIGHT,), topological_nodes(linear))
+        >>> w = jnp.stack([jnp.eye(3), 2 * jnp.eye(3)])  # expert 0 keeps a row, expert 1 doubles it
+        >>> tokens = jnp.arange(12.0).reshape(4, 3)
+        >>> indices = jnp.array([[0, 1], [1, 1], [0, -1], [1, 0]])  # -1: a dropped copy
+        >>> sparse_moe(tokens, indices, jnp.full((4, 2), 0.5), [w], program, num_experts=2)
+        Array([[ 0. ,  1.5,  3. ],
+               [ 6. ,  8. , 10. ],
+               [ 3. ,  3.5,  4. ],
+               [13.5, 15. , 16.5]], dtype=float32)
     """
     routing = sort_by_expert(expert_indices, num_experts)
     kernels = get_backend(backend)

@@ -26,13 +26,17 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import jax
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "xla", "triton")
+Backend = Literal["auto", "xla", "triton"]
+"""Which grouped-GEMM kernels the sparse MoE runs: ``"triton"``, the Triton GPU kernels (CUDA only);
+``"xla"``, portable XLA tile loops (any device); ``"auto"``, Triton on a CUDA GPU where it loads, else XLA."""
+
+BACKEND_NAMES: tuple[Backend, ...] = get_args(Backend)
 
 
 @dataclass(frozen=True)
@@ -109,12 +113,41 @@ def sequential_under_vmap(kernel: Callable) -> Callable:
 
 
 class BackendUnavailable(RuntimeError):
-    """The requested kernel backend cannot run here (no GPU, Triton missing, ...)."""
+    """The requested kernel backend cannot run here (no GPU, Triton missing, ...).
+
+    Raised by ``get_backend("triton")`` (and so by a rewritten layer asked for ``backend="triton"``)
+    without a CUDA GPU, Triton or ``jax_triton``; ``"auto"`` falls back to ``"xla"`` instead.
+
+    Examples:
+        >>> from moe_lowering.kernels import BackendUnavailable, get_backend
+        >>> try:
+        ...     backend = get_backend("triton")
+        ... except BackendUnavailable:
+        ...     backend = get_backend("xla")
+        >>> backend.name in ("triton", "xla")
+        True
+    """
 
 
 @functools.cache
-def get_backend(name: str) -> KernelBackend:
-    """The backend called ``name``; ``"auto"`` is Triton on a CUDA GPU when it loads, else XLA."""
+def get_backend(name: Backend) -> KernelBackend:
+    """The kernel backend called ``name``, loaded on first use (importing the package loads none).
+
+    Args:
+        name: ``"auto"`` (Triton on a CUDA GPU when it loads, else XLA), ``"xla"`` or ``"triton"``.
+
+    Returns:
+        The ``KernelBackend``, one object per name (cached).
+
+    Raises:
+        ValueError: ``name`` is not one of ``BACKEND_NAMES``.
+        BackendUnavailable: ``"triton"`` without a CUDA GPU, Triton or ``jax_triton``.
+
+    Examples:
+        >>> from moe_lowering.kernels import get_backend
+        >>> get_backend("xla")
+        KernelBackend('xla')
+    """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":

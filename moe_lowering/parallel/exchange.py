@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +73,16 @@ from moe_lowering.kernels.peer_store import (
 )
 from moe_lowering.sparse_moe import expert_matmul, expert_matmul_pair, grouped_matmul_cotangents, swiglu_rows
 
-TRANSPORTS = ("all_to_all", "ppermute", "ragged", "peer")
+ExchangeTransport = Literal["auto", "all_to_all", "ppermute", "ragged", "peer"]
+"""How expert-parallel token rows travel between devices: ``"all_to_all"`` (NCCL/XLA collectives;
+works across processes), ``"ppermute"`` (collective permutes), ``"ragged"``
+(``jax.lax.ragged_all_to_all``; not on XLA:CPU), ``"peer"`` (Triton kernels store rows GPU to GPU;
+every mesh device a GPU of this process), or ``"auto"`` (``"peer"`` where it can run, else
+``"all_to_all"``; see ``resolve_transport``)."""
+
+TRANSPORT_CHOICES: tuple[ExchangeTransport, ...] = get_args(ExchangeTransport)  # resolve_transport names the one used
+AUTO_TRANSPORT = "auto"
+TRANSPORTS = tuple(t for t in TRANSPORT_CHOICES if t != AUTO_TRANSPORT)  # what runs
 
 
 @dataclass(frozen=True)
@@ -840,10 +849,6 @@ def prepare_peer_transport(devices, backend: str) -> None:
     from moe_lowering.kernels.peer_store import triton_launch
 
     triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
-
-
-AUTO_TRANSPORT = "auto"
-TRANSPORT_CHOICES = (AUTO_TRANSPORT,) + TRANSPORTS  # what callers may ask for; resolve_transport names the one used
 
 
 def resolve_transport(requested: str, devices, backend: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,12 @@ import numpy as np
 from moe_lowering.kernels import get_backend
 from moe_lowering.kernels.fp8_grouped_matmul.quant_format import FP8_DTYPE, MX_BLOCK, dequantize_blocks, quantize_blocks
 
-WEIGHT_GATHER_QUANTS = (None, "fp8_e4m3", "mxfp8")
+WeightGatherQuant = Literal["fp8_e4m3", "mxfp8"]
+"""How FSDP-sharded expert weights travel in their all-gather (``None`` in its place: unquantised,
+exact): ``"fp8_e4m3"``, FP8 with a float32 scale per 128x128 block; ``"mxfp8"``, FP8 with a
+power-of-two (E8M0) scale per 1x32 block along K."""
+
+WEIGHT_GATHER_QUANTS: tuple[WeightGatherQuant | None, ...] = (None, *get_args(WeightGatherQuant))
 
 
 def check_quantizable(shape, quant: str | None) -> None:

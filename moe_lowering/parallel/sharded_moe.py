@@ -187,20 +187,74 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
                        return_stats: bool = False):
     """``sparse_moe`` over ``layout.mesh``: same result (up to float reordering), callable inside ``jit``.
 
-    ``capacity_factor``: drop copies beyond ``ceil(factor * T * k / E)`` per expert (see
-    :mod:`capacity`); ``None`` is dropless. ``weight_gather_quant``: ``None`` (exact),
-    ``"fp8_e4m3"`` or ``"mxfp8"`` for the FSDP weight all-gather. ``exchange_transport``: how
-    token rows travel, one of ``TRANSPORT_CHOICES``. ``"auto"`` (the default) picks ``"peer"`` on a
-    one-process GPU mesh with the Triton kernels and ``"all_to_all"`` otherwise (see
-    ``resolve_transport``); ``"peer"``, NVLink stores from Triton kernels, needs every EP device to
-    be a GPU of this process; ``"ragged"``, ``jax.lax.ragged_all_to_all``, is not implemented on
-    XLA:CPU; see :mod:`exchange` and ``benchmarks/EP_NOTES.md``.
-    ``exchange_capacity``: rows per (source, destination) pair per round (default: the balanced
-    share times ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS``
-    ranks, all of a rank's rows while they fit ``PEER_SINGLE_ROUND_MAX_BYTES``, so one round
-    always suffices and nothing waits on the host). ``exchange_chunks``: independent slices per
-    round, so one slice's transport can run under another's GEMMs (default ``EXCHANGE_CHUNKS``). With
-    ``return_stats`` the result is ``(out, ShardedMoEStats)``.
+    Expert parallelism and FSDP for a layer whose routing the caller already has (``moe_optimize``
+    emits this for a dense layer whose operands are sharded). Per device, inside ``shard_map``:
+    route and sort the local token copies, all-gather the FSDP shards of the expert weights
+    (optionally FP8), exchange rows with the ranks that own their experts, run the grouped GEMMs
+    and combine. Nothing of size ``[all tokens, local experts, f]`` exists anywhere. Dropless by
+    default, whatever the routing skew (an exchange that overflows its buffers runs more rounds).
+
+    Args:
+        tokens: ``[T, D]`` token rows (sharded or not: the output comes back sharded like them).
+        expert_indices: ``[T, k]`` expert choices; an index outside ``[0, num_experts)`` drops that copy.
+        expert_weights: ``[T, k]`` routing weights.
+        params: The program's inputs, as for ``sparse_moe``; the expert-indexed ones ``[E, ...]``
+            sharded as ``layout`` says.
+        program: The per-row expert computation (an ``ExpertProgram``, as for ``sparse_moe``).
+        num_experts: ``E``; ``layout`` must have been planned for it.
+        layout: Which mesh axis does what: from ``plan_layout(mesh, tokens_spec, weight_specs,
+            num_experts)``.
+        backend: The grouped-GEMM kernels: ``"auto"``, ``"xla"`` or ``"triton"``.
+        capacity_factor: ``None`` (the default) is dropless; a positive factor drops the copies
+            beyond ``ceil(capacity_factor * T * k / E)`` per expert, in global token order.
+        weight_gather_quant: ``None`` (exact), ``"fp8_e4m3"`` or ``"mxfp8"``: the expert weights'
+            FSDP all-gather in FP8 (ignored, with a warning, when they are not FSDP-sharded).
+        exchange_transport: How token rows travel: ``"auto"`` (the default: ``"peer"`` on a
+            one-process GPU mesh with the Triton kernels, else ``"all_to_all"``), ``"all_to_all"``,
+            ``"ppermute"``, ``"ragged"`` (``jax.lax.ragged_all_to_all``; not on XLA:CPU) or
+            ``"peer"`` (Triton kernels store rows over NVLink; every EP device a GPU of this
+            process). See ``benchmarks/EP_NOTES.md``.
+        exchange_capacity: Rows per (source, destination) pair per round. Default: the balanced
+            share times ``EXCHANGE_SLACK``; for ``"peer"`` on at most ``PEER_SINGLE_ROUND_MAX_RANKS``
+            ranks, all of a rank's rows while they fit ``PEER_SINGLE_ROUND_MAX_BYTES``, so one round
+            always suffices and nothing waits on the host.
+        exchange_chunks: Independent slices per round, so one slice's transport can run under
+            another's GEMMs (default ``EXCHANGE_CHUNKS``).
+        return_stats: Also return a ``ShardedMoEStats``.
+
+    Returns:
+        ``out`` ``[T, D_out]``, sharded like ``tokens``; with ``return_stats``, ``(out, stats)``.
+
+    Raises:
+        ValueError: Shapes that do not fit ``[T, D]``/``[T, k]``/the program, a ``layout`` planned
+            for another ``num_experts``, an option outside its choices, or ``"peer"`` on devices
+            of another process.
+
+    Examples:
+        Two experts, one on each of two devices, under ``jax.jit`` as in a training step:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from moe_lowering.expert_program import ExpertMatmul, ExpertProgram, ParamKind, RowInput, topological_nodes
+        >>> from moe_lowering.parallel import plan_layout, sharded_sparse_moe
+        >>> linear = ExpertMatmul(RowInput(), 0)  # a row times its expert's weight (input 0)
+        >>> program = ExpertProgram(linear, (ParamKind.EXPERT_WEIGHT,), topological_nodes(linear))
+        >>> mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+        >>> layout = plan_layout(mesh, P(), [P("expert")], num_experts=2)  # E over "expert"
+        >>> w = jnp.stack([jnp.eye(3), 2 * jnp.eye(3)])  # expert 0 keeps a row, expert 1 doubles it
+        >>> tokens, indices = jnp.arange(12.0).reshape(4, 3), jnp.array([[0, 1], [1, 1], [0, -1], [1, 0]])
+        >>> @jax.jit
+        ... def layer(tokens, indices, weights, w):
+        ...     return sharded_sparse_moe(tokens, indices, weights, [w], program, num_experts=2, layout=layout,
+        ...                               return_stats=True)
+        >>> out, stats = layer(tokens, indices, jnp.full((4, 2), 0.5), w)
+        >>> out
+        Array([[ 0. ,  1.5,  3. ],
+               [ 6. ,  8. , 10. ],
+               [ 3. ,  3.5,  4. ],
+               [13.5, 15. , 16.5]], dtype=float32)
+        >>> int(stats.dropped_copies), int(stats.exchange_rounds)
+        (0, 1)
     """
     params = tuple(params)
     _validate(tokens, expert_indices, expert_weights, params, program, num_experts, layout, weight_gather_quant)
