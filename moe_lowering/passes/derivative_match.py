@@ -86,13 +86,13 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
             f"an interior value of the MoE is used outside it by {_describe(readers[0])}, and no cotangent of the "
             f"layer's output [{', '.join(map(str, output.shape))}] reaches that use: it is not the layer's "
             "reverse-mode derivative (forward mode, jvp, is not rewritten)", readers[0], "private-interior")
-    first_failure = None
+    failures = []
     for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
         found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
-        if not isinstance(found, FailedMatch):
+        if isinstance(found, RegionDerivative):
             return found
-        first_failure = first_failure or found
-    return first_failure
+        failures.append(found)
+    return max(failures, key=lambda failure: failure[1])[0]  # the candidate that explained the most uses
 
 
 def _describe(eqn: Eqn) -> str:
@@ -224,7 +224,7 @@ def _reference(region_eqns, inputs, output) -> _Reference | FailedMatch:
     keyed = _key_graph(keys, ref_graph, leaves)
     cotangents = []
     for atom, primal in zip(ref_graph.outputs, inputs):
-        differentiable = np.issubdtype(np.dtype(primal.dtype), np.inexact)
+        differentiable = jax.numpy.issubdtype(primal.dtype, jax.numpy.inexact)
         cotangents.append(keyed.get(atom) if differentiable and isinstance(atom, Value) else None)
     return _Reference(keys, frozenset(keyed.values()), tuple(cotangents))
 
@@ -246,6 +246,7 @@ def _cotangent_candidates(graph: JaxprGraph, output: Value, interior_values, rea
 
 
 def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads):
+    """The region's derivative with ``cotangent`` as its output's cotangent, or ``(FailedMatch, uses explained)``."""
     keys = reference.keys
     leaves = {v: keys.leaf(("input", i)) for i, v in enumerate(inputs)}
     leaves[cotangent] = keys.leaf("cotangent")
@@ -263,7 +264,7 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
             return FailedMatch(
                 f"an interior value of the MoE is used outside it by {_describe(eqn)}, which is not an op of the "
                 "layer's reverse-mode derivative (compared with jax.vjp of the dense layer): replacing the layer "
-                "would change that use", eqn, "private-interior")
+                "would change that use", eqn, "private-interior"), len(uses)
     derived -= set(interior_values)
     use_ids = {e.index for e in uses}
     mixed_sums = {v for e in uses for v in e.outputs if keyed.get(v) not in known}
@@ -275,30 +276,31 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
                 leaving.append(value)
             elif value in mixed_sums and any(str(u.primitive) != _ADD_ANY for u in users):
                 return FailedMatch(f"a sum of the layer's derivative and other terms is used by "
-                                   f"{_describe(users[0])} before it is complete", users[0], "private-interior")
+                                   f"{_describe(users[0])} before it is complete", users[0], "private-interior"), len(uses)
     outputs = []
     for value in leaving:
         matched = _match_output(graph, reference, keyed, value, derived, inputs, sparse_reads)
         if isinstance(matched, FailedMatch):
-            return matched
+            return matched, len(uses)
         outputs.append(matched)
     pinned = {cotangent} | {a for o in outputs for a in o.rest}
     removed = _dead_backward(graph, keyed, reference, use_ids, interior, pinned)
     return RegionDerivative(inputs, tuple(gate_eqns), cotangent, frozenset(removed), tuple(outputs))
 
 
-def _terms(graph: JaxprGraph, value, derived) -> list:
-    """The terms of the ``add_any`` tree ending at ``value`` (through the sums computed from the interior)."""
+def _terms(graph: JaxprGraph, value) -> list:
+    """The terms of the ``add_any`` tree ending at ``value``: the same leaves for every region whose
+    cotangents it sums (two layers sharing their weights), so that the rewrite can share them out."""
     eqn = graph.producer.get(value)
-    if eqn is None or str(eqn.primitive) != _ADD_ANY or value not in derived:
+    if eqn is None or str(eqn.primitive) != _ADD_ANY:
         return [value]
-    return [t for a in eqn.inputs for t in _terms(graph, a, derived)]
+    return [t for a in eqn.inputs for t in _terms(graph, a)]
 
 
 def _match_output(graph, reference: _Reference, keyed, value, derived, inputs, sparse_reads):
     """``value`` as the cotangent of one region operand plus terms that are not the region's."""
     keys = reference.keys
-    terms = _terms(graph, value, derived)
+    terms = _terms(graph, value)
     available = collections.Counter()
     for term in terms:
         key = term if isinstance(term, Const) else keyed.get(term)
@@ -358,3 +360,29 @@ def _dead_backward(graph: JaxprGraph, keyed, reference: _Reference, removed_ids,
         if all(u.index in removed for v in eqn.outputs for u in graph.users.get(v, ())):
             removed.add(eqn.index)
     return removed
+
+
+def common_rest(claims) -> list:
+    """The terms of a sum that none of the regions claiming it computes (each claim's ``rest``,
+    intersected as multisets): what the rewrite adds to their cotangents."""
+    common = collections.Counter(claims[0].rest)
+    for claim in claims[1:]:
+        common &= collections.Counter(claim.rest)
+    return list(common.elements())
+
+
+def unavailable_sums(graph: JaxprGraph, regions) -> list:
+    """Regions one of whose rewritten sums would need a term that another region's rewrite removes
+    (two regions' cotangents summed in ways the rewrite cannot share out)."""
+    removed = set()
+    claims: dict = {}
+    for region in regions:
+        removed |= set(region.replaced) | set(region.derivative.replaced if region.derivative else ())
+        for out in region.derivative.outputs if region.derivative else ():
+            claims.setdefault(out.value, []).append((region, out))
+    broken = []
+    for entries in claims.values():
+        rest = common_rest([out for _, out in entries])
+        if any(isinstance(t, Value) and t in graph.producer and graph.producer[t].index in removed for t in rest):
+            broken.extend(region for region, _ in entries if all(region is not b for b in broken))
+    return broken

@@ -71,15 +71,21 @@ class Eqn:
     inputs: tuple[Atom, ...]
     outputs: tuple[Value, ...]
     source: Any = None  # the original JaxprEqn, for source locations in reports
+    callers: tuple = ()  # the inlined jit eqns it was inside, outermost first: locations where it has none
 
     def where(self) -> str:
-        info = getattr(self.source, "source_info", None)
-        try:
-            from jax._src import source_info_util
+        for source in (self.source,) + self.callers[::-1]:
+            info = getattr(source, "source_info", None)
+            try:
+                from jax._src import source_info_util
 
-            return source_info_util.summarize(info) if info is not None else "?"
-        except Exception:  # noqa: BLE001 - a location is a nicety, never a failure
-            return "?"
+                summary = source_info_util.summarize(info) if info is not None else "?"
+            except Exception:  # noqa: BLE001 - a location is a nicety, never a failure
+                return "?"
+            if summary:
+                # an op of JAX's own code (jax.nn.silu's derivative) is placed at the user's call of it
+                return summary if source is self.source else f"{self.primitive} inside the call at {summary}"
+        return f"{self.primitive} (no source line)"
 
 
 _INLINED = (_compat.jit_p, _compat.closed_call_p)
@@ -146,7 +152,7 @@ def _read(env, atom):
     return env[atom]
 
 
-def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict):
+def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = ()):
     """Appends ``jaxpr``'s eqns to ``eqns`` (jit and closed_call bodies inlined); returns its outputs."""
     for source in jaxpr.eqns:
         inputs = tuple(_read(env, a) for a in source.invars)
@@ -158,13 +164,13 @@ def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict):
             for value, sharding in zip(inputs, source.params.get("in_shardings", ())):
                 if isinstance(value, Value) and not _is_unspecified(sharding):
                     shardings.setdefault(value, sharding)
-            results = inline_jaxpr(sub_open, sub_env, eqns, shardings)
+            results = inline_jaxpr(sub_open, sub_env, eqns, shardings, callers + (source,))
             for var, result in zip(source.outvars, results):
                 env[var] = result
             continue
         outputs = tuple(Value(v.aval) for v in source.outvars)
         env.update(zip(source.outvars, outputs))
-        eqns.append(Eqn(len(eqns), source.primitive, dict(source.params), inputs, outputs, source))
+        eqns.append(Eqn(len(eqns), source.primitive, dict(source.params), inputs, outputs, source, callers))
     return [_read(env, a) for a in jaxpr.outvars]
 
 

@@ -23,6 +23,7 @@ from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind, RowContext, evaluate
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, token_roles
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
+from moe_lowering.passes.derivative_match import common_rest, unavailable_sums
 from moe_lowering.passes.derivative_support import support_indicator
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
 
@@ -67,6 +68,12 @@ def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
     """Finds the regions of ``closed_jaxpr`` and, recursively, of its scan and remat bodies."""
     graph = build_graph(closed_jaxpr)
     regions, near_misses = analyse(graph)
+    broken = unavailable_sums(graph, regions)
+    if broken:
+        regions = [r for r in regions if all(r is not b for b in broken)]
+        near_misses = list(near_misses) + [(r.anchor, FailedMatch(
+            "the layer's derivative is summed with another layer's in a way the rewrite cannot share out, so "
+            "neither is rewritten", graph.producer[r.output], "private-interior")) for r in broken]
     nested = {}
     for eqn in graph.eqns:
         param = _scope_primitives().get(eqn.primitive)
@@ -110,18 +117,21 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
             replaced |= region.derivative.replaced
             for out in region.derivative.outputs:
                 cotangents_at.setdefault(graph.producer[out.value].index, []).append((region, out))
-    backward = {}  # region -> its sparse pullback, then the cotangents it gave
+    backward = {}  # id(region) -> its sparse pullback, then the cotangents it gave
     for eqn in graph.eqns:
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
             if region is not None and region.derivative is not None:
-                env[region.output], backward[region] = differentiable_region(region, read, options, sharding_of)
+                env[region.output], backward[id(region)] = differentiable_region(region, read, options, sharding_of)
             elif region is not None:
                 env[region.output] = lower_region(region, read, options, sharding_of, graph)
+            claims = {}
             for region, out in cotangents_at.get(eqn.index, ()):
-                if callable(backward[region]):
-                    backward[region] = backward[region](read(region.derivative.cotangent))
-                env[out.value] = _region_cotangent(backward[region][out.input_index], out, read)
+                if callable(backward[id(region)]):
+                    backward[id(region)] = backward[id(region)](read(region.derivative.cotangent))
+                claims.setdefault(out.value, []).append((backward[id(region)][out.input_index], out))
+            for value, parts in claims.items():
+                env[value] = _region_cotangent(value, parts, read)
             continue
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
@@ -186,12 +196,13 @@ def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sh
     return jax.vjp(layer, *[read(a) for a in derivative.inputs])
 
 
-def _region_cotangent(cotangent, out, read):
-    """The sparse VJP's cotangent of one region operand, with the program's other terms of that sum."""
-    value = jnp.asarray(cotangent).astype(out.value.dtype).reshape(out.value.shape)
-    for term in out.rest:
-        value = value + read(term)
-    return value
+def _region_cotangent(value, parts, read):
+    """A program value the sparse VJPs replace: their cotangents of it (one per region summed into it:
+    layers sharing weights), plus the program's other terms of that sum."""
+    total = sum(jnp.asarray(cotangent).astype(value.dtype).reshape(value.shape) for cotangent, _ in parts)
+    for term in common_rest([out for _, out in parts]):
+        total = total + read(term)
+    return total
 
 
 def _dense_region(graph: JaxprGraph, region: MoeRegion, read):

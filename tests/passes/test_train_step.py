@@ -84,3 +84,51 @@ def test_value_and_grad_of_a_plain_loss():
 def test_grad_of_the_weights_only_under_jit():
     params, x = _args()
     _check_rewritten(jax.jit(jax.grad(_loss)), params, x)
+
+
+def _relative_error(exact, got) -> float:
+    exact, got = np.asarray(exact, np.float64), np.asarray(got, np.float64)
+    return float(np.linalg.norm(exact - got) / max(np.linalg.norm(exact), 1e-30))
+
+
+def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
+    """bf16 against the float32 step on the same values: within 2e-2, or no worse than the dense bf16
+    step; and the same as the step with the layer itself decorated."""
+    params, x = _args(jnp.bfloat16)
+
+    def step(params, x):
+        return jax.value_and_grad(_loss, argnums=(0, 1))(params, x)
+
+    def layer_step(params, x):
+        loss = lambda p, x: jnp.mean(jnp.sin(moe_optimize(MIXTRAL.fn)(p, x)) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    assert explain(step, params, x).regions[0].backward
+    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
+    dense, rewritten, layer = step(params, x), moe_optimize(step, strict=True)(params, x), layer_step(params, x)
+    for want, base, got, by_layer in zip(*map(jax.tree.leaves, (exact, dense, rewritten, layer)), strict=True):
+        assert got.dtype == base.dtype
+        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+        assert _relative_error(by_layer, got) < 1e-2
+
+
+def test_two_layers_sharing_weights_sum_their_cotangents():
+    params, x = _args()
+
+    def loss(params, x):
+        return jnp.mean(MIXTRAL.fn(params, jnp.tanh(MIXTRAL.fn(params, x))) ** 2)
+
+    _check_rewritten(jax.jit(jax.grad(loss, argnums=(0, 1))), params, x, regions=2)
+
+
+def test_forward_mode_declines_with_the_use_and_its_location():
+    params, x = _args()
+
+    def step(params, x):
+        return jax.jvp(lambda x: MIXTRAL.fn(params, x), (x,), (x,))
+
+    report = explain(step, params, x)
+    assert not report.regions
+    [miss] = report.near_misses
+    assert "not an op of the layer's reverse-mode derivative" in miss.reason
+    assert "zoo.py:" in miss.reason and "zoo.py:" in miss.location  # the use, placed in the source
