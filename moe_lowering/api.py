@@ -263,8 +263,9 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     report the expert-parallel layout.
 
     Args:
-        fn: The function to look into: plain, ``jax.jit``-wrapped, or decorated with
-            ``moe_optimize``.
+        fn: The function to look into: plain, ``jax.jit``-wrapped, decorated with
+            ``moe_optimize``, or a Flax NNX module (or its bound method), whose state is traced
+            as inputs.
         *args: Its positional arguments: arrays, ``jax.ShapeDtypeStruct`` s, or static values.
         **kwargs: Its keyword arguments, as ``args``.
 
@@ -351,7 +352,10 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
     nothing to rewrite the function runs unchanged after one ``NoMoeFoundWarning``.
 
     Args:
-        fn: The function holding the MoE layers; ``None`` (options only) returns the decorator.
+        fn: The function holding the MoE layers (a Flax NNX module or its bound method too:
+            its state is read anew at each call and its writes, such as batch statistics and RNG
+            advances, are written back, as for NNX objects among the arguments); ``None``
+            (options only) returns the decorator.
         backend: The grouped-GEMM kernels: ``"auto"`` (the default: the Triton kernels on a CUDA
             GPU where they load, else XLA), ``"xla"`` (portable XLA tile loops, any device) or
             ``"triton"`` (the Triton GPU kernels; raises ``BackendUnavailable`` at the first call
@@ -383,6 +387,9 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
             (at decoration).
         TypeError: ``fn`` is not callable.
         MoeNotFoundError: ``strict=True`` and nothing to rewrite (at the first call).
+        moe_lowering.arguments.StateNotCarriedError: A rewritten function writes state the
+            rewritten program cannot carry back (e.g. an array attribute of a plain object), at
+            the first call, before anything runs.
 
     Examples:
         A dense-reference layer: every expert on every token, then a top-2 weighted combine.

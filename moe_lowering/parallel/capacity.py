@@ -18,7 +18,26 @@ from moe_lowering.sparse_moe import sort_by_expert
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Copies each expert may take: ``ceil(capacity_factor * tokens * top_k / experts)``."""
+    """Copies each expert may take: ``ceil(capacity_factor * tokens * top_k / experts)``.
+
+    Args:
+        num_tokens: Tokens ``T`` routed.
+        top_k: Experts each token is routed to.
+        num_experts: ``E``.
+        capacity_factor: The capacity relative to a perfectly balanced split (1.0: exactly
+            balanced, higher: slack for skew).
+
+    Returns:
+        The capacity, at least 1.
+
+    Raises:
+        ValueError: ``capacity_factor`` is not positive.
+
+    Examples:
+        >>> from moe_lowering.parallel import expert_capacity
+        >>> expert_capacity(num_tokens=8, top_k=2, num_experts=4, capacity_factor=1.25)
+        5
+    """
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
@@ -37,8 +56,26 @@ def _rank_within_expert(expert_indices, num_experts: int):
 def drop_over_capacity(expert_indices, num_experts: int, capacity: int, earlier_counts=None):
     """``expert_indices`` with copies over ``capacity`` set to -1 (dropped), and how many were dropped.
 
-    ``earlier_counts [E]``: copies of each expert that come before these tokens in the global
-    order (held by other devices); ``None`` on a single device.
+    Each expert keeps its first ``capacity`` copies in token-major order (see the module docstring).
+
+    Args:
+        expert_indices: ``[T, k]`` expert choices; indices outside ``[0, num_experts)`` are
+            dropped already and are not counted.
+        num_experts: ``E``.
+        capacity: Copies each expert keeps (``expert_capacity``).
+        earlier_counts: ``[E]`` copies of each expert that come before these tokens in the global
+            order (held by other devices); ``None`` on a single device.
+
+    Returns:
+        ``(kept, dropped)``: the ``[T, k]`` indices with dropped copies set to -1, and the number
+        of copies dropped (an int32 scalar).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from moe_lowering.parallel import drop_over_capacity
+        >>> kept, dropped = drop_over_capacity(jnp.array([[0, 1], [0, 1], [0, 2]]), num_experts=3, capacity=2)
+        >>> kept.tolist(), int(dropped)
+        ([[0, 1], [0, 1], [-1, 2]], 1)
     """
     flat, rank, _ = _rank_within_expert(expert_indices, num_experts)
     if earlier_counts is not None:

@@ -29,13 +29,29 @@ from jax.sharding import Mesh, PartitionSpec
 
 @dataclass(frozen=True)
 class Layout:
-    """The parallel layout of one MoE layer; see the module docstring.
+    """The parallel layout of one MoE layer; see the module docstring. Made by ``plan_layout``.
 
-    ``expert_param_specs`` holds one normalised spec per expert-indexed parameter (``[E, ...]``:
-    expert weights and per-expert biases), in program order: E on ``expert_axis`` (or
-    replicated when there is none), at most one other dimension on ``fsdp_axis``.
-    ``expert_axis`` is one axis name or a tuple of them (their product is the expert-parallel
-    axis; collectives take either).
+    Attributes:
+        mesh: The mesh (a ``jax.sharding.Mesh``, or the abstract mesh of explicit axes under ``jit``).
+        num_experts: ``E``.
+        expert_axis: The axis sharding E: one axis name or a tuple of them (their product is the
+            expert-parallel axis; collectives take either); ``None``: every device holds all experts.
+        fsdp_axis: The axis sharding a feature dimension of the expert weights, or ``None``.
+        token_axes: The axes the caller shards the tokens over, in order.
+        expert_param_specs: One normalised spec per expert-indexed parameter (``[E, ...]``: expert
+            weights and per-expert biases), in program order: E on ``expert_axis`` (or replicated
+            when there is none), at most one other dimension on ``fsdp_axis``.
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from moe_lowering.parallel import plan_layout
+        >>> mesh = jax.make_mesh((2, 2), ("data", "expert"), devices=jax.devices()[:4])
+        >>> layout = plan_layout(mesh, P("data", None), [P("expert", None, None)] * 2, num_experts=4)
+        >>> layout.expert_axis, layout.expert_parallel_size, layout.local_experts, layout.token_axes
+        ('expert', 2, 2, ('data',))
+        >>> print(layout.describe())  # doctest: +ELLIPSIS
+        expert parallel over 'expert' (2 ranks x 2 experts): all-to-all of token rows, ...
     """
 
     mesh: object
@@ -159,7 +175,22 @@ def _axes_of(entry) -> tuple[str, ...]:
 class UnsupportedLayout:
     """A sharding the expert-parallel lowering does not serve (falsy, like a failed match): the
     region runs the single-device sparse layer under the caller's shardings instead, and
-    ``explain`` gives ``reason``."""
+    ``explain`` gives ``reason``.
+
+    Attributes:
+        reason: Why the layout is not served.
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from moe_lowering.parallel import plan_layout
+        >>> mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+        >>> declined = plan_layout(mesh, P(None, "model"), [P()], num_experts=4)
+        >>> bool(declined)
+        False
+        >>> print(declined.reason)  # doctest: +ELLIPSIS
+        tokens are sharded along d_model (...); the sharded MoE lowering needs whole token rows
+    """
 
     reason: str
 
@@ -174,11 +205,30 @@ def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[Partiti
                 ) -> Layout | UnsupportedLayout | None:
     """The layout for tokens ``[T, D]`` sharded as ``tokens_spec`` and expert-indexed params as ``weight_specs``.
 
-    ``weight_specs`` has one entry per parameter whose leading dimension is E (``EXPERT_WEIGHT``
-    and ``PER_EXPERT`` inputs, in program order); ``None`` means replicated. Returns ``None``
-    when nothing is sharded (the single-device lowering is then the right one) and an
-    :class:`UnsupportedLayout` saying why for a layout the lowering cannot honour (never raises:
-    every such layout is one the program itself runs under).
+    Never raises: every layout it declines is one the program itself runs under, so the region
+    keeps the single-device sparse layer there.
+
+    Args:
+        mesh: The mesh the operands are sharded over.
+        tokens_spec: The tokens' ``PartitionSpec`` (``[T, D]``: only T may be sharded); ``None``: replicated.
+        weight_specs: One spec per parameter whose leading dimension is E (``EXPERT_WEIGHT`` and
+            ``PER_EXPERT`` inputs, in program order); ``None`` means replicated.
+        num_experts: ``E``.
+
+    Returns:
+        A ``Layout``; ``None`` when nothing is sharded (the single-device lowering is then the
+        right one); an ``UnsupportedLayout`` saying why for a layout the lowering cannot honour.
+
+    Examples:
+        >>> import jax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from moe_lowering.parallel import plan_layout
+        >>> mesh = jax.make_mesh((2, 2), ("fsdp", "expert"), devices=jax.devices()[:4])
+        >>> layout = plan_layout(mesh, P(("fsdp", "expert")), [P("expert", "fsdp", None)], num_experts=4)
+        >>> layout.expert_axis, layout.fsdp_axis, layout.token_axes
+        ('expert', 'fsdp', ('fsdp', 'expert'))
+        >>> plan_layout(mesh, P(), [None], num_experts=4) is None  # nothing sharded
+        True
     """
     if num_experts <= 0:
         return UnsupportedLayout(f"num_experts must be positive, got {num_experts}")

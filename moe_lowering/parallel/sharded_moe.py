@@ -66,7 +66,21 @@ _EXPERT_INDEXED = (ParamKind.EXPERT_WEIGHT, ParamKind.PER_EXPERT)
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class ShardedMoEStats:
-    """What the sharded lowering did at run time (replicated scalars)."""
+    """What the sharded lowering did at run time (replicated scalars; a pytree, so it leaves
+    ``jax.jit``): ``sharded_sparse_moe(..., return_stats=True)`` returns one.
+
+    Attributes:
+        dropped_copies: Token copies dropped by ``capacity_factor`` (0 when dropless).
+        exchange_rounds: Exchange rounds of the largest exchange (1 for balanced routing; more
+            when skewed routing overflows the exchange buffers).
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from moe_lowering.parallel import ShardedMoEStats
+        >>> stats = ShardedMoEStats(dropped_copies=jnp.int32(0), exchange_rounds=jnp.int32(1))
+        >>> [int(leaf) for leaf in jax.tree.leaves(stats)]
+        [0, 1]
+    """
 
     dropped_copies: jax.Array  # token copies dropped by ``capacity_factor`` (0 when dropless)
     exchange_rounds: jax.Array  # all-to-all rounds of the largest exchange (1 for balanced routing)
