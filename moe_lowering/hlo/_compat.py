@@ -34,6 +34,30 @@ def hlo_text_to_stablehlo_bytecode(hlo_text: str) -> bytes:
     return _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
 
 
+def portable_artifact_to_stablehlo(artifact: bytes) -> str:
+    """A StableHLO portable artifact (versioned VHLO bytecode: ``jax.export``'s
+    ``Exported.mlir_module_serialized``) -> StableHLO text. Raises ``ValueError`` if unreadable."""
+    try:
+        with make_ir_context():
+            return str(_jax.mlir.deserialize_portable_artifact(artifact))
+    except Exception as err:  # the binding raises a bare RuntimeError/ValueError on bad input
+        raise ValueError(_hlo_parse_message(err)) from None
+
+
+def exported_to_portable_artifact(serialized: bytes) -> bytes:
+    """The portable artifact inside a serialized ``jax.export.Exported`` (``Exported.serialize()``,
+    a flatbuffer). Raises ``ValueError`` if ``serialized`` is not one."""
+    try:
+        import flatbuffers  # noqa: F401  (jax.export's deserializer needs it; not a dependency of jax)
+    except ImportError:
+        raise ValueError("reading a serialized jax.export module needs the flatbuffers package "
+                         "(pip install flatbuffers)") from None
+    try:
+        return bytes(jax.export.deserialize(bytearray(serialized)).mlir_module_serialized)
+    except Exception as err:  # flatbuffers raises struct.error / IndexError / ... on other bytes
+        raise ValueError(f"not a serialized jax.export module ({type(err).__name__}: {err})") from None
+
+
 def stablehlo_to_hlo_text(stablehlo_text: str) -> str:
     """A StableHLO module's HLO text, as XLA would dump it before optimisation."""
     computation = _jax.mlir.mlir_module_to_xla_computation(stablehlo_text, use_tuple_args=False, return_tuple=False)

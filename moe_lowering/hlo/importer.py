@@ -909,6 +909,9 @@ class _Interpreter:
         callee = ir.FlatSymbolRefAttr(op.attributes["decomposition"]).value
         version = _int(op, "version", 0)
         attributes = _composite_attributes(op)
+        top_k = _composite_top_k(name, attributes, op)
+        if top_k is not None:
+            return list(lax.top_k(operands[0], top_k))
         body = self.function(callee)
 
         def decomposition(*args, **_):  # the attributes are the op's; the body does not read them
@@ -952,6 +955,18 @@ def _generic_asm(op) -> str:
     """``"dialect.op"(...) <{...}> : (...) -> ...`` without the ``%name =`` of its results."""
     asm = op.get_asm(print_generic_op_form=True).strip()
     return re.sub(r"^%[^=]*=\s*", "", asm) if asm.startswith("%") else asm
+
+
+def _composite_top_k(name: str, attributes: dict, op) -> int | None:
+    """``k`` of the ``chlo.top_k`` composite ``jax.export`` serializes ``lax.top_k`` as (portable
+    artifacts hold no chlo ops): a largest-first top k of the last axis, as ``lax.top_k``;
+    ``None`` for any other composite, or a ``largest = false`` one (kept as a composite)."""
+    if name != "chlo.top_k" or len(op.operands) != 1 or len(op.results) != 2:
+        return None
+    values = {key: attribute.text.split(":")[0].strip() for key, attribute in attributes.items()}
+    if values.get("largest", "true") != "true" or not values.get("k", "").isdigit():
+        return None
+    return int(values["k"])
 
 
 def _composite_attributes(op) -> dict:

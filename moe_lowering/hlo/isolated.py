@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 
-KINDS = ("hlo", "stablehlo", "bytecode", "to-hlo", "verify")
+KINDS = ("hlo", "stablehlo", "bytecode", "portable", "exported", "to-hlo", "verify")
 
 # Lines of a crashed child's stderr that say what went wrong, best first.
 _TELLING = (
@@ -73,12 +73,13 @@ class Worker:
     # -- requests --------------------------------------------------------------------------------
 
     def check_module(self, raw: bytes | str, kind: str) -> bytes:
-        """Parse ``raw`` (``kind`` "stablehlo", "bytecode" or "hlo") in the child.
+        """Parse ``raw`` (``kind`` "stablehlo", "bytecode", "hlo", "portable" or "exported") in the child.
 
-        Returns the StableHLO bytecode for HLO text, ``b""`` for MLIR (parse it yourself: it
-        verified). Raises :class:`IsolatedError` with a one-line message when the input is invalid.
+        Returns the StableHLO bytecode for HLO text, StableHLO text (UTF-8) for ``jax.export``'s
+        modules, ``b""`` for MLIR (parse it yourself: it verified). Raises :class:`IsolatedError`
+        with a one-line message when the input is invalid.
         """
-        if kind not in ("hlo", "stablehlo", "bytecode"):
+        if kind not in ("hlo", "stablehlo", "bytecode", "portable", "exported"):
             raise ValueError(f"unknown module kind {kind!r}")
         return self.request(kind, raw)
 
@@ -242,15 +243,15 @@ def _child_main() -> int:
 
 
 def _serve(kind: str, payload: bytes) -> bytes:
-    from moe_lowering.hlo import _compat
+    from moe_lowering.hlo import _compat, reader
 
-    if kind == "hlo":
+    if kind in reader.CONVERTED_KINDS:
         try:
-            bytecode = _compat.hlo_text_to_stablehlo_bytecode(payload.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as err:
+            mlir = reader.convert(payload, kind)
+        except ValueError as err:
             raise _Rejected(str(err)) from None
-        _parse_or_reject(bytecode)
-        return bytecode
+        _parse_or_reject(mlir)
+        return mlir if isinstance(mlir, bytes) else mlir.encode("utf-8")
     if kind in ("stablehlo", "bytecode"):
         try:
             _parse_or_reject(payload if kind == "bytecode" else payload.decode("utf-8"))

@@ -1,4 +1,6 @@
-"""Reading the tool's inputs: StableHLO text, MLIR bytecode, HLO text, XLA dump directories.
+"""Reading the tool's inputs: StableHLO text, MLIR bytecode, HLO text, XLA dump directories, and
+``jax.export``'s modules: a serialized ``Exported`` (``Exported.serialize()``) and the StableHLO
+portable artifact in it (versioned VHLO bytecode), both read as the StableHLO they hold.
 
 Every failure is a :class:`ModuleReadError` with a one-line message naming the file and, for
 MLIR, the line and column of the first diagnostic; the CLI prints it and exits 2. Given a
@@ -18,6 +20,11 @@ from jaxlib.mlir import ir
 from moe_lowering.hlo import _compat
 
 MLIR_BYTECODE_MAGIC = b"ML\xefR"
+# The producer a StableHLO portable artifact names after the magic and version byte (``StableHLO_v1.9.3``).
+PORTABLE_ARTIFACT_PRODUCER = b"StableHLO_v"
+# The kinds read through a conversion (``convert``), and what their conversion errors are called.
+CONVERTED_KINDS = {"hlo": "invalid HLO", "portable": "invalid StableHLO portable artifact",
+                   "exported": "unreadable"}
 # What a dump directory holds that we rewrite: XLA's pre-optimisation HLO and JAX's MLIR dumps.
 DUMP_PATTERNS = (".before_optimizations.txt", ".mlir", ".mlirbc")
 
@@ -31,18 +38,21 @@ class ModuleSource:
     """One input module: its bytes as read, what they are, and the MLIR to parse."""
 
     path: str
-    kind: str  # "stablehlo" (MLIR text), "bytecode" (MLIR bytecode) or "hlo" (HLO text)
+    kind: str  # "stablehlo" (MLIR text), "bytecode" (MLIR bytecode), "hlo" (HLO text), "portable" (a StableHLO
+    #            portable artifact) or "exported" (a serialized jax.export module)
     raw: bytes
     mlir: bytes | str  # StableHLO text or bytecode for ``ir.Module.parse``
 
 
 def detect_kind(raw: bytes, path: str) -> str:
     if raw.startswith(MLIR_BYTECODE_MAGIC):
-        return "bytecode"
+        return "portable" if raw[len(MLIR_BYTECODE_MAGIC) + 1:].startswith(PORTABLE_ARTIFACT_PRODUCER) else "bytecode"
+    if b"\x00" in raw:  # no text module holds a NUL; a flatbuffer does (it has no magic of its own)
+        return "exported"
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise ModuleReadError(f"{path}: neither text nor MLIR bytecode") from None
+        raise ModuleReadError(f"{path}: neither text, MLIR bytecode nor a serialized jax.export module") from None
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("//") or line.startswith("#loc"):
@@ -75,21 +85,34 @@ def source_from_bytes(raw: bytes, path: str = "<input>", *, worker=None) -> Modu
         try:
             converted = worker.check_module(raw, kind)
         except isolated.IsolatedError as err:
-            what = "invalid HLO" if kind == "hlo" else "invalid module"
+            what = CONVERTED_KINDS.get(kind, "invalid module")
             message = str(err)
             # MLIR diagnostics already read as "line L:C: ..." or "<op> op ...": keep them as they were.
             raise ModuleReadError(
-                f"{path}: {what}: {message}" if kind == "hlo" or err.crashed else f"{path}: {message}"
+                f"{path}: {what}: {message}" if kind in CONVERTED_KINDS or err.crashed else f"{path}: {message}"
             ) from None
-        if kind == "hlo":
-            return ModuleSource(path, kind, raw, converted)
-    if kind == "hlo":
+        if kind in CONVERTED_KINDS:
+            return ModuleSource(path, kind, raw, converted if kind == "hlo" else converted.decode("utf-8"))
+    if kind in CONVERTED_KINDS:
         try:
-            mlir = _compat.hlo_text_to_stablehlo_bytecode(raw.decode("utf-8"))
+            mlir = convert(raw, kind)
         except ValueError as err:
-            raise ModuleReadError(f"{path}: invalid HLO: {err}") from None
+            raise ModuleReadError(f"{path}: {CONVERTED_KINDS[kind]}: {err}") from None
         return ModuleSource(path, kind, raw, mlir)
     return ModuleSource(path, kind, raw, raw if kind == "bytecode" else raw.decode("utf-8"))
+
+
+def convert(raw: bytes, kind: str) -> bytes | str:
+    """The MLIR of a module of one of ``CONVERTED_KINDS``: StableHLO bytecode for HLO text, StableHLO
+    text for ``jax.export``'s modules. Raises ``ValueError`` when ``raw`` is not one."""
+    if kind == "hlo":
+        try:
+            return _compat.hlo_text_to_stablehlo_bytecode(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ValueError(str(err)) from None
+    if kind == "exported":
+        raw = _compat.exported_to_portable_artifact(raw)
+    return _compat.portable_artifact_to_stablehlo(raw)
 
 
 def parse(source: ModuleSource, context: ir.Context) -> ir.Module:
