@@ -105,11 +105,13 @@ def mypy_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("mypy_cache")
 
 
+@pytest.mark.typecheck
 def test_user_program_passes_mypy_strict(tmp_path, mypy_cache):
     result = run_mypy(tmp_path, mypy_cache, USER_PROGRAM)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.typecheck
 def test_mypy_flags_wrong_options_and_arguments(tmp_path, mypy_cache):
     """Each misuse is an error on its own line: unknown option strings, an argument of the wrong
     type to a decorated function (bare and with options), a name the package does not export."""
