@@ -256,7 +256,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     """Reports what ``moe_optimize`` would rewrite in ``fn(*args, **kwargs)``, without running it.
 
     ``fn`` is traced (nothing computes, nothing compiles), so arguments may be
-    ``jax.ShapeDtypeStruct`` s; Python numbers, strings and ``None`` are static, as they are for
+    ``jax.ShapeDtypeStruct`` values; Python numbers, strings and ``None`` are static, as they are for
     the decorated function. On a function already decorated with ``moe_optimize``, its options
     (``capacity_factor``, ``exchange_transport``, ``backend``) and a ``jax.jit``'s
     ``in_shardings`` shape the report as they shape the rewrite; arrays sharded over a mesh
@@ -266,7 +266,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
         fn: The function to look into: plain, ``jax.jit``-wrapped, decorated with
             ``moe_optimize``, or a Flax NNX module (or its bound method), whose state is traced
             as inputs.
-        *args: Its positional arguments: arrays, ``jax.ShapeDtypeStruct`` s, or static values.
+        *args: Its positional arguments: arrays, ``jax.ShapeDtypeStruct`` values, or static values.
         **kwargs: Its keyword arguments, as ``args``.
 
     Returns:
