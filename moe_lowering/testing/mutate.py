@@ -21,6 +21,10 @@ nudge of its inputs is numerical; an error below 1e-3 must show on a second data
 (``CONFIRM_BELOW``). Both programs run op by op (``jax.disable_jit``): each primitive compiles
 once per shape for all mutants, where ``jit`` would compile every mutant afresh.
 
+Training steps are mutated too (``TRAIN_STEP``, ``STEP_OF``: ``train-mixtral``, ``step-mixtral``): the
+traced ``value_and_grad`` step, its backward included, or the step of a mutated layer; the oracle
+compares the step's outputs (loss and gradients) with the mutant's own dense step.
+
 Every mutant has a readable, reproducible id ``model/eqn<path>:<kind>(<what>)``, e.g.
 ``switch/eqn17:swap_operands(sub)`` or ``scan_layers/eqn0.13:int_shift(top_k.out1,+1)``
 (``<path>``: eqn indices of the flat graph, dotted into ``scan`` / ``custom_jvp`` bodies);
@@ -67,10 +71,47 @@ models drop tokens (Switch: ``C=4``)."""
 
 MODELS: tuple[str, ...] = tuple(POSITIVE) + tuple(NEGATIVE)
 
+TRAIN_STEP = "train-"
+"""``train-<model>``: the traced training step of a zoo model (``value_and_grad`` of a loss over
+it, w.r.t. params and x), mutated anywhere, its backward included: a cotangent scaled, a
+transpose given the wrong operand, an interior value used once more. Checked on its outputs
+(the loss and the gradients)."""
+STEP_OF = "step-"
+"""``step-<model>``: the training step of a mutated zoo model: the mutation (a stop_gradient on one
+path, a scale, ...) is in the forward, and the backward JAX emits for it follows it."""
+
+
+def base_model(name: str) -> str:
+    """The zoo model a (training-step) mutation context is built from."""
+    for prefix in (TRAIN_STEP, STEP_OF):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
 
 def tiny_model(name: str) -> ZooModel:
-    model = ZOO[name]
+    model = ZOO[base_model(name)]
     return model.sized(**TINY)
+
+
+def train_loss(fn):
+    """The loss of the training-step contexts: every float output's ``mean(sin(out) ** 2)``."""
+
+    def loss(*args):
+        outs = [o for o in jax.tree.leaves(fn(*args)) if _is_float(o.dtype)]
+        return sum(jnp.mean(jnp.sin(o.astype(jnp.float32)) ** 2) for o in outs)
+
+    return loss
+
+
+def _train_step(flat_fn, count: int):
+    """``value_and_grad`` of ``train_loss(flat_fn)`` w.r.t. all ``count`` flat arguments, as a flat list."""
+
+    def step(*flat):
+        value, grads = jax.value_and_grad(train_loss(flat_fn), argnums=tuple(range(count)))(*flat)
+        return [value, *grads]
+
+    return step
 
 
 @dataclass(frozen=True)
@@ -116,6 +157,7 @@ class ModelContext:
     out_tree: Any
     leaf_names: tuple[str, ...]
     sites: tuple[Site, ...] = field(repr=False)
+    step: str = ""  # TRAIN_STEP or STEP_OF for a training-step context: checked on its outputs only
 
     def args(self, seed: int):
         return self.model.args(jax.random.key(seed))
@@ -126,18 +168,28 @@ def model_context(name: str) -> ModelContext:
     model = tiny_model(name)
     params, x = model.args(jax.random.key(0))
     flat, in_tree = jax.tree.flatten((params, x))
-    closed, out_shape = jax.make_jaxpr(lambda *a: model.fn(*jax.tree.unflatten(in_tree, a)), return_shape=True)(*flat)
+    forward = lambda *a: model.fn(*jax.tree.unflatten(in_tree, a))  # noqa: E731
+    step = next((prefix for prefix in (TRAIN_STEP, STEP_OF) if name.startswith(prefix)), "")
+    traced = _train_step(forward, len(flat)) if step == TRAIN_STEP else forward
+    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*flat)
     graph = build_graph(closed)
     names = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path((params, x))[0])
     names = tuple(n.replace("[0]", "params", 1) if n.startswith("[0]") else "x" for n in names)
-    context = ModelContext(name, model, closed, graph, in_tree, jax.tree.structure(out_shape), names, ())
-    return dataclasses.replace(context, sites=tuple(_sites(graph, ())))
+    context = ModelContext(name, model, closed, graph, in_tree, jax.tree.structure(out_shape), names, (), step)
+    sites = tuple(_sites(graph, ()))
+    if step == TRAIN_STEP:  # weigh the ops on dense values (the layer and its derivative) as routing sites are
+        sites = tuple(dataclasses.replace(s, routing=s.routing or _on_dense_values(s.eqn)) for s in sites)
+    return dataclasses.replace(context, sites=sites)
+
+
+def _on_dense_values(eqn: Eqn) -> bool:
+    return any(len(a.shape) >= 3 for a in (*eqn.inputs, *eqn.outputs))
 
 
 def _routing_eqns(graph: JaxprGraph) -> set[int]:
     """Eqns on the routing side: ancestors of a top_k / argmax, and its descendants that do not
     depend on an expert weight (an input of rank >= 3)."""
-    anchors = [e for e in graph.eqns if str(e.primitive) in ("top_k", "argmax", "argmin")]
+    anchors = [e for e in graph.eqns if str(e.primitive) in ("top_k", "approx_top_k", "argmax", "argmin")]
     routing: set[int] = set()
     for anchor in anchors:
         for value in graph.ancestors(anchor.inputs[0]):
@@ -566,6 +618,24 @@ def _substitute_apply(eqn: Eqn, inputs, what: str, lookup=None):
     return _bind(eqn, inputs)
 
 
+# --- extra_use: an output plus a multiple of the mean of an earlier dense value (an interior value of
+# the MoE used once more, outside its own derivative)
+
+
+def _extra_use_candidates(site: Site) -> list[str]:
+    eqn = site.eqn
+    refs = [ref for ref, v in _value_refs(site.graph, eqn.index) if len(v.shape) >= 3 and _is_float(v.dtype)]
+    return [f"{label},{ref}" for _, label in _outputs(eqn, _is_float) for ref in refs]
+
+
+def _extra_use_apply(eqn: Eqn, inputs, what: str, lookup=None):
+    label, ref = what.split(",", 1)
+    j = _parse_output(eqn, label)
+    outs = _bind(eqn, inputs)
+    outs[j] = outs[j] + (0.5 * jnp.mean(lookup(ref))).astype(outs[j].dtype)
+    return outs
+
+
 # --- negation / cancelling_pair: a term of value zero whose derivative need not be, added to a
 # capacity layer's combine tensor (issue 38: a bound on its derivative must never cancel)
 
@@ -694,6 +764,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("substitute", _substitute_candidates, _substitute_apply, True,
          "an operand replaced by another value of the same shape and dtype computed earlier "
          "(e.g. router probabilities for a one-hot mask, dispatch for combine)", in_context=True),
+    Kind("extra_use", _extra_use_candidates, _extra_use_apply, True,
+         "a float output plus half the mean of an earlier value of rank >= 3 (in a training step: an interior "
+         "value of the MoE read once more)", in_context=True),
     Kind("negation", _combine_candidates(_NEGATIONS), _zero_term_apply(_NEGATIONS), True,
          "a capacity layer's combine tensor v gets -(-v), or a zero term written with neg "
          "with a derivative where v is zero (m): v + m*q + (-(m*(2q - stop_gradient(q)))), v + m*st(q) + "
@@ -703,7 +776,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "the same, a pair whose values cancel: v + m*st(q) + (-(m*st(roll(q)))), v + (m*(2*st(q)) - m*st(q)), "
          "v + m*st(q) + (m*st(roll(q))) @ -I; st(q) = q - stop_gradient(q)", in_context=True),
 )}
-KIND_NAMES: tuple[str, ...] = tuple(KINDS)
+STEP_KINDS: tuple[str, ...] = ("extra_use",)  # meant for training steps (tests/passes/test_train_step.py)
+KIND_NAMES: tuple[str, ...] = tuple(k for k in KINDS if k not in STEP_KINDS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -748,6 +822,8 @@ class Mutant:
 
     def flat_fn(self, *flat_args):
         """The mutated program on flat arguments; a list of flat outputs."""
+        if self.context.step == STEP_OF:  # the mutated forward, then its training step
+            return _train_step(lambda *a: _run(self.model, (), a, self), len(flat_args))(*flat_args)
         return _run(self.model, (), flat_args, self)
 
     def fn(self, params, x):
@@ -1106,6 +1182,8 @@ def _check_once(mutant: Mutant, seed: int, jit: bool) -> Outcome:
     misses = tuple(f"{n.reason} (routing {n.routing}; at {n.location})" for n in report.near_misses)
     if not report.regions:
         return done("declined", near_misses=misses)
+    if context.step:
+        return _check_step_outputs(mutant, flat, run, jit, done, regions, misses)
     rng = np.random.default_rng(_stable_seed("cotangents", seed))
     cotangents = [rng.standard_normal(a.shape).astype(a.dtype) if _is_float(a.dtype)
                   else np.zeros(a.shape, jax.dtypes.float0) for a in closed.out_avals]
@@ -1142,6 +1220,35 @@ def _check_once(mutant: Mutant, seed: int, jit: bool) -> Outcome:
                          f"1-ulp input noise ({sensitivity:.2g})")
     return done("exact" if ok else "wrong", regions=regions, near_misses=misses, errors=errors,
                 nonfinite_only=not ok and all(e <= TOLERANCE for e in finite), sensitivity=sensitivity)
+
+
+def _check_step_outputs(mutant, flat, run, jit, done, regions, misses) -> Outcome:
+    """A training-step context: the rewritten step's outputs (loss and gradients) against the
+    mutant's own dense step; no derivative of the step is taken."""
+
+    def evaluate(fn):
+        if jit:
+            return jax.jit(lambda *a: list(fn(*a)))(*flat)
+        with jax.disable_jit():
+            return jax.block_until_ready(list(fn(*flat)))
+
+    try:
+        ref_outs = evaluate(mutant.flat_fn)
+    except Exception as error:  # noqa: BLE001
+        return done("invalid", regions=regions, near_misses=misses, exception="dense mutant: " + _short_exception(error))
+    try:
+        new_outs = evaluate(run)
+    except Exception as error:  # noqa: BLE001
+        return done("crashed", regions=regions, near_misses=misses, exception="rewritten: " + _short_exception(error))
+    floor = NOISE_FLOOR * max(_finite_norm(v) for v in ref_outs)
+    names = ("loss",) + tuple(f"d/d{n}" for n in mutant.context.leaf_names)
+    # a diverged step (its loss not finite): the loss must agree, where its gradients hold NaNs is not kept
+    count = 1 if not np.isfinite(np.asarray(ref_outs[0])).all() else len(ref_outs)
+    errors = {name: relative_error(a, b, floor) for name, a, b in zip(names[:count], ref_outs, new_outs)}
+    ok = all(e <= TOLERANCE for e in errors.values())
+    finite = [finite_relative_error(a, b, floor) for a, b in zip(ref_outs, new_outs)]
+    return done("exact" if ok else "wrong", regions=regions, near_misses=misses, errors=errors,
+                nonfinite_only=not ok and all(e <= TOLERANCE for e in finite))
 
 
 def _ulp_sensitivity(mutant, flat, cotangents, ref_outs, ref_grads, floor, jit, seed) -> float:

@@ -8,15 +8,15 @@ rewritten step must hold no dense ``[T, E, F]`` (or ``[T, E, d]``) value anywher
 from __future__ import annotations
 
 import math
-import warnings
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_lowering import NoMoeFoundWarning, explain, moe_optimize
-from moe_lowering.testing import zoo
+from moe_lowering import explain, moe_optimize
+from moe_lowering.testing import mutate, zoo
 
 SIZES = zoo.Sizes(T=16, d=8, f=12, E=4, k=2)  # every dense intermediate holds T * E * min(d, f) = 512 or more
 MIXTRAL = zoo.build_mixtral(SIZES)
@@ -132,3 +132,36 @@ def test_forward_mode_declines_with_the_use_and_its_location():
     [miss] = report.near_misses
     assert "not an op of the layer's reverse-mode derivative" in miss.reason
     assert "zoo.py:" in miss.reason and "zoo.py:" in miss.location  # the use, placed in the source
+
+
+# --------------------------------------------------------------------------- mutants of training steps
+
+TRAIN_MUTANTS_PER_KIND = int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "9"))
+TRAIN_KINDS = ("scale", "swap_operands", "substitute", "extra_use", "constant", "replace_op")
+STEP_OF_KINDS = ("stop_gradient", "scale", "apply_twice", "extra_use")
+TRAIN_CASES = [(f"{mutate.TRAIN_STEP}{model}", kind) for model in ("mixtral", "mlp_gelu") for kind in TRAIN_KINDS] + [
+    (f"{mutate.STEP_OF}{model}", kind) for model in ("mixtral", "mlp_gelu") for kind in STEP_OF_KINDS]
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("context, kind", TRAIN_CASES)
+def test_training_step_mutants_are_declined_or_rewritten_exactly(context, kind):
+    """``train-<model>``: the traced step mutated anywhere, its backward included (a cotangent scaled, a
+    transpose given the wrong operand, an interior value read once more); ``step-<model>``: the step of
+    a mutated layer (a stop_gradient on one path). 20 cases x 9 = 180 mutants; 2.2 s each on a 2-core
+    CPU (rewritten ones; declined ones 0.1 s)."""
+    mutants = mutate.sample(context, kind, TRAIN_MUTANTS_PER_KIND, 0)
+    assert mutants, f"{context} has no site for {kind}"
+    outcomes = [mutate.check_mutant(m, 1) for m in mutants]
+    bad = [o for o in outcomes if o.status in ("wrong", "crashed", "invalid")]
+    assert not bad, "\n\n".join(o.message() for o in bad)
+
+
+def test_a_scaled_cotangent_in_the_layers_backward_declines():
+    """The derivative's own ops, changed: x2 on the gate's cotangent is no longer jax.vjp of the layer."""
+    mutant = next(m for m in mutate.candidates(f"{mutate.TRAIN_STEP}mixtral", "scale")
+                  if m[0].site.primitive is jax.lax.dot_general_p and len(m[0].site.inputs[1].shape) == 3
+                  and m[0].site.outputs[0].shape == (mutate.TINY["T"], mutate.TINY["E"]))[0]
+    outcome = mutate.check_mutant(mutant, 1)
+    assert outcome.status == "declined", outcome.message()
+    assert any("private-interior" in r or "derivative" in r for r in outcome.near_misses), outcome.message()
