@@ -387,6 +387,8 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
             (at decoration).
         TypeError: ``fn`` is not callable.
         MoeNotFoundError: ``strict=True`` and nothing to rewrite (at the first call).
+        moe_lowering.kernels.BackendUnavailable: ``backend="triton"`` without a CUDA GPU, Triton
+            and ``jax_triton`` (at the first call).
         moe_lowering.arguments.StateNotCarriedError: A rewritten function writes state the
             rewritten program cannot carry back (e.g. an array attribute of a plain object), at
             the first call, before anything runs.
