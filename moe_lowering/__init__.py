@@ -63,4 +63,6 @@ if not TYPE_CHECKING:  # hidden from type checkers, so that they flag a name the
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names, the module's own ``__`` names and the submodules imported so far."""
+    submodules = {name for name, value in globals().items() if getattr(value, "__name__", "").startswith(f"{__name__}.")}
+    return sorted(set(__all__) | submodules | {name for name in globals() if name.startswith("__")})
