@@ -256,6 +256,9 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
         return FailedMatch("the MoE output is not laid out as [tokens.., features]")
     capacity = None
     top_k = an.anchor.top_k
+    if top_k == 0:
+        return FailedMatch("the routing chooses k = 0 experts per token: no expert reaches the output, so there "
+                           "is nothing to make sparse", an.anchor.eqn)
     combine_support = None
     if combined.combine is not None:
         dispatch, dispatch_roles = combined.dispatch

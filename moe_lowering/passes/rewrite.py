@@ -353,7 +353,8 @@ def _sharded_layout(region: MoeRegion, sharding_of):
 
 
 def _index_matrix(anchor: RoutingAnchor, indices):
-    return indices.reshape(-1, anchor.top_k)
+    """``[T, k]`` expert indices, the sizes named: ``-1`` would divide by ``k`` (and cannot infer ``T = 0``)."""
+    return indices.reshape(math.prod(anchor.token_shape), anchor.top_k)
 
 
 def _canonical(value, roles, order):
@@ -496,11 +497,14 @@ def _expert_output_finite_at_zero(region: MoeRegion, read):
 
 
 def _capacity_choices(region: MoeRegion, read):
-    """Capacity style: each token's kept experts and weights, read off dispatch and combine."""
+    """Capacity style: each token's kept experts and weights, read off dispatch and combine.
+
+    ``region.top_k`` sums the k of every routing decision the dispatch reads (GShard's two); past
+    ``E`` (an argmax and a top-2 over two experts) a token still occupies at most ``E`` experts."""
     num_experts = region.num_experts
     kept = _kept(region, read)
     gate = jnp.sum(_slot_tensor(region, read, region.combine), axis=-1)
-    _, choices = lax.top_k(kept.astype(jnp.float32), region.top_k)
+    _, choices = lax.top_k(kept.astype(jnp.float32), min(region.top_k, num_experts))
     kept_choice = jnp.take_along_axis(kept, choices, axis=1)
     weights = jnp.take_along_axis(gate, choices, axis=1)
     expert_indices = jnp.where(kept_choice, choices, num_experts)

@@ -197,6 +197,51 @@ def test_combine_derivative_written_to_cancel_is_kept(term):
         assert capacity_fallbacks(layer, params, x) == [True]  # the derivative reaches the empty slots
 
 
+def _gshard_argmax_then_second_of_top2(params, x):
+    """GShard top-2 whose two choices are two routing decisions: the argmax, and the second of a
+    top-2. The matcher sums their k (3), past E = 2."""
+    num_experts = params["router"].shape[-1]
+    slots = x.shape[0] // 2
+    probs = jax.nn.softmax(x @ params["router"], -1)
+    index = jnp.stack([jnp.argmax(probs, -1), lax.top_k(probs, 2)[1][:, 1]], axis=1)
+    gates = jnp.take_along_axis(probs, index, axis=1)
+    mask_1 = jax.nn.one_hot(index[:, 0], num_experts, dtype=jnp.int32)
+    mask_2 = jax.nn.one_hot(index[:, 1], num_experts, dtype=jnp.int32)
+    position_1 = jnp.cumsum(mask_1, 0) - 1
+    mask_1 = mask_1 * (position_1 < slots)
+    position_2 = jnp.cumsum(mask_2, 0) - 1 + mask_1.sum(0)
+    mask_2 = mask_2 * (position_2 < slots)
+    slots_1 = jax.nn.one_hot(position_1, slots) * mask_1[..., None]
+    slots_2 = jax.nn.one_hot(position_2, slots) * mask_2[..., None]
+    combine = gates[:, 0, None, None] * slots_1 + gates[:, 1, None, None] * slots_2
+    expert_in = jnp.einsum("tec,td->ecd", slots_1 + slots_2, x)
+    hidden = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", expert_in, params["w_up"]))
+    return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", hidden, params["w_down"]))
+
+
+def test_routing_decisions_whose_k_sum_past_the_experts_are_exact():
+    """Once a ValueError from ``top_k(kept, 3)`` over two experts while reading the choices."""
+    params, x = _params(jax.random.key(32), num_experts=2), _tokens(jax.random.key(33))
+    assert rewritten_exactly(_gshard_argmax_then_second_of_top2, params, x)
+    assert capacity_fallbacks(_gshard_argmax_then_second_of_top2, params, x) == [False]
+
+
+def test_top_k_of_zero_experts_declines():
+    """``top_k(probs, 0)`` routes nowhere (the program returns zeros); once a ZeroDivisionError in
+    the rewrite's ``reshape(-1, k)``."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 0)
+        gate = (jax.nn.one_hot(index, E) * weights[..., None]).sum(1)
+        hidden = jax.nn.gelu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    params, x = _params(jax.random.key(34)), _tokens(jax.random.key(35))
+    declined_because(layer, params, x, "k = 0 experts")
+    with pytest.warns(NoMoeFoundWarning, match="k = 0"):
+        np.testing.assert_array_equal(jax.jit(moe_optimize(layer))(params, x), np.zeros((T, D)))
+
+
 def test_capacity_dense_fallback_keeps_gradients_finite():
     """The dense branch taken: the sparse branch's backward must not leak 0 * NaN into gradients."""
     params = _params(jax.random.key(4))
