@@ -25,11 +25,12 @@ layer configs:
                                         lax.ragged_dot, tokamax; the README's table
   profile       layer_profile.py        where a layer's forward+backward step spends its GPU time, kernel by kernel
   realworld     realworld_cpu.py        MaxText's and EasyDeL's dense MoE layers on a CPU, as shipped and rewritten
+  train-step    train_step.py           a whole SGD step, moe_optimize on the step against on the layer (and dense)
+  compile-time  compile_time.py         trace + lower + compile of a step, dense against moe_optimize
 
 SonicMoE:
   sonic         sonic.py                SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers
   sonic-ab      sonic_ab.py             kernel-backend variants A/B on those shapes, alternated, with a per-kernel profile
-  gather-products gather_products.py    the combine's gathered backward products per tile shape, against plain ones
 
 expert parallelism:
   ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
@@ -46,10 +47,6 @@ kernel sweeps:
   tgmm-ab       tgmm_ab.py              the weight-gradient kernel against other revisions' (A/B)
   swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
   swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
-  tma-probe     tma_probe.py            gmm with TMA-descriptor loads (jax-triton 0.4.0) against gmm_kernel's pointer loads
-  descriptor-probe descriptor_loads_probe.py  gmm / gather_gmm with TMA-descriptor loads, and warp-specialised
-                                        (Triton's launcher on torch tensors)
-  tma-store-probe tma_store_probe.py    the small-group weight gradient with a TMA store epilogue (torch tensors)
   dense-ceiling dense_ceiling.py        dense cuBLAS products of SonicMoE's shapes: the ceiling for any MoE layer
   kernel-resources kernel_resources.py  registers, spills, shared memory and pipeline stages per kernel, compiled
                                         offline for sm_90 (no GPU)

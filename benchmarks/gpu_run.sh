@@ -8,10 +8,10 @@
 # call of its own within the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
 #             gathered-rows
-#             tma-probe (carry .whl-next too: jax-triton 0.4.0, installed over .whl's for this step only)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
-# The one-off steps of earlier EP rounds are in git history (git show 3ea3258:benchmarks/gpu_run.sh).
+# The one-off steps of earlier EP rounds are in git history (git show 3ea3258:benchmarks/gpu_run.sh), the
+# tma-probe step with its probe (git show ebaf5b2:benchmarks/gpu_run.sh).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -43,10 +43,6 @@ for step in "$@"; do
       timeout 380 python3 benchmarks/sonic_ab.py --shapes 1.4B-n256 7B-n256 1.4B-n512 \
         --variants keptcopy new gradstages --pipelined --profile --out "$OUT/ab" 2>&1 | tee "$OUT/sonic_ab_gathered_rows.log" | grep -v "INFO\|Unable" | tail -40
       rm -rf "$OUT"/ab/trace_* ;;
-    tma-probe) rm -rf /tmp/site-next && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-next \
-        .whl-next/*.whl || exit 1
-      PYTHONPATH=/tmp/site-next:$PYTHONPATH timeout 540 python3 benchmarks/tma_probe.py --out "$OUT/tma" 2>&1 \
-        | tee "$OUT/tma_probe.log" | grep -v "INFO\|Unable" | tail -30 ;;
     fp8-weight-tests) timeout 150 python3 -m pytest tests/gpu/test_fp8_weight_matmul.py -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_fp8_weight_tests.log" | tail -10 ;;
     fp8-layer) timeout 300 python3 benchmarks/fp8_layer_bench.py --out "$OUT" --deadline 260 2>&1 \

@@ -118,15 +118,21 @@ def in_repository(text):
     return text.replace(f"{REPOSITORY}/", "")
 
 
-def median_ms(fn, *args, reps):
-    """Median wall time of ``fn(*args)`` in ms, after one call that compiles it."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def interleaved_median_ms(fns, *args, reps):
+    """Median wall time in ms of each ``fns[name](*args)``, after one call each that compiles it.
+
+    The calls alternate (a, b, a, b, ...), so load from other work on the machine slows both sides
+    alike instead of whichever happened to run while it lasted.
+    """
+    for fn in fns.values():
         jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 class LogRecords(logging.Handler):
@@ -180,13 +186,13 @@ def main():
     record["errors_linen"] = check_against(linen_forward, moe_optimize(linen_forward), linen_params, x, tolerance=1e-5)
 
     # ----------------------------------------------------------------------- 4. CPU timings
-    print(f"\n== 4. CPU timings (median of {args.reps}, ms)")
+    print(f"\n== 4. CPU timings (median of {args.reps}, dense and rewritten calls alternated, ms)")
     grad_of = lambda fn: jax.jit(jax.grad(loss(fn)))  # noqa: E731
     timings = {
-        "forward_dense_ms": median_ms(jax.jit(forward), params, x, reps=args.reps),
-        "forward_moe_optimize_ms": median_ms(jax.jit(sparse_forward), params, x, reps=args.reps),
-        "fwdbwd_dense_ms": median_ms(grad_of(forward), params, x, reps=args.reps),
-        "fwdbwd_moe_optimize_ms": median_ms(grad_of(sparse_forward), params, x, reps=args.reps),
+        **interleaved_median_ms({"forward_dense_ms": jax.jit(forward),
+                                 "forward_moe_optimize_ms": jax.jit(sparse_forward)}, params, x, reps=args.reps),
+        **interleaved_median_ms({"fwdbwd_dense_ms": grad_of(forward),
+                                 "fwdbwd_moe_optimize_ms": grad_of(sparse_forward)}, params, x, reps=args.reps),
     }
     load_average = os.getloadavg()[0]  # other work on the machine slows the timings
     for name, ms in timings.items():
@@ -266,7 +272,8 @@ def main():
                       "num_experts": NUM_EXPERTS, "top_k": TOP_K, "dtype": "float32"},
             "reps": args.reps,
             "load_average_1min_after_timing": load_average,
-            "timing": "median wall ms of a jitted call after one compiling call; fwdbwd = jax.grad of mean(out**2)",
+            "timing": ("median wall ms of a jitted call after one compiling call, dense and moe_optimize calls "
+                       "alternated; fwdbwd = jax.grad of mean(out**2)"),
             **timings,
             **record,
             "script_wall_s": time.perf_counter() - started_wall,
