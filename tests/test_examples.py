@@ -1,5 +1,5 @@
-"""The examples run as the README and docs/tutorial.md say, each in a fresh interpreter (the tutorial
-sets its four host devices before JAX starts), and their checks hold."""
+"""The examples run as the README and the docs say, each in a fresh interpreter (the tutorial and the
+sharded example set their host devices before JAX starts), and their checks hold."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def test_quickstart():
     out = run_example("quickstart.py")
     assert out.startswith("moe_lowering: 1 MoE region(s) found\n")
     assert "output relative error vs dense reference: " in out
+
+
+@pytest.mark.tutorial
+def test_sharded_example_checks_the_expert_parallel_layer():
+    """docs/sharded.md includes examples/sharded.py whole: it runs, on eight host devices, and its
+    asserts (outputs and gradients against the dense layer) hold."""
+    out = run_example("sharded.py")
+    assert "sharded: expert parallel over 'expert' (4 ranks x 2 experts)" in out
+    assert out.rstrip().endswith("gradients match the dense layer's")
+    page = (ROOT / "docs" / "sharded.md").read_text()
+    assert '--8<-- "examples/sharded.py"' in page
 
 
 @pytest.mark.tutorial
