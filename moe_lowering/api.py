@@ -314,7 +314,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     report = build_report(analyse_program(closed), _input_shardings(call, args, declared),
                           options.get("capacity_factor"), options.get("exchange_transport", "auto"),
                           options.get("backend", "auto"))
-    log.info("moe_lowering: explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
+    log.info("explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
              _seconds(traced - started), _seconds(time.perf_counter() - traced), len(report.regions))
     return report
 
@@ -435,7 +435,7 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
     compiled_calls: dict = {}  # call signature -> (jitted rewritten program, output tree, state writes), eager calls
 
     def rewrite(call, args):
-        log.info("moe_lowering: tracing %s", _name(original))
+        log.info("tracing %s", _name(original))
         started = time.perf_counter()
         closed, out_tree, writes = _trace(target, call)
         traced = time.perf_counter()
@@ -445,9 +445,9 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
                                      exchange_transport=exchange_transport)
         timing = f"traced in {_seconds(traced - started)}, matched in {_seconds(time.perf_counter() - traced)}"
         if report.regions:
-            log.info("moe_lowering: rewrote %d MoE region(s) in %s (%s)", len(report.regions), _name(original), timing)
+            log.info("rewrote %d MoE region(s) in %s (%s)", len(report.regions), _name(original), timing)
         else:
-            log.info("moe_lowering: no MoE region to rewrite in %s (%s)", _name(original), timing)
+            log.info("no MoE region to rewrite in %s (%s)", _name(original), timing)
         if not report.regions and not warned:
             warned.append(True)
             warnings.warn(
@@ -472,7 +472,7 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
                     run, out_tree, writes = program
                     program = (_jit_logged(run, call, original), out_tree, writes)
                 compiled_calls[signature] = program
-                log.debug("moe_lowering: %s traced for a new call signature (%d cached)", _name(original),
+                log.debug("%s traced for a new call signature (%d cached)", _name(original),
                           len(compiled_calls))
             program = compiled_calls[signature]
         if program is None:  # nothing rewritten: the user's function itself runs, as called, bit for bit
@@ -497,7 +497,7 @@ def _jit_logged(run, call: CallArguments, original):
         lowered = jitted.lower(*call.dynamic_values())
         lowered_at = time.perf_counter()
         lowered.compile()
-        log.info("moe_lowering: %s: rewritten program lowered in %s, compiled in %s", _name(original),
+        log.info("%s: rewritten program lowered in %s, compiled in %s", _name(original),
                  _seconds(lowered_at - started), _seconds(time.perf_counter() - lowered_at))
     return jitted
 

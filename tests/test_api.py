@@ -136,10 +136,10 @@ def test_info_log_times_tracing_matching_lowering_and_compiling(caplog):
         explain(model.fn, params, x)
     messages = [r.getMessage() for r in caplog.records if r.name == "moe_lowering"]
     expected = [
-        rf"moe_lowering: tracing {name}",
-        rf"moe_lowering: rewrote 1 MoE region\(s\) in {name} \(traced in {seconds}, matched in {seconds}\)",
-        rf"moe_lowering: {name}: rewritten program lowered in {seconds}, compiled in {seconds}",
-        rf"moe_lowering: explain\({name}\): traced in {seconds}, matched in {seconds}: 1 MoE region\(s\)",
+        rf"tracing {name}",
+        rf"rewrote 1 MoE region\(s\) in {name} \(traced in {seconds}, matched in {seconds}\)",
+        rf"{name}: rewritten program lowered in {seconds}, compiled in {seconds}",
+        rf"explain\({name}\): traced in {seconds}, matched in {seconds}: 1 MoE region\(s\)",
     ]
     assert len(messages) == len(expected), messages
     for pattern, message in zip(expected, messages):
@@ -152,7 +152,7 @@ def test_info_log_when_nothing_is_rewritten(caplog):
         warnings.simplefilter("ignore", NoMoeFoundWarning)
         moe_optimize(lambda x: x * 2)(jnp.ones(3))
     messages = [r.getMessage() for r in caplog.records if r.name == "moe_lowering"]
-    assert re.fullmatch(r"moe_lowering: no MoE region to rewrite in .*<lambda> \(traced in \d[\d.e+-]* s, "
+    assert re.fullmatch(r"no MoE region to rewrite in .*<lambda> \(traced in \d[\d.e+-]* s, "
                         r"matched in \d[\d.e+-]* s\)", messages[-1]), messages
 
 

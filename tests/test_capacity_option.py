@@ -48,7 +48,7 @@ def test_capacity_factor_drops_like_the_reference_and_logs(caplog):
         jax.block_until_ready(got)
     np.testing.assert_allclose(np.asarray(got), _dropping_reference(params, x, s.k, capacity), rtol=1e-4, atol=1e-5)
     dropped = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
-    assert dropped and dropped[-1].startswith(f"moe_lowering: capacity_factor={factor} dropped ")
+    assert dropped and dropped[-1].startswith(f"capacity_factor={factor} dropped ")
     assert not np.allclose(np.asarray(got), np.asarray(model.fn(params, x)), atol=1e-4)  # something was dropped
 
 

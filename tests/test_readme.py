@@ -54,3 +54,4 @@ def test_logging_recipe_prints_the_rewrite_and_its_timings():
                for line in lines), result.stderr
     assert any(re.fullmatch(r"moe_lowering: moe_layer: rewritten program lowered in .*, compiled in .*", line)
                for line in lines), result.stderr
+    assert not [line for line in lines if line.count("moe_lowering") > 1], result.stderr  # the name once, from %(name)s

@@ -155,7 +155,7 @@ def get_backend(name: Backend) -> KernelBackend:
             try:
                 return get_backend("triton")
             except BackendUnavailable as err:
-                log.warning("moe_lowering: Triton kernels unavailable (%s); using the XLA grouped GEMM", err)
+                log.warning("Triton kernels unavailable (%s); using the XLA grouped GEMM", err)
         return get_backend("xla")
     return _LOADERS[name]()
 

@@ -185,7 +185,7 @@ class Analysis:
         try:
             result = fn(self, eqn, abstracts)
         except Exception as error:  # a matcher bug must not break the user's program: decline, loudly
-            log.warning("moe_lowering: matcher error at %s (`%s`), declining this routing: %r", eqn.where(),
+            log.warning("matcher error at %s (`%s`), declining this routing: %r", eqn.where(),
                         eqn.primitive, error)
             result = FailedMatch(f"internal matcher error on `{eqn.primitive}`: {error!r}", eqn)
         if isinstance(result, FailedMatch):
@@ -199,7 +199,7 @@ class Analysis:
         return self.values.get(atom) if isinstance(atom, Value) else None
 
     def fail(self, reason: str, eqn: Eqn | None) -> None:
-        log.debug("moe_lowering: near miss at %s: %s", eqn.where() if eqn else "?", reason)
+        log.debug("near miss at %s: %s", eqn.where() if eqn else "?", reason)
         self.failures.append(FailedMatch(reason, eqn))
 
     def param(self, source, kind: ParamKind, roles: Roles) -> int:

@@ -238,7 +238,7 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
         from moe_lowering.parallel.exchange import resolve_transport
 
         transport = resolve_transport(options.exchange_transport, layout.devices, options.backend)
-        log.info("moe_lowering: expert-parallel lowering, %s", layout.describe(transport, options.backend))
+        log.info("expert-parallel lowering, %s", layout.describe(transport, options.backend))
         out, stats = sharded_sparse_moe(tokens, expert_indices, expert_weights, params, region.program,
                                         num_experts=region.num_experts, layout=layout, backend=options.backend,
                                         weight_gather_quant=options.weight_gather_quant,
@@ -268,7 +268,7 @@ def _report_dropped(region: MoeRegion, capacity_factor, dropped) -> None:
         return
     total = region.num_tokens * region.top_k
     jax.debug.callback(
-        lambda n: log.info("moe_lowering: capacity_factor=%s dropped %d of %d token copies", capacity_factor, n, total),
+        lambda n: log.info("capacity_factor=%s dropped %d of %d token copies", capacity_factor, n, total),
         dropped,
     )
 
