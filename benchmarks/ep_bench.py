@@ -245,9 +245,10 @@ def rel_err(a, b) -> float:
 
 
 def with_grad(fn):
-    """Forward + backward: gradients of ``sum(out * cotangent)`` for tokens and expert weights."""
-    def loss(tokens, params, cotangent):
-        return jnp.sum(fn(tokens, params).astype(jnp.float32) * cotangent.astype(jnp.float32))
+    """Forward + backward: gradients of ``sum(out * cotangent)`` for tokens and expert weights
+    (further arguments go to ``fn`` after them, undifferentiated)."""
+    def loss(tokens, params, cotangent, *rest):
+        return jnp.sum(fn(tokens, params, *rest).astype(jnp.float32) * cotangent.astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1))
 
 

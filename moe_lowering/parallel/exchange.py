@@ -839,13 +839,13 @@ exchange_expert_rows.defvjp(_exchange_fwd, _exchange_bwd)
 
 def prepare_peer_transport(devices, backend: str) -> None:
     """Checks that the ``"peer"`` transport can run on ``devices`` and turns on peer access between them."""
+    if get_backend(backend).name != "triton":
+        return  # the all-gather reference: exact wherever the mesh's collectives run, across processes too
     devices = list(devices)
     local = set(jax.local_devices())
-    if any(d not in local for d in devices):
+    if not devices or any(d not in local for d in devices):  # none: a mesh whose devices are not known here
         raise ValueError("exchange_transport='peer' needs every mesh device in this process (its stores go "
                          "from GPU to GPU directly); use 'all_to_all' across processes")
-    if get_backend(backend).name != "triton":
-        return  # the all-gather reference: nothing to prepare
     from moe_lowering.kernels.peer_store import triton_launch
 
     triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
