@@ -35,6 +35,7 @@ SonicMoE:
 expert parallelism:
   ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
   ep-bench      ep_bench.py             bare transports, the exchange alone, FSDP weight gathers, NCCL settings
+  ep-multiprocess ep_multiprocess.py    the sharded layer in one process per GPU against one process: times, exactness
   peer-probe    peer_exchange_probe.py  the device-initiated peer exchange alone
   routing-sort  routing_sort.py         counting against comparison sort of the token copies
 

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,7 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import numpy as np  # noqa: E402
 
-from moe_lowering.testing import multiprocess  # noqa: E402 (no JAX: a worker initialises it first)
+from moe_lowering.testing import multiprocess  # noqa: E402 (starts no JAX backend: a worker joins its job first)
 
 log = logging.getLogger("ep_multiprocess")
 
@@ -244,18 +245,27 @@ def main(argv=None):
         worker_main(args)
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
-    import tempfile
-
     jobs = []
+    stamp = datetime.datetime.now(datetime.timezone.utc)
     with tempfile.TemporaryDirectory(prefix="ep_multiprocess_") as tmp:
         for ep in args.ep:
             for layout in LAYOUTS:
                 job_dir = Path(tmp) / f"{layout}_ep{ep}"
                 job_dir.mkdir()
                 jobs.append(run_job(args, layout, ep, job_dir))
+                result = write_result(args, jobs, stamp)  # after every job: a run cut short keeps what it has
+    _print_table(result["rows"])
+    failed = [j for j in jobs if j["error"]] + [r for r in result["rows"] if r.get("compared") is False
+                                                or r.get("max_rel_err", 0.0) > EXACT_TOLERANCE]
+    if failed:
+        log.error("%d job(s) failed or differ from the one-process layer", len(failed))
+        sys.exit(1)
+
+
+def write_result(args, jobs: list[dict], stamp: datetime.datetime) -> dict:
+    """``ep_multiprocess_[smoke_]<device>_<date>.json`` under ``--out``: what ``jobs`` measured."""
     docs = [d for j in jobs for d in j["docs"]]
     device = docs[0]["device"].split(" x ", 1)[-1] if docs else "unknown"
-    stamp = datetime.datetime.now(datetime.timezone.utc)
     result = {
         "device": device, "platform": docs[0]["platform"] if docs else None, "jax": docs[0]["jax"] if docs else None,
         "date": stamp.isoformat(), "smoke": args.smoke, "reps": args.reps,
@@ -270,12 +280,7 @@ def main(argv=None):
     name = f"ep_multiprocess_{'smoke_' if args.smoke else ''}{device.replace(' ', '_')}_{stamp:%Y%m%d}.json"
     (out_dir / name).write_text(json.dumps(result, indent=1))
     log.info("wrote %s", out_dir / name)
-    _print_table(result["rows"])
-    failed = [j for j in jobs if j["error"]] + [r for r in result["rows"] if r.get("compared") is False
-                                                or r.get("max_rel_err", 0.0) > EXACT_TOLERANCE]
-    if failed:
-        log.error("%d job(s) failed or differ from the one-process layer", len(failed))
-        sys.exit(1)
+    return result
 
 
 def _print_table(rows):
