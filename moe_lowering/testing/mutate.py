@@ -6,7 +6,8 @@ Each zoo model is traced at tiny sizes and flattened exactly as the matcher sees
 is replaced by a changed computation of the same output shapes and dtypes: a constant changed,
 the operands of a non-commutative op swapped, an op replaced by a sibling, a cast round trip, a
 clamp, an index shifted, a tensor scaled, a ``stop_gradient``, a slice moved, a factor applied
-twice, an axis flipped or rolled. Sites inside ``scan`` bodies and ``custom_jvp`` functions are
+twice, an axis flipped or rolled, a term of value zero (written with ``neg``, ``-1 *``, a negated
+contraction or a cancelling straight-through pair) added to a capacity layer's combine. Sites inside ``scan`` bodies and ``custom_jvp`` functions are
 reachable too (a mutated ``custom_jvp`` body is inlined, so its derivative becomes autodiff's).
 
 The oracle: whatever the mutant computes, ``optimize_jaxpr`` must either decline (rewrite
