@@ -27,6 +27,7 @@ remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 stop_gradient_p = _ad_util.stop_gradient_p
 name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
+stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
 
 
 def jaxpr_parts(closed):

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_lowering.passes.abstract import StackedWeights
 from moe_lowering.passes.assumptions import device_checks
 
 
@@ -42,6 +43,8 @@ class RegionReport:
         device_checks: Assumptions checked on device at run time, with the dense layer as the fallback.
         backward: Whether the program's own derivative of the layer (``jax.vjp`` of it, as in a
             training step traced whole) was proven and rewritten with it.
+        stacked_weight_bytes: Experts kept as separate weight arrays: the bytes the rewrite copies on
+            every call to stack them into ``[E, ...]`` weights (0 where the weights are stacked already).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -77,6 +80,7 @@ class RegionReport:
     parallel_layout: str | None = None
     device_checks: tuple[str, ...] = ()  # assumptions checked at run time, the dense layer as fallback
     backward: bool = False  # the layer's own derivative in the program, proven and rewritten with it
+    stacked_weight_bytes: int = 0  # separate expert weight arrays, stacked by the rewrite on every call
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -100,6 +104,8 @@ class RegionReport:
                if self.backward else "")
             + (f"\n  checked on device, dense layer as fallback: {', '.join(self.device_checks)}"
                if self.device_checks else "")
+            + (f"\n  separate expert weight arrays, stacked on every call: {_bytes(self.stacked_weight_bytes)} copied "
+               "(stack them once, outside the step, to save it)" if self.stacked_weight_bytes else "")
         )
 
 
@@ -234,6 +240,8 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         scope=scope,
         parallel_layout=parallel_layout,
         device_checks=device_checks(region.style),
+        stacked_weight_bytes=sum(math.prod(p.source.shape) * np.dtype(p.source.dtype).itemsize for p in region.params
+                                 if isinstance(p.source, StackedWeights)),
         backward=region.derivative is not None,
     )
 

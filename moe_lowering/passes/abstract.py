@@ -129,6 +129,23 @@ class ExpertParamSlice:
     roles: Roles  # per dim of the slice (before a squeeze: the expert dim has role ONE)
 
 
+@dataclass(frozen=True, eq=False)
+class StackedWeights:
+    """E separate weight (or bias) arrays of one shape, one per expert (experts kept as separate modules),
+    read as one ``[E, ...]`` weight: the rewrite stacks them on every call (a copy of the weights,
+    unless the caller hoists it)."""
+
+    parts: tuple  # graph values, expert by expert
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.parts),) + tuple(self.parts[0].shape)
+
+    @property
+    def dtype(self):
+        return self.parts[0].dtype
+
+
 @dataclass(frozen=True)
 class Rows:
     """Expert outputs for (token, expert) pairs, computed by ``node`` from token rows ``tokens``.

@@ -16,7 +16,11 @@ PROVEN = "proven"
 CHECKED = "checked on device"
 READ = "read from the program"
 
-TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights")
+GATE_ON_TOKENS = "gate on tokens"  # the routing weights scale the tokens before the experts (x * G[t, e])
+SEPARATE_EXPERTS = "separate expert weights"  # E modules' weights, stacked by the rewrite on every call
+ONE_HOT_DISPATCH = "one-hot dispatch"  # the tokens masked per expert (x * one_hot), the gate at the combine
+TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights", GATE_ON_TOKENS,
+                SEPARATE_EXPERTS, ONE_HOT_DISPATCH)
 CAPACITY = ("capacity", "grouped capacity")
 ALL_STYLES = TOP_K_STYLES + CAPACITY
 
@@ -40,7 +44,7 @@ ASSUMPTIONS = (
         "only layout changes and casts whose type holds every index in [0, E) lie between top_k / argmax and "
         "the one-hot, scatter or gather"),
     Assumption(
-        "gate-support", ("one-hot gate", "per-expert loop"),
+        "gate-support", ("one-hot gate", "per-expert loop", GATE_ON_TOKENS, SEPARATE_EXPERTS, ONE_HOT_DISPATCH),
         "the [tokens, E] gate, and its derivative, is zero off each token's chosen experts",
         PROVEN,
         "the gate is a one-hot mask, or a scatter into zeros, of the indices, changed only by products, "
@@ -53,16 +57,45 @@ ASSUMPTIONS = (
         "the gate the program multiplies into the expert outputs, read at the chosen experts: casts, fake "
         "quantisation and per-position factors included"),
     Assumption(
-        "linear-after-gate", ALL_STYLES,
+        "linear-after-gate", tuple(s for s in ALL_STYLES if s != GATE_ON_TOKENS),
         "whatever follows the routing weights in the expert computation is linear",
         PROVEN,
         "only casts, layout changes, the down-projection and the sum over experts may follow the gate"),
+    Assumption(
+        "gate-moves-into-rows", (GATE_ON_TOKENS,),
+        "the routing weights scale each token before its experts, and each expert begins with a product by "
+        "its weight",
+        PROVEN,
+        "the tokens broadcast over E times the [tokens, E] gate reach a product by an expert weight before "
+        "anything else; the rewrite scales each routed copy of the token by its weight before the expert "
+        "program (not at the combine, which would be wrong for a nonlinear body), so the body may be anything "
+        "the expert program allows"),
+    Assumption(
+        "unrouted-experts-vanish", (GATE_ON_TOKENS,),
+        "an expert given a zero row returns zero, with a finite derivative (the dense layer runs every "
+        "expert on x * G[t, e], zero off the chosen experts, and sums all E outputs)",
+        PROVEN,
+        "the expert program evaluated on a zero row: a product of a zero row by a weight is zero (weights "
+        "assumed finite), an elementwise step of zero rows and literals is evaluated there (value and partial "
+        "derivatives finite), a product with a zero factor is zero; a bias or another per-expert value on "
+        "the way declines"),
     Assumption(
         "expert-program", ALL_STYLES,
         "each expert computes the same per-row program from its own weights",
         PROVEN,
         "the body between the projections is elementwise (custom_jvp functions keep their derivative rules); "
-        "the loop style covers every expert once, each with its own slice of one stacked weight"),
+        "the loop style covers every expert once, each with its own slice of one stacked weight; E separate "
+        "computations stacked along an axis are expert e's at position e, one program, each reading its own "
+        "weight arrays of one shape (which the rewrite stacks)"),
+    Assumption(
+        "unrouted-experts-finite", (ONE_HOT_DISPATCH,),
+        "an expert given a zero row returns finite values, with finite derivatives (the dense layer runs every "
+        "expert on the token masked to zero off its chosen experts and multiplies those outputs by a zero gate; "
+        "0 * inf would be NaN)",
+        PROVEN,
+        "the expert program evaluated on a zero row as for unrouted-experts-vanish, its value finite (not "
+        "necessarily zero); the mask is a one-hot of the indices summed over distinct choices, so it is 1 at the "
+        "chosen experts and the routed rows are the tokens themselves"),
     Assumption(
         "private-interior", ALL_STYLES,
         "nothing outside the layer reads its dense intermediates",

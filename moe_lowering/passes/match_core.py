@@ -70,7 +70,7 @@ class RoutingAnchor:
     num_experts: int
     top_k: int
     token_shape: tuple[int, ...]
-    kind: str  # "top_k" or "argmax"
+    kind: str  # "top_k", "approx_top_k", "argmax" or "argsort"
 
     def describe(self) -> str:
         return f"{self.kind} (k={self.top_k}, E={self.num_experts}) at {self.eqn.where()}"
@@ -167,6 +167,9 @@ class Analysis:
         index = self.anchor.indices
         roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind != "argmax" else ())
         self.values[index] = ExpertIndex(roles)
+        from moe_lowering.passes.rules_rows import separate_expert_weights  # a rule module: imported by rules()
+
+        self.values.update(separate_expert_weights(self))
         for eqn in self.graph.eqns:  # expert matmuls may precede the routing in program order
             if eqn is not self.anchor.eqn:
                 self._step(eqn, table)

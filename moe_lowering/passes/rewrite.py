@@ -21,7 +21,8 @@ from jax import lax
 
 from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind, RowContext, evaluate
-from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, token_roles
+from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, StackedWeights, token_roles
+from moe_lowering.passes.assumptions import GATE_ON_TOKENS
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
 from moe_lowering.passes.derivative_match import common_rest, unavailable_sums
 from moe_lowering.passes.derivative_support import support_indicator
@@ -234,6 +235,8 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     capacity_factor = options.capacity_factor if region.combine is None else None
     layout = _sharded_layout(region, sharding_of)
     if layout:
+    if region.style == GATE_ON_TOKENS:
+        tokens, expert_indices, expert_weights = _gated_copies(tokens, expert_indices, expert_weights)
         from moe_lowering.parallel import sharded_sparse_moe
         from moe_lowering.parallel.exchange import resolve_transport
 
@@ -513,7 +516,7 @@ def _capacity_choices(region: MoeRegion, read):
 
 def _region_params(region: MoeRegion, read) -> list:
     """The region's program inputs as they are now, each in the layout ``ExpertProgram`` expects."""
-    sources = [read(p.source) if not isinstance(p.source, Const) else p.source.value for p in region.params]
+    sources = [_read_source(p.source, read) for p in region.params]
     return [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
 
 
@@ -521,6 +524,16 @@ def _normalise_param(param, value, region: MoeRegion):
     """A program input in the layout ``ExpertProgram`` expects (see ``ParamKind``)."""
     value = jnp.asarray(value)
     if param.kind is ParamKind.EXPERT_WEIGHT:
+def _read_source(source, read):
+    """A program input's value now: a constant's, E separate weights stacked (experts kept as separate
+    modules: a copy per call), or the value ``read`` gives."""
+    if isinstance(source, Const):
+        return source.value
+    if isinstance(source, StackedWeights):
+        return jnp.stack([read(part) for part in source.parts])
+    return read(source)
+
+
         return jnp.transpose(value, [param.roles.index(r) for r in ("E", "K", "N")])
     if param.kind is ParamKind.PER_EXPERT:
         out, roles = _canonical(value, param.roles, (EXPERT, FEATURE))
@@ -539,7 +552,20 @@ def _to_output_layout(out, region: MoeRegion):
     token_shape = tuple(region.anchor.token_shape)
     tokens = token_roles(len(token_shape))
     roles = [r for r in region.output_roles if r != ONE]
+def _gated_copies(tokens, expert_indices, expert_weights):
+    """The gate-on-tokens style (``x * G[t, e]`` before the experts): each routed copy of a token,
+    scaled by its routing weight, as a token of its own with one expert and weight 1. The expert
+    program then runs on the scaled row as the dense layer's does (exact for a nonlinear body, where
+    weighting the output would not be); ``_to_output_layout`` sums a token's copies."""
+    num_tokens, top_k = expert_indices.shape
+    copies = (tokens[:, None, :] * expert_weights[..., None].astype(tokens.dtype)).reshape(num_tokens * top_k, -1)
+    return copies, expert_indices.reshape(-1, 1), jnp.ones((num_tokens * top_k, 1), expert_weights.dtype)
+
+
     kept = [r for r in tokens if r in roles]  # token axes of size 1 the output's layout dropped are left out
+    if region.style == GATE_ON_TOKENS:  # one row per routed copy (``_gated_copies``), summed per token
+        out = jnp.sum(out.reshape(region.num_tokens, region.top_k, -1), axis=1,
+                      dtype=jnp.promote_types(out.dtype, jnp.float32)).astype(out.dtype)
     out = out.reshape(tuple(token_shape[tokens.index(r)] for r in kept) + (out.shape[-1],))
     canonical = kept + [FEATURE]
     out = jnp.transpose(out, [canonical.index(r) for r in roles])

@@ -16,6 +16,7 @@ from moe_lowering.passes.abstract import (
     CHOICE,
     EXPERT,
     FEATURE,
+    ONE,
     SLOT,
     Combined,
     ExpertParamSlice,
@@ -31,8 +32,15 @@ from moe_lowering.passes.abstract import (
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, rule
-from moe_lowering.passes.rules_layout import _merged_parts, _style, _unit_reshape
-from moe_lowering.passes.rules_rows import _as_contribution, _gathered_param
+from moe_lowering.passes.rules_layout import _merged_parts, _unit_reshape
+from moe_lowering.passes.rules_rows import (
+    _as_contribution,
+    _gated_sum,
+    _gathered_param,
+    _style,
+    _unit_view,
+    gated_token_rows,
+)
 
 
 def _gathered_matmul(an: Analysis, eqn, x_roles, gathered: GatheredWeight, xc, wc, xb, wb, pet, swap):
@@ -100,6 +108,10 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
     token_shape = an.token_shape
     n_tok = len(token_shape)
     tokens = token_roles(n_tok)
+
+    # gate [t.., E] times tokens [t.., D], batched over the tokens, nothing contracted -> rows [t.., E, D]
+    if isinstance(ax, Gate) and aw is None and not xc and not wc and not ax.boolean and ax.expert is None:
+        return _gated_tokens_product(an, ax, x, w, xb, wb, swap)
 
     # tokens [t.., D] @ W [E, D, F] -> dense rows [t.., E, F]
     if ax is None and aw is None and not xb and len(w.shape) == 3 and x.shape[:-1] == token_shape:
@@ -180,7 +192,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             w_roles = tuple(EXPERT if d == e_w else ("K" if d == k_w else "N") for d in range(3))
             node = ExpertMatmul(ax.node, an.param(w, ParamKind.EXPERT_WEIGHT, w_roles), pet)
             roles = out_roles(ax.roles, tuple(FEATURE if d == n_w else EXPERT for d in range(3)), xc, wc, xb, wb, swap)
-            return Combined(roles, node, ax.tokens, ax.gate, style="one-hot gate", gate_values=(ax.gate_value,))
+            return _gated_sum(replace(ax, node=node), roles, eqn)
         return None
 
     # one expert's rows [t.., F] @ W[e] [F, N]
@@ -207,7 +219,7 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             if [ax.roles[i] for i in xb] == [aw.roles[i] for i in wb] and all(is_token(ax.roles[i]) for i in xb):
                 roles = out_roles(ax.roles, aw.roles, xc, wc, xb, wb, swap)
                 gate = replace(ax, roles=tuple(r for r in ax.roles if r != EXPERT))
-                return Combined(roles, aw.node, aw.tokens, gate, style="one-hot gate", gate_values=(GateValue(x, ax.roles),))
+                return _gated_sum(replace(aw, gate=gate, gate_value=GateValue(x, ax.roles)), roles, eqn)
         return None
 
     # one-hot [t.., k, E] . weights [t.., k] over k -> gate [t.., E]
@@ -244,6 +256,30 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
             return Combined(roles, aw.node, aw.tokens, None, combine=(x, x_roles), dispatch=aw.dispatch,
                             style="grouped capacity" if groups else "capacity", slot_groups=tuple(sorted(groups)))
     return None
+
+
+def _gated_tokens_product(an: Analysis, gate: Gate, gate_atom, w, xb, wb, swap):
+    """``einsum('BTID,BTEK->BTED', x[:, :, None], mask)``: each token times its gate entry for every
+    expert (the k and unit axes summed before the product); ``None`` unless ``w`` is the tokens and every
+    token axis is batched against the gate's own."""
+    tokens = token_roles(len(an.token_shape))
+    if CHOICE in gate.roles or EXPERT not in gate.roles or sorted(gate.roles[i] for i in xb) != sorted(tokens):
+        return None
+    source, mapping = _unit_view(an.graph, w)
+    if not isinstance(source, Value) or tuple(source.shape[:-1]) != tuple(an.token_shape) or mapping[-1] is None:
+        return None
+    w_roles = [ONE] * len(w.shape)
+    for dim, w_dim in enumerate(mapping):
+        if w_dim is not None:
+            w_roles[w_dim] = FEATURE if dim == len(source.shape) - 1 else tokens[dim]
+    if any(w_roles[j] != gate.roles[i] for i, j in zip(xb, wb)) or w_roles[mapping[-1]] != FEATURE:
+        return None
+    if any(r == ONE and w.shape[d] != 1 for d, r in enumerate(w_roles)):
+        return None
+    roles = _dot_out_roles(gate.roles, tuple(w_roles), (), (), xb, wb, swap)
+    if any(r not in (EXPERT, ONE) for d, r in enumerate(gate.roles) if d not in xb) or roles.count(EXPERT) != 1:
+        return None
+    return gated_token_rows(roles, source, gate, gate_atom)
 
 
 def _token_source(graph: JaxprGraph, tokens):

@@ -1,6 +1,7 @@
 """Rules that recognise routing weights (a ``Gate``): a one-hot mask times per-(token, choice)
 or per-(token, expert) factors, divided, selected on, compared with zero, or written by a scatter of
-the top-k weights into zeros.
+the top-k weights into zeros; a gate times the tokens broadcast along the experts starts expert rows
+(``rules_rows._gated_tokens``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from moe_lowering.passes.abstract import (
 )
 from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import Analysis, FailedMatch, _is_scalar, _is_zero, _plain_roles, rule
+from moe_lowering.passes.rules_rows import _gated_tokens
 
 
 def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
@@ -35,6 +37,9 @@ def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
         if other is not None:
             return None
         atom = eqn.inputs[1 - gate_pos]
+        gated_tokens = _gated_tokens(an, gate, eqn.inputs[gate_pos], atom, out)
+        if gated_tokens is not None:
+            return gated_tokens
         return _with_factor(an, gate, atom, out, eqn)
     if prim is lax.div_p and isinstance(abstracts[0], Gate) and abstracts[1] is None:
         return _with_factor(an, abstracts[0], eqn.inputs[1], out, eqn, reciprocal=True)

@@ -10,7 +10,8 @@ from dataclasses import replace
 
 from jax import lax
 
-from moe_lowering.expert_program import FeatureConcat, FeatureSlice
+from moe_lowering import _compat
+from moe_lowering.expert_program import ExpertMatmul, FeatureConcat, FeatureSlice, topological_nodes
 from moe_lowering.passes.abstract import (
     BROADCAST,
     CHOICE,
@@ -26,10 +27,13 @@ from moe_lowering.passes.abstract import (
     PackedIndices,
     Roles,
     Rows,
+    StackedWeights,
     is_token,
 )
+from moe_lowering.passes.assumptions import SEPARATE_EXPERTS
 from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import ITERATION_ROLE, Analysis, FailedMatch, IndexInBounds, _rows_like, rule
+from moe_lowering.passes.rules_rows import _gated_sum, _style
 
 
 @rule(lax.broadcast_in_dim_p)
@@ -78,6 +82,11 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
                 return replace(value, roles=roles)
         if isinstance(value, (Rows, Combined)):
             return FailedMatch("a reshape merges or splits the axes of expert activations", eqn)
+        if isinstance(value, ExpertIndex):
+            return FailedMatch(
+                f"the routing indices are reshaped {list(eqn.inputs[0].shape)} -> {list(eqn.outputs[0].shape)}, merging "
+                "or splitting their token and choice axes (tokens tiled per choice, say): a one-hot, gather or "
+                "scatter built from them after that is not followed, so no expert is known to be selected", eqn)
         return None
     roles = tuple(ONE if m is None else value.roles[m] for m in mapping)
     return replace(value, roles=roles)
@@ -193,14 +202,8 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
             return FailedMatch(
                 "expert outputs are summed over experts without routing weights (an ensemble, not a routed MoE)", eqn
             )
-        return Combined(kept, value.node, value.tokens, value.gate, style=_style(value), gate_values=(value.gate_value,))
+        return _gated_sum(value, kept, eqn)
     return None
-
-
-def _style(rows: Rows) -> str:
-    return rows.style or {"dense": "one-hot gate", "choice": "gather combine", "single": "per-expert loop", "slot": "capacity"}[
-        rows.space
-    ]
 
 
 @rule(lax.slice_p, lax.dynamic_slice_p)
@@ -229,6 +232,11 @@ def _slice(an: Analysis, eqn: Eqn, abstracts):
     if isinstance(value, Gate) and len(changed) == 1 and value.roles[changed[0]] == EXPERT and out_shape[changed[0]] == 1:
         axis = changed[0]
         return replace(value, roles=value.roles[:axis] + (ONE,) + value.roles[axis + 1 :], expert=starts[axis])
+    if (isinstance(value, Rows) and len(changed) == 1 and value.roles[changed[0]] == EXPERT and value.space == "dense"
+            and value.gate is None and out_shape[changed[0]] == 1):  # xin[:, :, e]: expert e's rows, for a loop
+        axis = changed[0]
+        return replace(value, roles=value.roles[:axis] + (ONE,) + value.roles[axis + 1:], space="single",
+                       expert=starts[axis])
     if isinstance(value, Rows) and len(changed) == 1 and value.roles[changed[0]] == FEATURE:
         axis = changed[0]
         stop = starts[axis] + (out_shape[axis] - 1) * strides[axis] + 1
@@ -265,6 +273,37 @@ def _split(an: Analysis, eqn: Eqn, abstracts):
     return tuple(pieces)
 
 
+@rule(*[p for p in (_compat.stack_p,) if p is not None])
+def _stack(an: Analysis, eqn: Eqn, abstracts):
+    """``jnp.stack([expert_0(x), ..., expert_{E-1}(x)], axis)`` (JAX 0.11+: one primitive)."""
+    if not any(isinstance(a, (Rows, Combined)) for a in abstracts):
+        return None
+    axis = eqn.params["axis"]
+    expanded = [replace(a, roles=a.roles[:axis] + (ONE,) + a.roles[axis:]) if isinstance(a, Rows) else a
+                for a in abstracts]
+    return _stacked_experts(an, eqn, expanded, axis)
+
+
+def _stacked_experts(an: Analysis, eqn: Eqn, pieces, axis: int):
+    """One expert's rows per piece, piece ``e`` computed by expert ``e`` with a unit axis at ``axis``,
+    stacked along it: every (token, expert) pair's rows (the loop's outputs stacked, not summed)."""
+    first = pieces[0]
+    if len(pieces) != an.num_experts or not all(isinstance(p, Rows) and p.space == "single" for p in pieces):
+        return FailedMatch(f"{len(pieces)} values are stacked along an axis of expert activations; only the "
+                           f"{an.num_experts} experts' outputs, one per expert in order, stack into expert rows", eqn)
+    if [p.expert for p in pieces] != list(range(an.num_experts)):
+        return FailedMatch("the experts' outputs are stacked out of order: position e of the stack must hold "
+                           "expert e's", eqn, "expert-program")
+    if any(p.gate is not None or p.roles != first.roles or p.tokens is not first.tokens for p in pieces):
+        return FailedMatch("the stacked expert outputs differ in layout or tokens, or are already weighted", eqn)
+    if any(p.node != first.node for p in pieces):
+        return FailedMatch("the stacked experts do not all compute the same program", eqn, "expert-program")
+    roles = first.roles[:axis] + (EXPERT,) + first.roles[axis + 1:]
+    stacked = any(isinstance(an.params[n.weight].source, StackedWeights) for n in topological_nodes(first.node)
+                  if isinstance(n, ExpertMatmul))
+    return Rows(roles, first.node, "dense", first.tokens, style=SEPARATE_EXPERTS if stacked else first.style)
+
+
 @rule(lax.concatenate_p)
 def _concatenate(an: Analysis, eqn: Eqn, abstracts):
     dim = eqn.params["dimension"]
@@ -272,6 +311,8 @@ def _concatenate(an: Analysis, eqn: Eqn, abstracts):
         first = abstracts[0]
         if all(_rows_like(a, first) for a in abstracts) and first.roles[dim] == FEATURE and first.gate is None:
             return replace(first, node=FeatureConcat(tuple(a.node for a in abstracts)))
+        if first.space == "single" and all(a.roles[dim] == ONE for a in abstracts):  # jnp.stack before JAX 0.11
+            return _stacked_experts(an, eqn, abstracts, dim)
         return FailedMatch("expert activations are concatenated along a token or expert axis", eqn)
     if not all(isinstance(a, (ExpertIndex, Iota)) for a in abstracts):
         return None

@@ -1,4 +1,4 @@
-"""Rules that recognise routing: the anchors (``top_k``, ``argmax``, ``argsort(...)[..., :k]``),
+"""Rules that recognise routing: the anchors (``top_k``, ``approx_max_k``, ``argmax``, ``argsort(...)[..., :k]``),
 the expert indices' arithmetic (casts that keep them, the normalisation of negative indices), their
 range checks (``IndexInBounds``), the one-hot comparison with an iota or an expert number, and the
 iota itself.
@@ -38,7 +38,7 @@ from moe_lowering.passes.match_core import (
 
 
 def find_anchors(graph: JaxprGraph) -> list[RoutingAnchor]:
-    """Routing decisions over the last axis: ``top_k``, ``argmax``, and ``argsort(...)[..., :k]``."""
+    """Routing decisions over the last axis: ``top_k``, ``approx_max_k``, ``argmax``, and ``argsort(...)[..., :k]``."""
     anchors = []
     for eqn in graph.eqns:
         if eqn.primitive is lax.sort_p:
@@ -50,12 +50,29 @@ def find_anchors(graph: JaxprGraph) -> list[RoutingAnchor]:
                 continue
             k = eqn.params["k"]
             anchors.append(RoutingAnchor(eqn, eqn.outputs[1], scores.shape[-1], k, scores.shape[:-1], "top_k"))
+        elif eqn.primitive is lax.approx_top_k_p:
+            anchors.extend(_approx_top_k_anchor(eqn))
         elif eqn.primitive is lax.argmax_p:
             scores = eqn.inputs[0]
             if tuple(eqn.params["axes"]) != (len(scores.shape) - 1,) or len(scores.shape) < 2:
                 continue
             anchors.append(RoutingAnchor(eqn, eqn.outputs[0], scores.shape[-1], 1, scores.shape[:-1], "argmax"))
     return anchors
+
+
+def _approx_top_k_anchor(eqn: Eqn) -> list[RoutingAnchor]:
+    """``lax.approx_max_k`` / ``approx_min_k`` over the last axis. On a CPU or GPU it is an exact top-k; on
+    a TPU its indices may miss some of the true top k (recall below 1). Either way they are k distinct
+    experts per token, and the replacement reads these very indices (the router stays the program's own),
+    so the rewrite is exact whichever experts they name."""
+    scores = eqn.inputs[0]
+    last = len(scores.shape) - 1
+    if eqn.params["reduction_dimension"] not in (-1, last) or last < 1:
+        return []
+    k = eqn.outputs[1].shape[-1]
+    if k != eqn.params["k"]:  # aggregate_to_topk=False: candidates per bin, not k choices
+        return []
+    return [RoutingAnchor(eqn, eqn.outputs[1], scores.shape[-1], k, scores.shape[:-1], "approx_top_k")]
 
 
 def _through_rev(graph: JaxprGraph, value, last: int):

@@ -10,12 +10,27 @@ from __future__ import annotations
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from moe_lowering import _compat
-from moe_lowering.expert_program import Elementwise, Literal, ParamKind, ParamRef, custom_jvp_node, replay_elementwise
+from moe_lowering.expert_program import (
+    CustomJvpCall,
+    Elementwise,
+    ExpertMatmul,
+    FeatureConcat,
+    FeatureSlice,
+    Literal,
+    ParamKind,
+    ParamRef,
+    RowInput,
+    custom_jvp_function,
+    custom_jvp_node,
+    replay_elementwise,
+)
 from moe_lowering.passes.abstract import (
+    BROADCAST,
     CHOICE,
     EXPERT,
     FEATURE,
@@ -28,11 +43,15 @@ from moe_lowering.passes.abstract import (
     Gate,
     GateValue,
     GatheredWeight,
+    PackedIndices,
     Rows,
+    StackedWeights,
     is_token,
+    token_roles,
 )
-from moe_lowering.passes.canonicalize import _params_tuple
-from moe_lowering.passes.graph import Const, Eqn
+from moe_lowering.passes.assumptions import GATE_ON_TOKENS, ONE_HOT_DISPATCH
+from moe_lowering.passes.canonicalize import _params_tuple, identity_annotations
+from moe_lowering.passes.graph import Const, Eqn, Value
 from moe_lowering.passes.match_core import (
     _ELEMENTWISE,
     Analysis,
@@ -73,7 +92,10 @@ def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):
     gates = [a for a in abstracts if isinstance(a, Gate)]
     if gates:
         return _apply_gate(an, eqn, abstracts, first, gates)
-    if first.gate is not None or any(r.gate is not None for r in rows):
+    if first.style == GATE_ON_TOKENS:
+        if isinstance(first.node, RowInput):
+            return _step_before_first_product(eqn)
+    elif first.gate is not None or any(r.gate is not None for r in rows):
         if prim is lax.convert_element_type_p:
             return replace(first, node=_elementwise_node(an, eqn, abstracts, first))
         return FailedMatch(
@@ -186,6 +208,232 @@ def _apply_gate(an: Analysis, eqn: Eqn, abstracts, rows: Rows, gates):
     return FailedMatch("routing weights do not line up with the expert activations' token and expert axes", eqn)
 
 
+def _gated_tokens(an: Analysis, gate: Gate, gate_atom, atom, out) -> Rows | None:
+    """``x[t.., None, :] * G[t.., E, None]`` (``repeat(x[:, None], E, 1) * G[..., None]``): the tokens,
+    broadcast along the experts, scaled by the ``[tokens, E]`` routing weights before any expert
+    product. Rows of every (token, expert) pair whose input is the gated token (``GATE_ON_TOKENS``);
+    ``None`` if ``atom`` is not the tokens broadcast along the gate's expert axis."""
+    if gate.boolean or gate.expert is not None or CHOICE in gate.roles or EXPERT not in gate.roles:
+        return None
+    source, mapping = _unit_view(an.graph, atom)
+    tokens = token_roles(len(an.token_shape))
+    if not isinstance(source, Value) or tuple(source.shape[:-1]) != tuple(an.token_shape):
+        return None
+    roles = [None] * len(out.shape)
+    for dim, out_dim in enumerate(mapping):
+        if out_dim is None:
+            continue
+        roles[out_dim] = FEATURE if dim == len(source.shape) - 1 else tokens[dim]
+    if mapping[-1] is None or gate.roles[mapping[-1]] not in (ONE, BROADCAST):
+        return None
+    for d, role in enumerate(roles):
+        if role is None:
+            roles[d] = EXPERT if gate.roles[d] == EXPERT else ONE
+        if roles[d] == ONE and out.shape[d] != 1:
+            return None
+    roles = tuple(roles)
+    if EXPERT not in roles or not _compatible(gate.roles, roles) or any(
+            is_token(g) and g != r for g, r in zip(gate.roles, roles)):
+        return None
+    return gated_token_rows(roles, source, gate, gate_atom)
+
+
+def gated_token_rows(roles, tokens, gate: Gate, gate_atom) -> Rows:
+    """The tokens times a ``[tokens, E]`` gate, as rows: routing weights (``GATE_ON_TOKENS``, the weight
+    carried into the rows), or a bare one-hot mask, 1 at the chosen experts (``ONE_HOT_DISPATCH``: the rows
+    are the tokens themselves, the weights come at the combine)."""
+    if not gate.factors:
+        return Rows(roles, RowInput(), "dense", tokens, style=ONE_HOT_DISPATCH)
+    return Rows(roles, RowInput(), "dense", tokens, gate=gate, gate_value=GateValue(gate_atom, gate.roles),
+                style=GATE_ON_TOKENS)
+
+
+def _unit_view(graph, atom) -> tuple:
+    """The value ``atom`` is a broadcast of (through broadcasts, reshapes that add or drop unit axes and
+    annotations), and for each of that value's dims the dim of ``atom`` it became (None: a unit dim dropped)."""
+    mapping = list(range(len(atom.shape)))
+    while isinstance(atom, Value):
+        eqn = graph.producer.get(atom)
+        if eqn is None:
+            break
+        source = eqn.inputs[0]
+        if eqn.primitive in identity_annotations():
+            inner = list(range(len(source.shape)))
+        elif eqn.primitive is lax.broadcast_in_dim_p:
+            inner = list(eqn.params["broadcast_dimensions"])
+        elif eqn.primitive is lax.reshape_p and _unit_map(source.shape, atom.shape) is not None:
+            inner = _unit_map(source.shape, atom.shape)
+        elif eqn.primitive is lax.reduce_sum_p and all(source.shape[a] == 1 for a in eqn.params["axes"]):
+            inner = _unit_map(source.shape, atom.shape)  # a sum over unit axes drops them
+        else:
+            break
+        mapping = [None if d is None else mapping[d] for d in inner]
+        atom = source
+    return atom, mapping
+
+
+def _unit_map(in_shape, out_shape) -> list | None:
+    """For a reshape that only adds or drops unit dims: each input dim's output dim (None: dropped)."""
+    src = [i for i, s in enumerate(in_shape) if s != 1]
+    dst = [i for i, s in enumerate(out_shape) if s != 1]
+    if [in_shape[i] for i in src] != [out_shape[i] for i in dst]:
+        return None
+    mapping: list = [None] * len(in_shape)
+    for i, j in zip(src, dst):
+        mapping[i] = j
+    return mapping
+
+
+def _step_before_first_product(eqn: Eqn) -> FailedMatch:
+    return FailedMatch(
+        f"the routing weights scale the tokens (x * G[t, e]) and `{eqn.primitive}` follows before any product with "
+        "an expert weight: the weight cannot be carried into the sorted rows of a layer whose experts do not "
+        "begin with their weight", eqn, "gate-moves-into-rows")
+
+
+def _gated_sum(rows: Rows, roles, eqn: Eqn):
+    """The layer output from gated rows summed over the experts (or choices): ``Combined``, or for rows
+    of gated tokens, where every unrouted expert ran on a zero row, why that sum is not the routed one."""
+    if rows.style == GATE_ON_TOKENS:
+        unknown = _nonzero_on_zero_rows(rows.node, rows.tokens.dtype)
+        if unknown is not None:
+            return FailedMatch(
+                "the routing weights scale the tokens, so every expert also runs on the zero rows of the experts a "
+                f"token did not choose, and the dense layer sums those outputs too; the expert program is not "
+                f"provably zero, with a finite derivative, on a zero row ({unknown})", eqn, "unrouted-experts-vanish")
+    if rows.style == ONE_HOT_DISPATCH:
+        unknown = _nonzero_on_zero_rows(rows.node, rows.tokens.dtype, need_zero=False)
+        if unknown is not None:
+            return FailedMatch(
+                "the tokens are masked per expert (a one-hot dispatch), so every expert also runs on the zero rows of "
+                "the experts a token did not choose, whose outputs the gate multiplies by zero; the expert program is "
+                f"not provably finite, with a finite derivative, on a zero row ({unknown})", eqn,
+                "unrouted-experts-finite")
+    return Combined(roles, rows.node, rows.tokens, rows.gate, style=_style(rows), gate_values=(rows.gate_value,))
+
+
+def _style(rows: Rows) -> str:
+    return rows.style or {"dense": "one-hot gate", "choice": "gather combine", "single": "per-expert loop", "slot": "capacity"}[
+        rows.space
+    ]
+
+
+def _nonzero_on_zero_rows(output, dtype, need_zero: bool = True) -> str | None:
+    """``None`` if the program ``output`` gives exactly zero (``need_zero``; else any finite value) on a zero
+    row, every step finite there with finite partial derivatives (so a zero tangent stays zero); else what
+    is not known to."""
+    values: dict = {}
+
+    def value(node):  # a [1]-shaped array, or None where it depends on a weight or bias
+        if isinstance(node, Literal):
+            return jnp.asarray(node.value)
+        if isinstance(node, ParamRef):
+            return None
+        if id(node) not in values:
+            values[id(node)] = evaluate(node)
+        return values[id(node)]
+
+    def evaluate(node):
+        if isinstance(node, RowInput):
+            return jnp.zeros((1,), dtype)
+        if isinstance(node, ExpertMatmul):
+            source = value(node.source)
+            zero = source is not None and not np.any(source)
+            return jnp.zeros((1,), node.preferred_element_type or source.dtype) if zero else None
+        if isinstance(node, FeatureSlice):
+            return value(node.source)
+        if isinstance(node, FeatureConcat):
+            parts = [value(s) for s in node.sources]
+            return parts[0] if all(p is not None and not np.any(p) for p in parts) else None
+        operands = [value(o) for o in node.operands]
+        is_mul = isinstance(node, Elementwise) and node.primitive is lax.mul_p
+        if any(o is None for o in operands):  # a weight or bias times zero is zero (weights are finite)
+            zero = next((o for o in operands if o is not None and not np.any(o)), None)
+            return jnp.zeros((1,), zero.dtype) if is_mul and zero is not None else None
+        fn = custom_jvp_function(node) if isinstance(node, CustomJvpCall) else (
+            lambda *args: node.primitive.bind(*args, **dict(node.params)))
+        try:
+            out = fn(*operands)
+            for i, operand in enumerate(operands):
+                if not jnp.issubdtype(operand.dtype, jnp.inexact):
+                    continue
+                tangents = [jnp.zeros_like(o) if j != i else jnp.ones_like(o) for j, o in enumerate(operands)
+                            if jnp.issubdtype(o.dtype, jnp.inexact)]
+                inexact = [o for o in operands if jnp.issubdtype(o.dtype, jnp.inexact)]
+                _, partial = jax.jvp(lambda *f: fn(*_fill(operands, f)), inexact, tangents)
+                if not np.all(np.isfinite(partial)):
+                    return None
+        except Exception:  # a step that cannot be evaluated on its own: not known to vanish
+            return None
+        return out if np.all(np.isfinite(out)) else None
+
+    with jax.ensure_compile_time_eval():  # matching runs under the user's trace: evaluate now, on concrete zeros
+        out = value(output)
+        out = None if out is None else np.asarray(out)
+    if out is None or (need_zero and np.any(out)):
+        return "a bias, a per-expert value or a step that is not finite there" if out is None else (
+            f"it gives {np.asarray(out).reshape(-1)[0]}")
+    return None
+
+
+def _fill(operands, inexact):
+    """``operands`` with its inexact entries replaced, in order, by ``inexact``."""
+    it = iter(inexact)
+    return [next(it) if jnp.issubdtype(o.dtype, jnp.inexact) else o for o in operands]
+
+
+def separate_expert_weights(an: Analysis) -> dict:
+    """Experts kept as E separate modules: E computations of one shape, stacked (``jnp.stack``), each
+    reading weights of its own. Each such weight becomes expert ``e``'s slice of one ``StackedWeights``
+    (``w[e]``, as the loop style reads a stacked weight), so the expert rules follow the computations
+    and the stack rule checks they are one program. Values every piece shares (the tokens) stay plain."""
+    graph = an.graph
+    seeds: dict = {}
+    for eqn in graph.eqns:
+        pieces = _stack_pieces(eqn)
+        if len(pieces) != an.num_experts or an.num_experts < 2:
+            continue
+        leaves = [_leaf_inputs(graph, piece) for piece in pieces]
+        if len({len(found) for found in leaves}) != 1:
+            continue
+        for column in zip(*leaves):
+            if all(v is column[0] for v in column):
+                continue  # shared by every expert: the tokens, a constant
+            distinct = len({id(v) for v in column}) == len(column) and not any(v in seeds for v in column)
+            if not distinct or any(v.shape != column[0].shape or v.dtype != column[0].dtype for v in column):
+                continue
+            stacked = StackedWeights(tuple(column))
+            for expert, value in enumerate(column):
+                seeds[value] = ExpertParamSlice(stacked, 0, expert, tuple(range(1, len(value.shape) + 1)))
+    return seeds
+
+
+def _stack_pieces(eqn: Eqn) -> tuple:
+    """The values ``eqn`` stacks along a new axis: a ``stack``, or a concatenate of unit-axis pieces."""
+    if _compat.stack_p is not None and eqn.primitive is _compat.stack_p:
+        return tuple(eqn.inputs)
+    if eqn.primitive is lax.concatenate_p and all(
+            isinstance(a, Value) and a.shape[eqn.params["dimension"]] == 1 for a in eqn.inputs):
+        return tuple(eqn.inputs)
+    return ()
+
+
+def _leaf_inputs(graph, value) -> list:
+    """The program inputs ``value`` is computed from, in the order a depth-first walk meets them."""
+    leaves, seen, stack = [], set(), [value]
+    while stack:
+        atom = stack.pop()
+        if not isinstance(atom, Value) or atom in seen:
+            continue
+        seen.add(atom)
+        eqn = graph.producer.get(atom)
+        if eqn is None:
+            leaves.append(atom)
+        else:
+            stack.extend(reversed(eqn.inputs))
+    return leaves
+
+
 def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
     """Per-expert contributions summed one by one (the loop style)."""
     if eqn.primitive is not lax.add_p:
@@ -210,8 +458,16 @@ def _gather(an: Analysis, eqn: Eqn, abstracts):
     rows, index = abstracts[0], abstracts[1]
     if rows is None and isinstance(index, ExpertIndex):
         return _gathered_weight(an, eqn, index)
+    if rows is None and isinstance(index, PackedIndices) and EXPERT in index.components:
+        return FailedMatch(
+            f"a gather by the routing indices and the token positions reads a {list(eqn.inputs[0].shape)} value that is "
+            "not known as expert outputs: it is not computed by products of the tokens with one weight of expert "
+            f"axis E={an.num_experts} (or its w[e] slices); experts kept as separate weight arrays and stacked after "
+            "their products are not recognised", eqn)
     if not isinstance(rows, Rows):
         return None
+    if rows.space == "dense" and rows.gate is None and isinstance(index, PackedIndices):
+        return _gather_by_expert_and_token(eqn, rows, index)
     if rows.space != "dense" or rows.gate is not None or not isinstance(index, ExpertIndex):
         return FailedMatch("a gather of expert activations by something other than the routing indices", eqn)
     dnums = eqn.params["dimension_numbers"]
@@ -233,7 +489,27 @@ def _gather(an: Analysis, eqn: Eqn, abstracts):
     roles, b, o = [], iter(batch_roles), iter(offset_src)
     for d in range(out_rank):
         roles.append(rows.roles[next(o)] if d in offset_dims else next(b))
-    return Rows(tuple(roles), rows.node, "choice", rows.tokens)
+    return Rows(tuple(roles), rows.node, "choice", rows.tokens, style=rows.style)
+
+
+def _gather_by_expert_and_token(eqn: Eqn, rows: Rows, index: PackedIndices):
+    """``outs[idx, arange(T)[:, None], :]`` of rows ``[E, T, D]``: each (token, choice) reads its own token's
+    row of its chosen expert. Every expert and token axis of the rows is addressed by the index component
+    of the same role (the routing indices, an iota over that token axis), the features are whole slices."""
+    dnums = eqn.params["dimension_numbers"]
+    start_map = tuple(dnums.start_index_map)
+    addressed = [rows.roles[d] for d in start_map]
+    whole = [d for d in range(len(rows.roles)) if d not in start_map]
+    if (addressed != list(index.components) or sorted(dnums.collapsed_slice_dims) != sorted(start_map)
+            or getattr(dnums, "operand_batching_dims", ()) or any(is_token(rows.roles[d]) for d in whole)):
+        return FailedMatch("a gather of expert activations that does not read each token's own row of its "
+                           "chosen expert", eqn)
+    if any(eqn.params["slice_sizes"][d] != eqn.inputs[0].shape[d] for d in whole):
+        return FailedMatch("a gather of partial expert activations", eqn)
+    roles, batch, offsets = [], iter(index.roles), iter(whole)
+    for d in range(len(eqn.outputs[0].shape)):
+        roles.append(rows.roles[next(offsets)] if d in tuple(dnums.offset_dims) else next(batch))
+    return Rows(tuple(roles), rows.node, "choice", rows.tokens, style=rows.style)
 
 
 def _gathered_weight(an: Analysis, eqn: Eqn, index: ExpertIndex):
@@ -275,7 +551,9 @@ def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
         return None
     name = _compat.custom_jvp_name(eqn.params)
     first = rows[0]
-    if any(not _rows_like(r, first) for r in rows) or first.gate is not None:
+    if first.style == GATE_ON_TOKENS and isinstance(first.node, RowInput):
+        return _step_before_first_product(eqn)
+    if any(not _rows_like(r, first) for r in rows) or (first.gate is not None and first.style != GATE_ON_TOKENS):
         return FailedMatch(f"custom_jvp function `{name}` mixes expert activations or follows the routing weights", eqn, "expert-program")
     if len(eqn.outputs) != 1 or eqn.params.get("num_consts", 0):
         return FailedMatch(f"custom_jvp function `{name}` has several outputs or closed-over values", eqn, "expert-program")

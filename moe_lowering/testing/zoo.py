@@ -62,8 +62,10 @@ class ZooModel:
     ``top_k``, ``num_experts`` and ``capacity`` describe the default sizes (``capacity`` is None
     for dropless models). ``hyper`` holds the static routing hyperparameters ``sized`` accepts.
     ``style`` is the idiom: ``mixtral`` (one-hot or scatter ``[T, E]`` combine of dense experts),
-    ``deepseek``, ``capacity`` (Switch/GShard ``[T, E, C]`` dispatch), ``hf_loop``, ``gather`` or
-    ``negative``.
+    ``deepseek``, ``capacity`` (Switch/GShard ``[T, E, C]`` dispatch), ``hf_loop``, ``gather``,
+    ``gate_on_tokens`` (the routing weights scale the tokens before the experts), ``one_hot_dispatch``
+    (the tokens masked per expert, a loop's outputs stacked), ``separate_experts``
+    (E expert modules with weight arrays of their own) or ``negative``.
     """
 
     name: str
@@ -813,6 +815,90 @@ def build_gathered_weights(sizes: Sizes = Sizes()) -> ZooModel:
     )
 
 
+def _gate_on_tokens_fn(k: int):
+    def gate_on_tokens(params, x):
+        """The gate applied to the tokens before the experts: a gated copy of every token per expert,
+        ``repeat(x[:, None], E, 1) * G[..., None]``, SwiGLU experts over ``[T, E, d]``, a sum over E
+        (sigmoid scores, top-k; the weights reach the experts' input, not their output)."""
+        num_experts = params["router"].shape[-1]
+        weights, idx = lax.top_k(jax.nn.sigmoid(x @ params["router"]), k)
+        gate = _onehot_combine(weights, idx, num_experts, x.dtype)  # [T, E]
+        gated = jnp.repeat(x[:, None], num_experts, 1) * gate[..., None]  # [T, E, d]
+        hidden = jax.nn.silu(jnp.einsum("ted,edf->tef", gated, params["w_gate"])) * jnp.einsum(
+            "ted,edf->tef", gated, params["w_up"])
+        return jnp.einsum("tef,efd->ted", hidden, params["w_down"]).sum(axis=1)
+
+    return gate_on_tokens
+
+
+def build_gate_on_tokens(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="gate_on_tokens", fn=_gate_on_tokens_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_token_inputs(sizes), expected_regions=1, style="gate_on_tokens", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_gate_on_tokens,
+        notes="sigmoid -> top_k; repeat(x[:, None], E, 1) * G[..., None] gates the tokens before SwiGLU "
+              "experts over [T, E, d]; a sum over E.",
+    )
+
+
+def _one_hot_dispatch_loop_fn(k: int):
+    def one_hot_dispatch_loop(params, x):
+        """A per-expert Python loop over one-hot dispatched tokens, its outputs stacked: the mask
+        ``[B, S, E, k]`` masks each token per expert (``'BTID,BTEK->BTED'``), expert ``i`` runs on
+        ``xin[:, :, i]`` with ``w[i]``, ``jnp.stack(..., axis=2)``, and ``'BTED,BTEK->BTD'`` against the
+        mask times the weights combines."""
+        num_experts = params["router"].shape[-1]
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        mask = jnp.swapaxes(jax.nn.one_hot(idx, num_experts, dtype=x.dtype), -1, -2)  # [B, S, E, k]
+        xin = jnp.einsum("BTID,BTEK->BTED", x[:, :, None], mask)
+        outs = [(jax.nn.silu(xin[:, :, i] @ params["w_gate"][i]) * (xin[:, :, i] @ params["w_up"][i]))
+                @ params["w_down"][i] for i in range(num_experts)]
+        return jnp.einsum("BTED,BTEK->BTD", jnp.stack(outs, axis=2), mask * weights.astype(x.dtype)[:, :, None, :])
+
+    return one_hot_dispatch_loop
+
+
+def build_one_hot_dispatch_loop(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="one_hot_dispatch_loop", fn=_one_hot_dispatch_loop_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_bsd_inputs(sizes), expected_regions=1, style="one_hot_dispatch", top_k=sizes.k, num_experts=sizes.E,
+        capacity=None, sizes=sizes, builder=build_one_hot_dispatch_loop,
+        notes="[B, S, d] tokens masked per expert by a one-hot dispatch einsum, a Python loop over experts on "
+              "xin[:, :, i] with w[i], outputs stacked on axis 2, an einsum combine against mask * weights.",
+    )
+
+
+def _separate_experts_fn(k: int):
+    def separate_experts(params, x):
+        """Experts as E separate modules, each with weight arrays of its own (a list of Flax-style
+        submodules' params): every expert's output stacked ``[E, T, d]``, each (token, choice) picking its
+        own with ``outs[idx, t, :]``, weighted and summed over k."""
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        outs = jnp.stack([(jax.nn.silu(x @ expert["w_gate"]) * (x @ expert["w_up"])) @ expert["w_down"]
+                          for expert in params["experts"]])  # [E, T, d]
+        chosen = outs[idx, jnp.arange(x.shape[0])[:, None], :]  # [T, k, d]
+        return jnp.sum(chosen * weights.astype(x.dtype)[..., None], axis=1)
+
+    return separate_experts
+
+
+def _separate_experts_params(sizes):
+    d, f = sizes.d, sizes.f
+    return {"router": _weight((d, sizes.E), d), "experts": [
+        {"w_gate": _weight((d, f), d), "w_up": _weight((d, f), d), "w_down": _weight((f, d), f)} for _ in range(sizes.E)]}
+
+
+def build_separate_experts(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="separate_experts", fn=_separate_experts_fn(sizes.k),
+        make_params=_params_maker(sizes, _separate_experts_params), make_inputs=_token_inputs(sizes),
+        expected_regions=1, style="separate_experts", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+        builder=build_separate_experts,
+        notes="E expert modules with weights of their own, outputs stacked [E, T, d], outs[idx, t, :] picks each "
+              "choice's; the rewrite stacks the weights on every call.",
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Several layers: two layers in one function, and a scan over stacked layers.
 
@@ -1035,6 +1121,9 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "hf_loop": build_hf_loop,
     "gather_combine": build_gather_combine,
     "gathered_weights": build_gathered_weights,
+    "gate_on_tokens": build_gate_on_tokens,
+    "one_hot_dispatch_loop": build_one_hot_dispatch_loop,
+    "separate_experts": build_separate_experts,
     "two_layers": build_two_layers,
     "scan_layers": build_scan_layers,
     **({"flax_moe": build_flax_moe} if nn is not None else {}),

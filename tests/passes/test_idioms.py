@@ -390,3 +390,274 @@ def test_experts_applied_with_vmap_keep_their_custom_derivative(activation):
     assert rewritten_exactly(layer, params, x)
     x = x.at[0, :].set(0.0)  # relu'(0): the rule's value, not autodiff's of max(x, 0)
     assert rewritten_exactly(layer, params, x)
+
+
+# --------------------------------------------------------------------------- the gate applied to the tokens
+
+
+def _gate_on_tokens(body=None, k=2, scores=jax.nn.sigmoid, combine="sum"):
+    """``xe = repeat(x[:, None], E, 1) * G[..., None]`` (the zoo's ``gate_on_tokens``), the experts on
+    ``[T, E, d]``, a sum over E (``combine="einsum"``: folded into the down-projection,
+    'tef,efd->td'). ``body(xe, params) -> [T, E, f]`` replaces the SwiGLU up-projection."""
+
+    def swiglu(gated, params):
+        return jax.nn.silu(jnp.einsum("ted,edf->tef", gated, params["w_gate"])) * jnp.einsum(
+            "ted,edf->tef", gated, params["w_up"])
+
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        weights, index = lax.top_k(scores(x @ params["router"]), k)
+        gate = (jax.nn.one_hot(index, num_experts, dtype=x.dtype) * weights[..., None]).sum(-2)
+        gated = jnp.repeat(x[:, None], num_experts, 1) * gate[..., None]
+        hidden = (body or swiglu)(gated, params)
+        if combine == "einsum":
+            return jnp.einsum("tef,efd->td", hidden, params["w_down"])
+        return jnp.einsum("tef,efd->ted", hidden, params["w_down"]).sum(axis=1)
+
+    return layer
+
+
+@pytest.mark.parametrize("k, scores, combine", [(1, jax.nn.sigmoid, "sum"), (2, jax.nn.softmax, "einsum"),
+                                                (2, jax.nn.sigmoid, "sum")], ids=["top1-sigmoid", "top2-softmax-einsum",
+                                                                                   "top2-sigmoid"])
+def test_a_gate_on_the_tokens_is_carried_into_the_rows(k, scores, combine):
+    """The weight scales each routed copy before the (nonlinear) expert: moving it to the combine
+    would be wrong, so this also checks where the rewrite puts it."""
+    params, x = _params(jax.random.key(20)), jax.random.normal(jax.random.key(21), (16, 8))
+    layer = _gate_on_tokens(k=k, scores=scores, combine=combine)
+    assert explain(layer, params, x).regions[0].style == "gate on tokens"
+    assert rewritten_exactly(layer, params, x)
+
+
+def test_a_gate_on_the_tokens_with_relu_experts_keeps_relu_s_derivative():
+    params, x = _params(jax.random.key(22)), jax.random.normal(jax.random.key(23), (16, 8))
+    layer = _gate_on_tokens(lambda gated, p: jax.nn.relu(jnp.einsum("ted,edf->tef", gated, p["w_up"])))
+    assert rewritten_exactly(layer, params, x)
+
+
+@pytest.mark.parametrize("body, reason", [
+    (lambda gated, p: jnp.einsum("ted,edf->tef", jax.nn.gelu(gated), p["w_up"]), "follows before any product"),
+    (lambda gated, p: jnp.einsum("ted,edf->tef", jnp.tanh(gated), p["w_up"]), "follows before any product"),
+    (lambda gated, p: jax.nn.relu(jnp.einsum("ted,edf->tef", gated, p["w_up"]) + p["w_gate"][:, 0]),
+     "not provably zero"),
+    (lambda gated, p: jnp.exp(jnp.einsum("ted,edf->tef", gated, p["w_up"])), "not provably zero"),
+    (lambda gated, p: 1.0 / jnp.einsum("ted,edf->tef", gated, p["w_up"]), "not provably zero"),
+    (lambda gated, p: jnp.sqrt(jnp.abs(jnp.einsum("ted,edf->tef", gated, p["w_up"]))), "not provably zero"),
+], ids=["gelu-first", "tanh-first", "bias", "exp", "reciprocal", "sqrt"])
+def test_a_gate_on_the_tokens_declines_where_unrouted_experts_do_not_vanish(body, reason):
+    """Every expert runs on the gated copy x * G[t, e], zero off the chosen experts: where the body
+    is not zero there (a bias, exp), or has an infinite derivative (sqrt), or an activation comes before
+    the first product, the dense sum over all E is not the routed sum."""
+    params, x = _params(jax.random.key(24)), jax.random.normal(jax.random.key(25), (16, 8))
+    declined_because(_gate_on_tokens(body), params, x, reason)
+
+
+# --------------------------------------------------------------------------- experts as separate modules
+
+
+def _separate_modules(params):
+    """``_params`` as a list of E expert modules, each with weight arrays of its own."""
+    experts = [{name: params[name][e] for name in ("w_gate", "w_up", "w_down")}
+               for e in range(params["router"].shape[-1])]
+    return {"router": params["router"], "experts": experts}
+
+
+def _separate(pick="gather", body=None, order=None):
+    """The zoo's ``separate_experts``: every module's output stacked, each choice picking its own
+    (``pick="gather"``: ``outs[idx, t, :]``; ``"one-hot"``: a ``[T, E]`` gate against ``[T, E, d]``)."""
+
+    def swiglu(x, expert):
+        return (jax.nn.silu(x @ expert["w_gate"]) * (x @ expert["w_up"])) @ expert["w_down"]
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        experts = params["experts"]
+        outs = [(body or swiglu)(x, experts[e], e) if body else swiglu(x, experts[e]) for e in range(len(experts))]
+        outs = [outs[e] for e in (order or range(len(outs)))]
+        if pick == "one-hot":
+            gate = (jax.nn.one_hot(index, len(experts)) * weights[..., None]).sum(1)
+            return jnp.einsum("te,ted->td", gate, jnp.stack(outs, axis=1))
+        tokens = jnp.arange(x.shape[0])[:, None] if pick == "gather" else (jnp.arange(x.shape[0])[:, None] + 1) % 16
+        return jnp.sum(jnp.stack(outs)[index, tokens, :] * weights[..., None], axis=1)
+
+    return layer
+
+
+@pytest.mark.parametrize("pick", ["gather", "one-hot"])
+def test_experts_as_separate_modules_are_stacked_and_rewritten(pick):
+    params, x = _separate_modules(_params(jax.random.key(26))), jax.random.normal(jax.random.key(27), (16, 8))
+    assert rewritten_exactly(_separate(pick), params, x)
+    [region] = explain(_separate(pick), params, x).regions
+    assert region.style == "separate expert weights"
+    assert region.stacked_weight_bytes == 3 * 4 * 8 * 16 * 4  # three [E, 8, 16] float32 weights, copied per call
+    assert "stacked on every call" in str(region.summary())
+
+
+def test_a_loop_over_slices_of_one_weight_stacked_and_gathered_is_rewritten():
+    """``jnp.stack([expert(x, w[e]) for e])[idx, t]``: the loop style's slices, stacked rather than summed."""
+    params, x = _params(jax.random.key(28)), jax.random.normal(jax.random.key(29), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        outs = jnp.stack([jax.nn.gelu(x @ params["w_up"][e]) @ params["w_down"][e] for e in range(4)])
+        return jnp.sum(outs[index, jnp.arange(16)[:, None], :] * weights[..., None], axis=1)
+
+    assert rewritten_exactly(layer, params, x)
+    assert explain(layer, params, x).regions[0].stacked_weight_bytes == 0
+
+
+def test_separate_modules_stacked_in_another_order_stay_exact():
+    """Stacked in reverse, module E-1-e sits at position e; the stacked weight follows the stack."""
+    params, x = _separate_modules(_params(jax.random.key(30))), jax.random.normal(jax.random.key(31), (16, 8))
+    assert rewritten_exactly(_separate(order=[3, 2, 1, 0]), params, x)
+
+
+def test_slices_of_one_weight_stacked_out_of_order_decline():
+    params, x = _params(jax.random.key(28)), jax.random.normal(jax.random.key(29), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        outs = jnp.stack([jax.nn.gelu(x @ params["w_up"][e]) @ params["w_down"][e] for e in (1, 0, 2, 3)])
+        return jnp.sum(outs[index, jnp.arange(16)[:, None], :] * weights[..., None], axis=1)
+
+    declined_because(layer, params, x, "stacked out of order")
+
+
+def _other_activation_for_expert_2(x, expert, e):
+    activation = jax.nn.gelu if e == 2 else jax.nn.silu
+    return (activation(x @ expert["w_gate"]) * (x @ expert["w_up"])) @ expert["w_down"]
+
+
+@pytest.mark.parametrize("pick, body, reason", [
+    ("shifted", None, "something other than the routing indices"),
+    ("gather", _other_activation_for_expert_2, "same program"),
+], ids=["another-token-s-row", "one-expert-another-body"])
+def test_separate_modules_that_are_not_one_routed_layer_decline(pick, body, reason):
+    params, x = _separate_modules(_params(jax.random.key(32))), jax.random.normal(jax.random.key(33), (16, 8))
+    declined_because(_separate(pick, body), params, x, reason)
+
+
+def test_separate_modules_reading_one_array_twice_decline():
+    """Expert 1 reads expert 0's up-projection: the arrays are not E weights of one expert each."""
+    params, x = _separate_modules(_params(jax.random.key(32))), jax.random.normal(jax.random.key(33), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        experts = params["experts"]
+        outs = jnp.stack([(jax.nn.silu(x @ experts[e]["w_gate"]) * (x @ experts[0 if e == 1 else e]["w_up"]))
+                          @ experts[e]["w_down"] for e in range(4)])
+        return jnp.sum(outs[index, jnp.arange(16)[:, None], :] * weights[..., None], axis=1)
+
+    declined_because(layer, params, x, "same program")
+
+
+# --------------------------------------------------------------------------- a one-hot dispatch and a loop, stacked
+
+
+def _dispatch_loop(expert_of=lambda i: i, body=None, order=None, input_weights=False):
+    """The zoo's ``one_hot_dispatch_loop`` on ``[B, S, d]`` tokens, with hooks for the negatives: the
+    weight slice expert ``i`` reads, its body, the stacking order, routing weights in the dispatch mask."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        mask = jnp.swapaxes(jax.nn.one_hot(index, 4, dtype=x.dtype), -1, -2)  # [B, S, E, k]
+        dispatch = mask * weights[:, :, None, :] if input_weights else mask
+        xin = jnp.einsum("BTID,BTEK->BTED", x[:, :, None], dispatch)
+
+        def expert(i):
+            h = xin[:, :, i] @ params["w_up"][expert_of(i)]
+            return (body(h) if body else jax.nn.gelu(h)) @ params["w_down"][expert_of(i)]
+
+        outs = jnp.stack([expert(i) for i in (order or range(4))], axis=2)
+        return jnp.einsum("BTED,BTEK->BTD", outs, mask * weights[:, :, None, :])
+
+    return layer
+
+
+def test_a_one_hot_dispatch_with_a_stacked_loop_is_rewritten():
+    params, x = _params(jax.random.key(34)), jax.random.normal(jax.random.key(35), (2, 8, 8))
+    assert rewritten_exactly(_dispatch_loop(), params, x)
+    assert explain(_dispatch_loop(), params, x).regions[0].style == "one-hot dispatch"
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (dict(expert_of=lambda i: (i + 1) % 4), "another expert's weight"),
+    (dict(order=[1, 0, 2, 3]), "stacked out of order"),
+    (dict(body=lambda h: 1.0 / h), "not provably finite"),
+    (dict(body=lambda h: jnp.log(jnp.abs(h))), "not provably finite"),
+    (dict(input_weights=True), "sliced along a token or expert axis"),
+], ids=["other-expert-s-weight", "out-of-order", "reciprocal", "log", "weights-at-both-ends"])
+def test_a_one_hot_dispatch_that_is_not_the_routed_layer_declines(variant, reason):
+    """Unchosen experts run on zero rows and the combine multiplies them by zero: 1/h or log|h| there is
+    inf, and 0 * inf is NaN in the dense layer, so the body must be finite on a zero row."""
+    params, x = _params(jax.random.key(36)), jax.random.normal(jax.random.key(37), (2, 8, 8))
+    declined_because(_dispatch_loop(**variant), params, x, reason)
+
+
+# --------------------------------------------------------------------------- approx_max_k; idioms still declined
+
+
+def test_approx_max_k_routing_is_read_like_top_k():
+    """On a CPU ``approx_max_k`` is an exact top-k; anywhere, the rewrite reads its own indices."""
+    params, x = _params(jax.random.key(38)), jax.random.normal(jax.random.key(39), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+        gate = (jax.nn.one_hot(index, 4) * weights[..., None]).sum(1)
+        hidden = jax.nn.gelu(jnp.einsum("td,edf->tef", x, params["w_up"]))
+        return jnp.einsum("te,ted->td", gate, jnp.einsum("tef,efd->ted", hidden, params["w_down"]))
+
+    assert rewritten_exactly(layer, params, x)
+    assert explain(layer, params, x).regions[0].location
+
+
+def _tiled_per_choice(params, x):
+    """Tokens tiled per choice ``[T*k, d]``, every expert on every copy, then each copy's own expert
+    selected by a one-hot of the flattened indices (not recognised yet)."""
+    weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+    tiled = jnp.repeat(x, 2, axis=0)
+    select = jax.nn.one_hot(index.reshape(-1), 4, axis=0)  # [E, T*k]
+
+    def product(a, w):
+        return jnp.einsum("bm,bmn->mn", select, jnp.einsum("mk,bkn->bmn", a, w))
+
+    out = product(jax.nn.gelu(product(tiled, params["w_up"])), params["w_down"]).reshape(16, 2, -1)
+    return jnp.sum(out * weights[..., None], axis=1)
+
+
+def _sorted_range_mask(params, x):
+    """approx_max_k routing, copies argsorted by expert, every expert on every sorted copy, each copy's
+    own expert kept by ``start_e <= i < end_e`` (not recognised yet)."""
+    weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+    flat = index.reshape(-1)
+    order = jnp.argsort(flat)
+    copies = jnp.repeat(x, 2, axis=0)[order]
+    counts = jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0)
+    end = jnp.cumsum(counts)
+    position = jnp.arange(flat.shape[0])
+    in_range = ((end - counts)[:, None] <= position) & (position < end[:, None])  # [E, T*k]
+    out = jnp.einsum("enf,efd->end", jax.nn.gelu(jnp.einsum("nd,edf->enf", copies, params["w_up"])), params["w_down"])
+    out = jnp.sum(out * in_range[..., None], axis=0)[jnp.argsort(order)].reshape(16, 2, -1)
+    return jnp.einsum("lkd,lk->ld", out, weights)
+
+
+@pytest.mark.parametrize("layer", [_tiled_per_choice, _sorted_range_mask], ids=["tiled-per-choice", "sorted-range-mask"])
+def test_idioms_not_yet_recognised_say_where_the_indices_were_lost(layer):
+    """explain names what it found (a reshape merging the indices' token and choice axes), never that
+    no one-hot or gather is built from them (they are)."""
+    params, x = _params(jax.random.key(40)), jax.random.normal(jax.random.key(41), (16, 8))
+    declined_because(layer, params, x, "merging or splitting their token and choice axes")
+    assert "never select experts" not in str(explain(layer, params, x))
+
+
+def test_separate_arrays_gathered_by_something_other_than_stacked_products_say_so():
+    """``outs[idx, t]`` of a value no expert product computes: the gather by the routing indices is
+    found (explain must not say there is none), what is missing is the experts' weights."""
+    params, x = _params(jax.random.key(42)), jax.random.normal(jax.random.key(43), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        outs = jnp.stack([jnp.tanh(x) * e for e in range(4)])  # [E, T, d]: no expert weight
+        return jnp.sum(outs[index, jnp.arange(16)[:, None], :] * weights[..., None], axis=1)
+
+    declined_because(layer, params, x, "a gather by the routing indices and the token positions")
