@@ -152,16 +152,24 @@ def register_lowering(primitive, impl, multiple_results: bool) -> None:
 
 
 
-# --------------------------------------------------------------------------- Flax NNX
-# Flax is optional: NNX objects can only be among a call's arguments once the caller imported
-# ``flax.nnx``, so it is looked up there and never imported here. ``split``/``merge``/``update``
-# and ``graph.is_graph_node`` are the same in Flax 0.10 through 0.12.
+# --------------------------------------------------------------------------- Flax (NNX and Linen)
+# Flax is optional: NNX objects (Linen modules) can only be among a call's arguments once the caller
+# imported ``flax.nnx`` (``flax.linen``), so it is looked up there and never imported here.
+# ``split``/``merge``/``update``, ``graph.is_graph_node`` and Linen's ``lift.pack`` /
+# ``decorator_lift_transform`` are the same in Flax 0.10 through 0.12.
 
 def flax_nnx():
     """The ``flax.nnx`` module if the program imported it, else ``None``."""
     import sys
 
     return sys.modules.get("flax.nnx")
+
+
+def flax_linen():
+    """The ``flax.linen`` module if the program imported it, else ``None``."""
+    import sys
+
+    return sys.modules.get("flax.linen")
 
 
 def nnx_is_graph_node(value) -> bool:

@@ -13,7 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from moe_lowering import _compat
-from moe_lowering.arguments import CallArguments, StateNotCarriedError, StateWrites, split_call, traced_function, unbind
+from moe_lowering.arguments import (CallArguments, StateNotCarriedError, StateWrites, is_bound_linen_module,
+                                    linen_lifted, split_call, traced_function, unbind)
 from moe_lowering.kernels import BACKEND_NAMES, Backend
 from moe_lowering.parallel.exchange import ExchangeTransport
 from moe_lowering.parallel.quantize import WEIGHT_GATHER_QUANTS, WeightGatherQuant
@@ -461,6 +462,10 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
 
     @functools.wraps(original)
     def rewritten(*args, **kwargs):
+        if not bound and args and is_bound_linen_module(args[0]):  # a Linen method inside init/apply
+            return linen_lifted(target, functools.partial(
+                moe_optimize, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
+                capacity_factor=capacity_factor, exchange_transport=exchange_transport))(*args, **kwargs)
         call = split_call((*bound, *args), kwargs)
         signature = None if jitted else _call_signature(call)
         if signature is None:  # traced by an outer jit (which caches), or arguments that cannot key a cache

@@ -261,3 +261,32 @@ def _is_plain_object(value) -> bool:
                           types.ModuleType, jax.Array, np.ndarray)):
         return False
     return hasattr(value, "__dict__") and not _compat.nnx_is_graph_node(value)
+
+
+def is_bound_linen_module(value) -> bool:
+    """Whether ``value`` is a Flax Linen module bound to a scope: ``self`` inside ``init``/``apply``."""
+    linen = _compat.flax_linen()
+    return linen is not None and isinstance(value, linen.Module) and getattr(value, "scope", None) is not None
+
+
+def linen_lifted(method, decorate):
+    """A Linen module's ``method`` as a Linen lifted transform, built as ``nn.jit`` and ``nn.remat``
+    are: its module's variables and RNGs enter ``decorate(pure)`` as arguments, and the variables it
+    writes (parameters made at ``init``, mutable collections) come out as outputs. Traced directly,
+    the method would write the trace's values into the module's scope (``UnexpectedTracerError``
+    later, at best) and bake the parameters it reads into the program."""
+    from flax.core import lift
+    from flax.linen import transforms
+
+    def transform(fn):
+        def inner(scope_fn, repack_fn, variable_groups, rng_groups, *args, **kwargs):
+            def pure(variable_groups, rng_groups, *args, **kwargs):
+                scope = scope_fn(variable_groups, rng_groups)
+                return fn(scope, *args, **kwargs), repack_fn(scope)
+
+            pure.__name__ = pure.__qualname__ = getattr(method, "__qualname__", "linen_method")
+            return decorate(pure)(variable_groups, rng_groups, *args, **kwargs)
+
+        return lift.pack(inner, (True,), (True,), (True,), name="moe_optimize", enable_kwargs=True)
+
+    return transforms.decorator_lift_transform(transform, method)

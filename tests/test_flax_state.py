@@ -6,6 +6,7 @@ instead of being lost; with nothing to rewrite, the function itself runs and wri
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -167,3 +168,70 @@ def test_without_a_moe_the_function_itself_runs_and_writes():
         decorated(holder, x)
         decorated(holder, x)
     np.testing.assert_allclose(holder.total, 2 * x.sum(0), rtol=1e-6)
+
+
+linen = pytest.importorskip("flax.linen")
+
+
+def _linen_body(module, x):
+    """The MoE on module params, a mutable counter, and dropout: every kind of Linen state."""
+    params = {name: module.param(name, linen.initializers.normal(0.3), shape.shape)
+              for name, shape in MODEL.make_params(jax.random.key(0)).items()}
+    count = module.variable("stats", "count", lambda: jnp.zeros((), jnp.int32))
+    count.value += 1
+    return linen.Dropout(0.5, deterministic=False)(MODEL.fn(params, x) + x)
+
+
+class LinenMoe(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        return _linen_body(self, x)
+
+
+class LinenMoeDecoratedOutside(linen.Module):
+    @moe_optimize(strict=True)
+    @linen.compact
+    def __call__(self, x):
+        return _linen_body(self, x)
+
+
+class LinenMoeDecoratedInside(linen.Module):
+    @linen.compact
+    @moe_optimize(strict=True)
+    def __call__(self, x):
+        return _linen_body(self, x)
+
+
+class LinenParent(linen.Module):
+    block: type
+
+    @linen.compact
+    def __call__(self, x):
+        return self.block(name="moe")(linen.Dense(MODEL.sizes.d)(x))
+
+
+@pytest.mark.parametrize("block", [LinenMoeDecoratedOutside, LinenMoeDecoratedInside])
+def test_linen_method_decorated_inside_the_module_is_lifted(block):
+    """``moe_optimize`` on a Linen module's own method (either side of ``nn.compact``) runs as a Linen
+    lifted transform: init (under jit) makes the same parameters, apply the same outputs, counter and
+    gradients as the undecorated module, eagerly and under jit (its trace once leaked into the scope)."""
+    x, rngs = _inputs(), {"dropout": jax.random.key(5)}
+    reference, decorated = LinenParent(LinenMoe), LinenParent(block)
+    variables = reference.init(jax.random.key(2), x)
+    jax.tree.map(lambda want, got: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
+                 variables, jax.jit(decorated.init)(jax.random.key(2), x))
+
+    def loss(model, params):
+        out, state = model.apply({**variables, "params": params}, x, rngs=rngs, mutable=["stats"])
+        return out.sum(), state
+
+    (want, want_state), want_grads = jax.jit(jax.value_and_grad(functools.partial(loss, reference), has_aux=True))(
+        variables["params"])
+    (got, got_state), got_grads = jax.jit(jax.value_and_grad(functools.partial(loss, decorated), has_aux=True))(
+        variables["params"])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert int(got_state["stats"]["moe"]["count"]) == int(want_state["stats"]["moe"]["count"]) == 2
+    jax.tree.map(lambda w, g: np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5), want_grads, got_grads)
+    eager, eager_state = decorated.apply(variables, x, rngs=rngs, mutable=["stats"])
+    np.testing.assert_allclose(eager.sum(), want, rtol=1e-5)
+    assert int(eager_state["stats"]["moe"]["count"]) == 2
