@@ -51,3 +51,12 @@ def test_tutorial_runs_every_section_and_writes_its_timings(tmp_path):
     assert result["reps"] == 3 and result["device"].startswith("CPU")
     for key in ("forward_dense_ms", "forward_moe_optimize_ms", "fwdbwd_dense_ms", "fwdbwd_moe_optimize_ms"):
         assert result[key] > 0, key
+
+
+@pytest.mark.tutorial
+def test_train_example_trains_three_placements_alike():
+    """examples/train.py: the dense model, the decorated layer and the decorated train step train alike
+    (the script asserts the trajectories agree to float32 relative 1e-5; 8 steps here)."""
+    out = run_example("train.py", "--steps", "8")
+    assert "layer: 8 steps" in out and "sparse MoE in the lowered step: yes" in out
+    assert "layer: largest relative loss difference to dense" in out
