@@ -183,6 +183,13 @@ def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
                 break
             operand_keys.append(key)
         else:
+            if eqn.primitive is _compat.custom_jvp_call_p:  # keyed as its body: autodiff may have inlined it
+                body = build_graph(_compat.as_closed(eqn.params["call_jaxpr"]))
+                inner = _key_graph(keys, body, dict(zip(body.inputs, operand_keys)))
+                found = [keys.const(a) if isinstance(a, Const) else inner.get(a) for a in body.outputs]
+                if all(k is not None for k in found):
+                    keyed.update(zip(eqn.outputs, found))
+                continue
             keyed.update(zip(eqn.outputs, keys.eqn_outputs(eqn, operand_keys)))
     return keyed
 
@@ -283,9 +290,26 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
         if isinstance(matched, FailedMatch):
             return matched, len(uses)
         outputs.append(matched)
-    pinned = {cotangent} | {a for o in outputs for a in o.rest}
-    removed = _dead_backward(graph, keyed, reference, use_ids, interior, pinned)
+    outputs += _cotangents_of_the_output_alone(graph, reference, keyed, inputs, sparse_reads, use_ids | interior,
+                                               {o.value for o in outputs})
+    pinned = {cotangent} | set(inputs) | set(sparse_reads) | {a for o in outputs for a in o.rest}
+    removed = _dead_backward(graph, use_ids | {graph.producer[o.value].index for o in outputs}, interior, pinned)
     return RegionDerivative(inputs, tuple(gate_eqns), cotangent, frozenset(removed), tuple(outputs))
+
+
+def _cotangents_of_the_output_alone(graph, reference: _Reference, keyed, inputs, sparse_reads, skipped, found):
+    """Cotangents of region operands the program computes without the interior (a per-expert output
+    bias's: the output's cotangent times the gate, dense): exactly the reference's, so replaced too."""
+    wanted = {key: index for index, key in enumerate(reference.cotangents)
+              if key is not None and key in reference.keys.backward and inputs[index] in sparse_reads}
+    extra = []
+    for eqn in graph.eqns:
+        if eqn.index in skipped or len(eqn.outputs) != 1 or eqn.outputs[0] in found:
+            continue
+        index = wanted.get(keyed.get(eqn.outputs[0]))
+        if index is not None:
+            extra.append(DerivativeOutput(eqn.outputs[0], index, ()))
+    return extra
 
 
 def _terms(graph: JaxprGraph, value) -> list:
@@ -345,19 +369,17 @@ def _match_output(graph, reference: _Reference, keyed, value, derived, inputs, s
     return DerivativeOutput(value, index, tuple(rest))
 
 
-def _dead_backward(graph: JaxprGraph, keyed, reference: _Reference, removed_ids, interior, pinned) -> set:
-    """The uses of the interior, and the ops of the reference's backward that only they read."""
+def _dead_backward(graph: JaxprGraph, removed_ids, interior, pinned) -> set:
+    """The uses of the interior, and every op only they (or other removed ops) read: the dense
+    backward ops before them (``dot(cotangent, gate)``), zeros JAX materialised for them. Dead code,
+    removed so that no dense value is left in the rewritten program's jaxpr."""
     removed = set(removed_ids)
-    keys = reference.keys
     for eqn in reversed(graph.eqns):
-        if eqn.index in removed or eqn.index in interior:
-            continue
-        outs = [keyed.get(v) for v in eqn.outputs]
-        if any(k is None or k not in reference.known or k not in keys.backward for k in outs):
+        if eqn.index in removed or eqn.index in interior or getattr(eqn.source, "effects", None):
             continue
         if any(v in pinned or v in graph.output_set for v in eqn.outputs):
             continue
-        if all(u.index in removed for v in eqn.outputs for u in graph.users.get(v, ())):
+        if all(u.index in removed or u.index in interior for v in eqn.outputs for u in graph.users.get(v, ())):
             removed.add(eqn.index)
     return removed
 

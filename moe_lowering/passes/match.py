@@ -330,9 +330,38 @@ def _derivative(an: Analysis, combined: Combined, replaced, output: Value, param
             "derivative; a capacity layer's derivative is not rewritten (its dense fallback branch would need "
             "a backward of its own), so the layer is left dense", interior_eqn, "private-interior")
     gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
-    reads = {combined.tokens} | {p.source for p in params} | {v.atom for v in combined.gate_values}
+    reads = {combined.tokens, an.anchor.indices} | {p.source for p in params} | {v.atom for v in combined.gate_values}
     reads |= {a for e in gate_eqns for a in e.inputs}
-    return match_derivative(graph, frozenset(replaced), output, gate_eqns, frozenset(reads))
+    prologue = _layout_prologue(graph, [graph.eqns[i] for i in replaced] + list(gate_eqns), reads)
+    return match_derivative(graph, frozenset(replaced), output, tuple(sorted(set(gate_eqns) | set(prologue),
+                                                                             key=lambda e: e.index)),
+                            frozenset(reads | {a for e in prologue for a in e.inputs}))
+
+
+def _is_inexact(value: Value) -> bool:
+    import jax.numpy as jnp
+
+    return jnp.issubdtype(value.dtype, jnp.inexact)
+
+
+def _layout_prologue(graph: JaxprGraph, eqns, reads, depth: int = 8) -> list[Eqn]:
+    """One-operand eqns (a bias reshaped, routing weights broadcast) between a value the sparse layer
+    reads and an operand of the region's eqns: part of the function whose VJP is compared, so that
+    the cotangent of what the sparse layer reads is the one compared."""
+    produced = {v for e in eqns for v in e.outputs}
+    found: dict = {}
+    for atom in {a for e in eqns for a in e.inputs if isinstance(a, Value) and a not in produced and a not in reads}:
+        chain, value = [], atom
+        while value not in reads and len(chain) < depth:
+            eqn = graph.producer.get(value)
+            operands = [a for a in eqn.inputs if isinstance(a, Value) and _is_inexact(a)] if eqn is not None else []
+            if len(operands) != 1:  # one float operand (a weight gathered by integer indices counts)
+                break
+            chain.append(eqn)
+            value = operands[0]
+        if value in reads:
+            found.update((e.index, e) for e in chain)
+    return list(found.values())
 
 
 def _gate_construction(an: Analysis, atoms) -> tuple[Eqn, ...]:

@@ -183,15 +183,19 @@ def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sh
     """
     derivative = region.derivative
 
+    producers = {out: eqn for eqn in derivative.gate_eqns for out in eqn.outputs}
+
     def layer(*values):
         local = dict(zip(derivative.inputs, values))
 
-        def value(atom):
+        def value(atom):  # the eqns the sparse layer reads are re-bound on demand: not a dense weight copy
+            if isinstance(atom, Value) and atom not in local and atom in producers:
+                eqn = producers[atom]
+                outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs],
+                                             **eqn.primitive.get_bind_params(eqn.params))
+                local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
             return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
 
-        for eqn in derivative.gate_eqns:
-            outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs], **eqn.primitive.get_bind_params(eqn.params))
-            local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
         return _sparse_region(region, value, options, sharding_of)
 
     return jax.vjp(layer, *[read(a) for a in derivative.inputs])
