@@ -144,7 +144,7 @@ class _Keys:
             self.terms[key] = terms
             return [key]
         head = (str(eqn.primitive), _params_key(eqn.params), tuple(operand_keys))
-        return [self.intern(head + (j,), backward) for j in range(len(eqn.outputs))]
+        return [self.intern(head + (j, out.shape, str(out.dtype)), backward) for j, out in enumerate(eqn.outputs)]
 
     def term_set(self, key: int) -> collections.Counter:
         return collections.Counter(self.terms.get(key, (key,)))

@@ -209,3 +209,22 @@ def test_optax_training_loop_follows_the_dense_trajectory():
         *sparse_state, sparse_loss = fast(*sparse_state, x)
         np.testing.assert_allclose(sparse_loss, dense_loss, rtol=1e-5)
     _assert_close(dense_state[0], sparse_state[0], 1e-5)
+
+
+def test_what_still_declines_says_why():
+    """Capacity layers' and second-order programs' derivatives are left dense, each with its reason;
+    under jax.checkpoint the forward is rewritten and the recomputing backward stays dense."""
+    params, x = _args()
+    switch = zoo.ZOO["switch"].sized(T=SIZES.T, d=SIZES.d, f=SIZES.f, E=SIZES.E)
+    sparams, sx = switch.args(jax.random.key(1))
+    [miss] = explain(jax.grad(lambda p, x: jnp.sum(switch.fn(p, x) ** 2)), sparams, sx).near_misses
+    assert "capacity layer's derivative is not rewritten" in miss.reason and miss.assumption == "private-interior"
+
+    second_order = jax.grad(lambda x: jnp.sum(jax.grad(_loss, argnums=1)(params, x) ** 2))
+    report = explain(second_order, x)
+    assert not report.regions and "reverse-mode derivative" in report.near_misses[0].reason
+
+    remat = jax.grad(lambda p, x: jnp.mean(jnp.sin(jax.checkpoint(MIXTRAL.fn)(p, x)) ** 2))
+    [region] = explain(remat, params, x).regions
+    assert not region.backward
+    _assert_close(remat(params, x), moe_optimize(remat, strict=True)(params, x), 1e-5)
