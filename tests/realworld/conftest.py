@@ -20,7 +20,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # rw_layers, rw_check, rw_hf_stubs
 
-FRAMEWORK_OF_MODULE = {"test_maxtext.py": "maxtext", "test_easydel.py": "easydel"}
+FRAMEWORK_OF_MODULE = {"test_maxtext.py": "maxtext", "test_maxtext_train.py": "maxtext", "test_easydel.py": "easydel"}
 PINNED = {"maxtext": "maxtext==0.2.5", "easydel": "easydel==0.3.0 (with eformer==0.0.99.12, ejkernel==0.0.78)"}
 
 

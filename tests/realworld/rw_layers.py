@@ -77,14 +77,14 @@ MAXTEXT_CASES: dict[str, dict] = {
 }
 
 
-def maxtext_config(case: str, *, batch: int, seq: int, d_model: int, d_ff: int, sparse: bool = False):
-    """MaxText's pydantic config for ``case``: base.yml + the model's yml + overrides, CPU, float32."""
+def maxtext_config(case: str, *, batch: int, seq: int, d_model: int, d_ff: int, sparse: bool = False, **overrides):
+    """MaxText's pydantic config for ``case``: base.yml + the model's yml + overrides (``overrides``
+    last: a train step's layer count, optimizer), CPU, float32."""
     import maxtext
     from maxtext.configs import pyconfig
 
     base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    return pyconfig.initialize(
-        [None, base_yml],
+    settings = dict(
         hardware="cpu",
         skip_jax_distributed_system=True,
         run_name="moe_lowering_realworld",
@@ -108,6 +108,7 @@ def maxtext_config(case: str, *, batch: int, seq: int, d_model: int, d_ff: int, 
         vocab_size=128,
         **MAXTEXT_CASES[case],
     )
+    return pyconfig.initialize([None, base_yml], **(settings | overrides))
 
 
 def _maxtext_apply(cfg):
@@ -157,6 +158,81 @@ def maxtext_layer(case: str, *, batch: int = 2, seq: int = 16, d_model: int = 32
                 experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, d_model=cfg.emb_dim, d_ff=cfg.moe_mlp_dim,
                 capacity_factor=cfg.capacity_factor, shared_experts=cfg.shared_experts)
     return Layer(f"maxtext/{case}", fn, params, _input(k_x, batch, seq, d_model), reference, reference_name, info)
+
+
+@dataclass
+class TrainStep:
+    """A framework's own training step, as its training loop builds and calls it.
+
+    ``step(state, batch) -> (state, metrics)`` is the unjitted step; ``jit(fn)`` jits ``step`` or a
+    decorated ``step`` the way the loop does (its shardings, the state donated); the loop calls it
+    inside ``context()``. ``batch(seed)`` is a synthetic batch; ``loss(metrics)`` the step's loss.
+    """
+
+    name: str
+    step: Callable
+    jit: Callable[[Callable], Callable]
+    context: Callable
+    state: Any
+    batch: Callable[[int], Any]
+    loss: Callable[[Any], jax.Array]
+    info: dict = field(default_factory=dict)
+
+
+def maxtext_train_step(case: str = "mixtral-8x7b", *, layers: int = 2, batch: int = 2, seq: int = 16,
+                       d_model: int = 32, d_ff: int = 64, learning_rate: float = 1e-2, steps: int = 20) -> TrainStep:
+    """``maxtext.trainers.pre_train.train.train_step`` with the state MaxText's own setup builds
+    (``train_utils.setup_train_loop`` less its checkpointing and data pipeline: the NNX model,
+    ``create_training_optimizer``'s AdamW, ``setup_training_state``), jitted as ``train_loop`` jits it
+    (``get_functional_train_with_signature``), fed ``make_synthetic_batch``. Unscanned layers
+    (``scan_layers=False``): one MoE region per layer. ``head_dim`` 16 keeps the attention's head axis
+    apart from the expert axis (8)."""
+    import contextlib
+
+    from flax import nnx
+    from flax.linen import logical_axis_rules
+    from maxtext.common import train_state_nnx
+    from maxtext.trainers.pre_train import train
+    from maxtext.utils import maxtext_utils, model_creation_utils, sharding, train_utils
+
+    cfg = maxtext_config(case, batch=batch, seq=seq, d_model=d_model, d_ff=d_ff, base_num_decoder_layers=layers,
+                         scan_layers=False, head_dim=16, attention="dot_product", dataset_type="synthetic",
+                         steps=steps, learning_rate=learning_rate)
+    mesh = maxtext_utils.get_mesh_from_config(cfg, jax.devices()[:1])
+    create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
+    _, tx = train_utils.create_training_optimizer(cfg, abstract_model, mesh=mesh)
+
+    def init_state_fn():
+        model = create_model()
+        return train_state_nnx.TrainStateNNX(model, nnx.Optimizer(model, tx, wrt=nnx.Param))
+
+    state, _, state_shardings, _, _ = maxtext_utils.setup_training_state(None, cfg, mesh, None, init_state_fn)
+    with logical_axis_rules(cfg.logical_axis_rules):
+        state_graphdef = nnx.graphdef(nnx.eval_shape(init_state_fn))
+    graphdef, state = nnx.split(nnx.merge(state_graphdef, state))
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(cfg, state_shardings)
+    data_sharding = sharding.get_input_data_sharding(cfg, mesh)
+    step, in_shardings, out_shardings, static_argnums, donate_argnums = (
+        maxtext_utils.get_functional_train_with_signature(train.train_step, data_sharding, state_shardings, graphdef,
+                                                          cfg, params_shardings))
+    shaped_batch = maxtext_utils.get_shaped_batch(cfg, batch_sharding=data_sharding)
+
+    def jit(fn):
+        return jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, static_argnums=static_argnums,
+                       donate_argnums=donate_argnums)
+
+    def context():
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(logical_axis_rules(cfg.logical_axis_rules))
+        return stack
+
+    info = dict(framework="maxtext", version=MAXTEXT_VERSION, model_name=cfg.model_name, layers=layers,
+                experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, d_model=cfg.emb_dim, d_ff=cfg.moe_mlp_dim,
+                optimizer=cfg.opt_type, learning_rate=learning_rate)
+    return TrainStep(f"maxtext/{case}/train_step", step, jit, context, state,
+                     lambda seed: train.make_synthetic_batch(cfg, shaped_batch, seed=seed),
+                     lambda metrics: metrics["scalar"]["learning/loss"], info)
 
 
 # --------------------------------------------------------------------------------------------
