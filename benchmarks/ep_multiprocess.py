@@ -7,11 +7,12 @@ each (``jax.distributed``, the mesh across the processes). Each job times, on th
 ``(expert=ep,)``, the dense layer (XLA-partitioned from the same shardings) and the sharded sparse
 layer, forward and forward+backward, synchronised (``Bench.time_ms``) and back to back
 (``Bench.time_back_to_back_ms``), for the transport ``"auto"`` picks there (``"peer"`` in one
-process on GPUs, ``"all_to_all"`` across processes) and for ``"all_to_all"`` where that differs.
+process on GPUs, ``"all_to_all"`` across processes) and for ``--transports`` (default
+``"all_to_all"``) where they differ.
 Every process writes its rows and the shards it holds of the sparse layer's output and gradient
 fingerprints (per token and per expert: sums and sums of squares); this parent merges them:
-each time is the slowest process's, and the one-GPU-per-process layer is checked against the
-one-process layer (same transport and otherwise) element for element.
+each time is the slowest process's, and for every transport both jobs ran, the one-GPU-per-process
+layer is checked against the one-process layer element for element (outputs and fingerprints).
 
 Results: ``ep_multiprocess_<device>_<date>.json`` under ``--out`` (device, date, process layouts,
 the rows of both jobs, and per measurement the multi-process time over the one-process time).
@@ -109,7 +110,7 @@ def worker_main(args) -> None:
                     **common)
             measure(f"{config_name} dense fwdbwd", jax.jit(ep_bench.with_grad(dense)),
                     (tokens, params, cotangent, *routing), impl="dense", step="fwdbwd", **common)
-            for transport in dict.fromkeys((auto, "all_to_all")):
+            for transport in dict.fromkeys((auto, *args.transports)):
                 def sparse(t, p, i, w, transport=transport):
                     return sharded_sparse_moe(t, i, w, p, program, num_experts=cfg.E, layout=layout,
                                               backend=bench.backend, exchange_transport=transport)
@@ -139,7 +140,8 @@ def run_job(args, layout: str, ep: int, job_dir: Path) -> dict:
     """Runs one job; ``{"processes": [doc per process], "shards": {...}}``, or ``{"error": ...}``."""
     processes, per_process = _job_layout(layout, ep)
     command = [sys.executable, __file__, "--worker-out", str(job_dir), "--layout", layout, "--ep", str(ep),
-               "--reps", str(args.reps), "--shapes", "smoke" if args.smoke else "full", "--configs", *args.configs]
+               "--reps", str(args.reps), "--shapes", "smoke" if args.smoke else "full", "--configs", *args.configs,
+               "--transports", *args.transports]
     log.info("job %s ep=%d: %d process(es) x %d device(s)", layout, ep, processes, per_process)
     started = time.monotonic()
     error = None
@@ -209,9 +211,9 @@ def merge(jobs: list[dict]) -> list[dict]:
             one_auto = next((r for r in measured.values() if r.get("one_process_auto") and r["step"] == row["step"]
                              and r["config"] == row["config"]), None)
             for clock in CLOCKS if row["impl"] == "sparse" else ():
-                for layout in LAYOUTS:
-                    if dense and dense.get(f"{layout}_{clock}") and row.get(f"{layout}_{clock}"):
-                        row[f"{layout}_{clock}_speedup_vs_dense"] = dense[f"{layout}_{clock}"] / row[f"{layout}_{clock}"]
+                for key in (f"{layout}_{clock}" for layout in LAYOUTS):
+                    if dense and dense.get(key) and row.get(key):
+                        row[f"{key}_speedup_vs_dense"] = dense[key] / row[key]
                 if row.get("process_per_device_auto") and one_auto and row.get(f"process_per_device_{clock}"):
                     row[f"{clock}_multi_auto_over_one_auto"] = (row[f"process_per_device_{clock}"]
                                                                 / one_auto[f"one_process_{clock}"])
@@ -234,6 +236,8 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"], choices=["mixtral", "deepseek"])
+    parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "ragged"],
+                        help="timed beside the one 'auto' picks (ragged: GPUs only)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds per job")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on host CPU devices")

@@ -87,7 +87,7 @@ def launch(command: Sequence[str], *, num_processes: int, platform: str = "cpu",
                 files.append((out, err))
                 processes.append(subprocess.Popen(list(command), cwd=cwd, env=process_env, stdout=out, stderr=err,
                                                   stdin=subprocess.DEVNULL, start_new_session=True))
-            codes = _wait(processes, timeout_s)
+            codes, timed_out = _wait(processes, timeout_s)
         finally:
             for process in processes:
                 _kill_group(process)
@@ -98,35 +98,36 @@ def launch(command: Sequence[str], *, num_processes: int, platform: str = "cpu",
             err.close()
     failed = [o for o in outcomes if o.returncode != 0]
     if failed:
-        raise MultiprocessFailure(_failure_message(failed, timeout_s))
+        raise MultiprocessFailure(_failure_message(failed, timeout_s if timed_out else None))
     return outcomes
 
 
-_TIMED_OUT = -1000  # the exit status recorded for a process still running at the timeout
+_STILL_RUNNING = -1000  # the exit status recorded for a process killed when the job ended
 
 
-def _wait(processes, timeout_s: float) -> list[int]:
-    """Every process's exit status; after the first failure the rest get ``FAILURE_GRACE_S``."""
-    deadline = time.monotonic() + timeout_s
+def _wait(processes, timeout_s: float) -> tuple[list[int], bool]:
+    """``(every process's exit status, whether the timeout ended the job)``; after the first
+    failure the rest get ``FAILURE_GRACE_S``."""
+    timeout = grace = time.monotonic() + timeout_s
     while True:
         codes = [p.poll() for p in processes]
         if all(c is not None for c in codes):
-            return codes
+            return codes, False
         now = time.monotonic()
         if any(c not in (None, 0) for c in codes):
-            deadline = min(deadline, now + FAILURE_GRACE_S)
-        if now >= deadline:
-            return [_TIMED_OUT if c is None else c for c in codes]
+            grace = min(grace, now + FAILURE_GRACE_S)
+        if now >= min(timeout, grace):
+            return [_STILL_RUNNING if c is None else c for c in codes], now >= timeout
         time.sleep(0.05)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """Kills the process and whatever it started (its own session: ``start_new_session``)."""
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """Kills the process and whatever it started that still runs (its own session:
+    ``start_new_session``; the group outlives a leader that exited first)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole group has exited
+        pass
     process.wait()
 
 
@@ -136,10 +137,12 @@ def _read(file) -> str:
     return file.read()
 
 
-def _failure_message(failed: Sequence[ProcessOutcome], timeout_s: float) -> str:
+def _failure_message(failed: Sequence[ProcessOutcome], timed_out_after_s: float | None) -> str:
     parts = []
+    ended = (f"after {timed_out_after_s:.0f} s" if timed_out_after_s is not None
+             else f"{FAILURE_GRACE_S:.0f} s after another process failed")
     for outcome in failed:
-        what = (f"was still running after {timeout_s:.0f} s (killed)" if outcome.returncode == _TIMED_OUT
+        what = (f"was still running {ended} (killed)" if outcome.returncode == _STILL_RUNNING
                 else f"exited with status {outcome.returncode}")
         parts.append(f"process {outcome.process_id} {what}\n--- its stderr (tail) ---\n"
                      f"{outcome.stderr[-_OUTPUT_TAIL_CHARS:]}\n--- its stdout (tail) ---\n"
@@ -192,8 +195,8 @@ def shard_entries(prefix: str, tree) -> dict:
         for number, shard in enumerate(held):
             name = f"{prefix}|{jax.tree_util.keystr(path)}|{jax.process_index()}.{number}"
             entries[name + "|data"] = np.asarray(shard.data).astype(np.float32)
-            entries[name + "|bounds"] = np.array([index.indices(size)[:2] for index, size in zip(shard.index, leaf.shape)],
-                                                 np.int64).reshape(leaf.ndim, 2)
+            bounds = [index.indices(size)[:2] for index, size in zip(shard.index, leaf.shape)]
+            entries[name + "|bounds"] = np.array(bounds, np.int64).reshape(leaf.ndim, 2)
     return entries
 
 

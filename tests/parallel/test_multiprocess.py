@@ -21,11 +21,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-# Each case traces, compiles and runs a forward and a gradient in both processes: on two shared
-# cores the job takes well under a minute; the timeout only guards against a hang.
+from moe_lowering import explain, moe_optimize
+from moe_lowering.testing import multiprocess
+from moe_lowering.testing.zoo import ZOO
+
+# Each case traces, compiles and runs a forward and a gradient in both processes, and again here on
+# one process: about 2.3 CPU-minutes in all (measured on the 2-core CI machine's kind); the timeout
+# only guards against a hang.
 JOB_TIMEOUT_S = 600
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 
@@ -66,15 +74,10 @@ CASES = (
 
 
 def _model(case: Case):
-    from moe_lowering.testing.zoo import ZOO
-
     return ZOO[case.model].sized(E=8, T=64)
 
 
 def _mesh(case: Case, devices):
-    import jax
-    from jax.sharding import AxisType, Mesh
-
     grid = np.array(devices).reshape(NUM_PROCESSES, DEVICES_PER_PROCESS)  # row: a process's devices
     axis_type = AxisType.Explicit if case.explicit_axes else AxisType.Auto
     if case.mesh == "expert8":
@@ -87,8 +90,6 @@ def _mesh(case: Case, devices):
 
 
 def _shardings(case: Case, mesh, params):
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
     weight = P("expert", "fsdp", None) if "fsdp" in mesh.axis_names else P("expert")
     # with explicit axes the dense program's own einsums must type-check: tokens replicated there
     tokens = NamedSharding(mesh, P() if case.explicit_axes else P(tuple(mesh.axis_names), None))
@@ -96,8 +97,6 @@ def _shardings(case: Case, mesh, params):
 
 
 def _host_args(case: Case):
-    import jax
-
     params, x = _model(case).args(jax.random.key(7))
     return jax.tree.map(np.asarray, (params, x))
 
@@ -105,11 +104,6 @@ def _host_args(case: Case):
 def _layer(case: Case, shardings):
     """The optimised layer's ``(params, x) -> (output, (param grads, token grads))``: one jit for both,
     or for an eager case the output from the call on the committed arrays and the gradients by jit."""
-    import jax
-    import jax.numpy as jnp
-
-    from moe_lowering import moe_optimize
-
     fn = _model(case).fn
     optimized = moe_optimize(fn if case.eager else jax.jit(fn, in_shardings=shardings), strict=True, **case.options)
 
@@ -141,23 +135,17 @@ def _run(case: Case, devices, place):
 
 def _explained_layout(case: Case, shardings, params, x) -> str:
     """What ``explain`` says of the case's layout (it traces, nothing runs)."""
-    import jax
-
-    from moe_lowering import explain, moe_optimize
-
     fn = _model(case).fn
     optimized = moe_optimize(fn if case.eager else jax.jit(fn, in_shardings=shardings), **case.options)
     return str(explain(optimized, params, x).regions[0].parallel_layout)
 
 
 def _set_mesh(mesh):
-    import jax
-
     return (jax.set_mesh if hasattr(jax, "set_mesh") else jax.sharding.use_mesh)(mesh)
 
 
 class _LayoutLog(logging.Handler):
-    """The layouts the rewrite logs while the block runs (``moe_lowering: expert-parallel lowering, ...``)."""
+    """The layouts the rewrite logs while the block runs (``expert-parallel lowering, ...``)."""
 
     def __enter__(self):
         self.layouts = []
@@ -181,8 +169,6 @@ class _LayoutLog(logging.Handler):
 def _place_global(tree, shardings):
     """Global arrays from host data, as a job's processes make them: the tokens from this
     process's rows (``make_array_from_process_local_data``), the params from a callback."""
-    import jax
-
     params, x = tree
     param_shardings, token_sharding = shardings
     placed = {k: jax.make_array_from_callback(v.shape, param_shardings[k], lambda index, v=v: v[index])
@@ -194,19 +180,13 @@ def _place_global(tree, shardings):
 
 
 def _flat(out, grads):
-    import jax
-
     leaves, _ = jax.tree_util.tree_flatten_with_path((out, grads))
     return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def worker_main(out_dir: str) -> None:
     """One process of the job: every case, the shards this process holds written to ``out_dir``."""
-    from moe_lowering.testing import multiprocess
-
     identity = multiprocess.initialize()
-    import jax
-
     entries, layouts = {}, {}
     for case in CASES:
         started = time.perf_counter()
@@ -224,10 +204,9 @@ def worker_main(out_dir: str) -> None:
 
 def _job(out_dir: Path):
     """``(every process's shard entries, {process: {case: layout words}})`` from one job over ``CASES``."""
-    from moe_lowering.testing.multiprocess import launch
-
-    launch([sys.executable, __file__, str(out_dir)], num_processes=NUM_PROCESSES,
-           devices_per_process=DEVICES_PER_PROCESS, timeout_s=JOB_TIMEOUT_S, cwd=Path(__file__).parents[2])
+    multiprocess.launch([sys.executable, __file__, str(out_dir)], num_processes=NUM_PROCESSES,
+                        devices_per_process=DEVICES_PER_PROCESS, timeout_s=JOB_TIMEOUT_S,
+                        cwd=Path(__file__).parents[2])
     entries, layouts = {}, {}
     for process in range(NUM_PROCESSES):
         with np.load(out_dir / f"process{process}.npz") as saved:
@@ -243,11 +222,6 @@ def _rel(expected, actual) -> float:
 
 def _mismatches(case: Case, entries: dict, layouts: dict) -> list[str]:
     """What of ``case``'s job results differs from the one-process layer, the dense reference or the layout."""
-    import jax
-    import jax.numpy as jnp
-
-    from moe_lowering import moe_optimize
-    from moe_lowering.testing.multiprocess import assemble
 
     found = [f"process {process} lowered {case.name} as {layouts[process][case.name]!r}, not {case.layout_says!r}"
              for process in range(NUM_PROCESSES) if not layouts[process][case.name]
@@ -259,7 +233,7 @@ def _mismatches(case: Case, entries: dict, layouts: dict) -> list[str]:
     if "capacity_factor" in case.options:  # copies are dropped: one device's capacity layer is the reference
         fn = moe_optimize(fn, capacity_factor=case.options["capacity_factor"])
     dense = _flat(fn(params, x), jax.grad(lambda p, x: jnp.sum(fn(p, x) ** 2), argnums=(0, 1))(params, x))
-    assembled = assemble(entries, case.name, {name: value.shape for name, value in one_process.items()})
+    assembled = multiprocess.assemble(entries, case.name, {name: value.shape for name, value in one_process.items()})
     for name, expected in one_process.items():
         got = assembled.get(name)
         if got is None or np.isnan(got).any():

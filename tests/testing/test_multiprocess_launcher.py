@@ -12,7 +12,8 @@ from moe_lowering.testing.multiprocess import MultiprocessFailure, launch
 
 # Stand-in workers (no JAX): each reads its identity as a worker would.
 _EXIT_BY_ID = "import os, sys; sys.exit(int(os.environ['MOE_MP_PROCESS_ID']) * 3)"
-_SLEEPER_PID_FILE = "import os, sys, time; open(sys.argv[1] + os.environ['MOE_MP_PROCESS_ID'], 'w').write(str(os.getpid()))"
+_SLEEPER_PID_FILE = ("import os, sys, time; "
+                     "open(sys.argv[1] + os.environ['MOE_MP_PROCESS_ID'], 'w').write(str(os.getpid()))")
 
 
 def test_every_process_gets_its_identity_and_the_coordinator():
