@@ -98,9 +98,12 @@ ASSUMPTIONS = (
         "chosen experts and the routed rows are the tokens themselves"),
     Assumption(
         "private-interior", ALL_STYLES,
-        "nothing outside the layer reads its dense intermediates",
+        "nothing outside the layer reads its dense intermediates, but the layer's own derivative",
         PROVEN,
-        "every user of an interior value is inside the region"),
+        "every user of an interior value is inside the region, or is an op of its reverse-mode derivative "
+        "(a training step): the program's ops, hash-consed over the region's operands and its output's "
+        "cotangent, are jax.vjp of the dense region, and the values leaving them are cotangents of its "
+        "operands (derivative_match.py); they are replaced by the sparse layer's VJP (not for capacity layers)"),
     Assumption(
         "dispatch-has-no-derivative", CAPACITY,
         "the dispatch tensor has no derivative (rows are moved by index)",

@@ -10,7 +10,9 @@ that sees something *almost* right returns a ``FailedMatch`` whose reason ``expl
 Structure (the rule modules) is separate from the semantic checks in ``_finish_region``: that every
 expert is covered once, that routing weights are only applied where they commute with the rest
 of the expert program, and that no interior value (the dense ``[T, E, F]`` activations) is used
-outside the region, so replacing it cannot change anything else.
+outside the region, so replacing it cannot change anything else, but by the region's own
+reverse-mode derivative in a training step, proven to be ``jax.vjp`` of it (``derivative_match.py``)
+and replaced with it.
 
 The parts: ``match_core.py`` holds the records, the rule registry and ``Analysis``; the rules live
 by family in ``rules_routing.py`` (anchors, expert indices, range checks, one-hot), ``rules_gate.py``
