@@ -14,7 +14,7 @@ fingerprints (per token and per expert: sums and sums of squares); this parent m
 each time is the slowest process's, and for every transport both jobs ran, the one-GPU-per-process
 layer is checked against the one-process layer element for element (outputs and fingerprints).
 
-Results: ``ep_multiprocess_<device>_<date>.json`` under ``--out`` (device, date, process layouts,
+Results: ``ep_multiprocess_ep<sizes>_<device>_<date>.json`` under ``--out`` (device, date, process layouts,
 the rows of both jobs, and per measurement the multi-process time over the one-process time).
 ``--smoke`` runs tiny shapes on host CPU devices (one per process, gloo collectives).
 """
@@ -267,7 +267,7 @@ def main(argv=None):
 
 
 def write_result(args, jobs: list[dict], stamp: datetime.datetime) -> dict:
-    """``ep_multiprocess_[smoke_]<device>_<date>.json`` under ``--out``: what ``jobs`` measured."""
+    """``ep_multiprocess_[smoke_]ep<sizes>_<device>_<date>.json`` under ``--out``: what ``jobs`` measured."""
     docs = [d for j in jobs for d in j["docs"]]
     device = docs[0]["device"].split(" x ", 1)[-1] if docs else "unknown"
     result = {
@@ -281,7 +281,8 @@ def write_result(args, jobs: list[dict], stamp: datetime.datetime) -> dict:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = f"ep_multiprocess_{'smoke_' if args.smoke else ''}{device.replace(' ', '_')}_{stamp:%Y%m%d}.json"
+    sizes = "-".join(str(ep) for ep in args.ep)
+    name = f"ep_multiprocess_{'smoke_' if args.smoke else ''}ep{sizes}_{device.replace(' ', '_')}_{stamp:%Y%m%d}.json"
     (out_dir / name).write_text(json.dumps(result, indent=1))
     log.info("wrote %s", out_dir / name)
     return result

@@ -10,7 +10,8 @@
 #             gathered-rows
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
-#             ep-multiprocess (one process per GPU against one process, EP=4 then 2; issue 36)
+#             ep-multiprocess (one process per GPU against one process, issue 36: EP=4; EP_SIZES=2 in a
+#             second call for EP=2, each call's two jobs within the 10 minutes)
 # The one-off steps of earlier EP rounds are in git history (git show 3ea3258:benchmarks/gpu_run.sh), the
 # tma-probe step with its probe (git show ebaf5b2:benchmarks/gpu_run.sh).
 set -uo pipefail
@@ -95,8 +96,9 @@ for step in "$@"; do
       mkdir -p "$OUT/fwdbwd"; timeout 380 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
         --chunks 1 --scheduler default --configs deepseek mixtral --transports peer --reps 10 --deadline 350 2>&1 \
         | tee "$OUT/ep_resident_fwdbwd.log" | grep "^name=" ;;
-    ep-multiprocess) mkdir -p "$OUT/ep_multiprocess"; timeout 590 python3 benchmarks/ep_multiprocess.py --ep 4 2 \
-        --reps 5 --timeout 240 --out "$OUT/ep_multiprocess" 2>&1 | tee "$OUT/ep_multiprocess.log" | tail -60 ;;
+    ep-multiprocess) mkdir -p "$OUT/ep_multiprocess"; timeout 590 python3 benchmarks/ep_multiprocess.py \
+        --ep ${EP_SIZES:-4} --reps 5 --timeout 290 --out "$OUT/ep_multiprocess" 2>&1 \
+        | tee "$OUT/ep_multiprocess${EP_SIZES:-4}.log" | tail -60 ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
