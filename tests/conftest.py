@@ -63,12 +63,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(owned, ignore_errors=True)
 
 
-# The quick selection (README: ``pytest -m "not slow"``) leaves out what takes most of the suite's
-# time: the Triton interpreter's kernels, the mutation suite, the transcribed frameworks, the
-# end-to-end tutorial, the multi-device layers, the CLI's compile-and-verify runs and the
-# property tests. CI runs everything; ``slow`` only names the complement of the quick subset.
-SLOW_MARKERS = frozenset({"triton_interpreter", "mutation", "transcribed", "tutorial", "multidevice"})
-SLOW_PATHS = ("parallel/", "realworld/", "hlo/test_cli", "hlo/test_zoo_hlo_dumps.py", "passes/test_properties.py")
+# The quick selection (README: ``pytest -m "not slow"``) keeps the pass's own semantics (matching,
+# rewriting, soundness, composability, the kernels' references, the API) and leaves out what takes
+# most of the suite's time: the Triton interpreter's kernels, the mutation suite, the transcribed
+# frameworks, the example scripts, mypy, the multi-device layers, the moe-rewrite tool (tests/hlo),
+# the golden IR files, the zoo's own reference checks and the property tests. CI runs everything;
+# ``slow`` only names the complement of the quick subset.
+SLOW_MARKERS = frozenset({"triton_interpreter", "mutation", "transcribed", "tutorial", "multidevice", "typecheck"})
+SLOW_PATHS = ("parallel/", "realworld/", "hlo/", "golden/", "testing/test_zoo.py", "passes/test_properties.py")
 TESTS = Path(__file__).resolve().parent
 
 
