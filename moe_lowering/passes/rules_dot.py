@@ -32,12 +32,13 @@ from moe_lowering.passes.abstract import (
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, rule
-from moe_lowering.passes.rules_layout import _merged_parts, _unit_reshape
+from moe_lowering.passes.rules_layout import _merged_parts
 from moe_lowering.passes.rules_rows import (
     _as_contribution,
     _gated_sum,
     _gathered_param,
     _style,
+    _unit_reshape,
     _unit_view,
     gated_token_rows,
 )

@@ -1,6 +1,7 @@
 """Rules that move axes without changing values: broadcast, reshape (unit axes; slot rows regrouped
 by ``_slot_reshape_roles``), transpose, squeeze, slice (a feature slice, one expert's weight
-``w[e]``), split and concatenate along the features, and the sum over experts or choices that
+``w[e]``, one expert's rows ``xin[:, :, e]``), split and concatenate along the features, the
+experts' outputs stacked along a new axis (``jnp.stack``), and the sum over experts or choices that
 turns gated rows into the combined output.
 """
 
@@ -33,7 +34,7 @@ from moe_lowering.passes.abstract import (
 from moe_lowering.passes.assumptions import SEPARATE_EXPERTS
 from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import ITERATION_ROLE, Analysis, FailedMatch, IndexInBounds, _rows_like, rule
-from moe_lowering.passes.rules_rows import _gated_sum, _style
+from moe_lowering.passes.rules_rows import _gated_sum, _style, _unit_reshape
 
 
 @rule(lax.broadcast_in_dim_p)
@@ -55,18 +56,6 @@ def _broadcast(an: Analysis, eqn: Eqn, abstracts):
     if isinstance(value, (ExpertIndex, Iota, Gate, IndexInBounds)):
         return replace(value, roles=roles)
     return None
-
-
-def _unit_reshape(in_shape, out_shape) -> list | None:
-    """For a reshape that only adds or drops size-1 dims: each output dim's input dim (or None)."""
-    src = [i for i, s in enumerate(in_shape) if s != 1]
-    dst = [i for i, s in enumerate(out_shape) if s != 1]
-    if [in_shape[i] for i in src] != [out_shape[i] for i in dst]:
-        return None
-    mapping: list = [None] * len(out_shape)
-    for i, j in zip(src, dst):
-        mapping[j] = i
-    return mapping
 
 
 @rule(lax.reshape_p)

@@ -1,8 +1,11 @@
 """Rules that recognise the expert rows' own computation: elementwise steps on expert activations
 (recorded as the expert program, with biases as per-expert params), the routing weights applied to
-them, the per-expert loop's contributions summed, a gather of the chosen experts' rows, per-token
-gathered expert weights (``W[idx]``), and elementwise ``custom_jvp`` functions replayed with their
-own derivative rule.
+them, the per-expert loop's contributions summed, a gather of the chosen experts' rows (by the
+indices, or by (expert, token) pairs), per-token gathered expert weights (``W[idx]``), and
+elementwise ``custom_jvp`` functions replayed with their own derivative rule. Also: the tokens
+gated or masked per expert before the experts (``_gated_tokens``, with the zero-row proofs of
+``_gated_sum``), and experts kept as separate modules (``separate_expert_weights`` seeds their
+weights as slices of one ``StackedWeights``).
 """
 
 from __future__ import annotations
@@ -272,15 +275,27 @@ def _unit_view(graph, atom) -> tuple:
     return atom, mapping
 
 
-def _unit_map(in_shape, out_shape) -> list | None:
-    """For a reshape that only adds or drops unit dims: each input dim's output dim (None: dropped)."""
+def _unit_reshape(in_shape, out_shape) -> list | None:
+    """For a reshape that only adds or drops size-1 dims: each output dim's input dim (or None)."""
     src = [i for i, s in enumerate(in_shape) if s != 1]
     dst = [i for i, s in enumerate(out_shape) if s != 1]
     if [in_shape[i] for i in src] != [out_shape[i] for i in dst]:
         return None
-    mapping: list = [None] * len(in_shape)
+    mapping: list = [None] * len(out_shape)
     for i, j in zip(src, dst):
-        mapping[i] = j
+        mapping[j] = i
+    return mapping
+
+
+def _unit_map(in_shape, out_shape) -> list | None:
+    """``_unit_reshape`` the other way: each input dim's output dim (None: a unit dim dropped)."""
+    forward = _unit_reshape(in_shape, out_shape)
+    if forward is None:
+        return None
+    mapping: list = [None] * len(in_shape)
+    for out_dim, in_dim in enumerate(forward):
+        if in_dim is not None:
+            mapping[in_dim] = out_dim
     return mapping
 
 

@@ -53,7 +53,8 @@ def test_outputs_and_gradients_match_float32(name):
         assert relative_error(g_ref, g_new) < 1e-5, path[0]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "hf_loop", "gather_combine", "switch", "mixtral_bsd"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "hf_loop", "gather_combine", "switch", "mixtral_bsd",
+                                  "gate_on_tokens"])
 def test_outputs_and_gradients_match_bfloat16(name):
     """bf16 against the float32 reference on the same values: within 2e-2, or no worse than dense bf16."""
     model = ZOO[name]
