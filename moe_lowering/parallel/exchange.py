@@ -33,16 +33,23 @@ receiver for the dispatch, its home row for the return; so nothing is padded on 
 receiver's counting-sort gathers and the gather home disappear. On one host, XLA can run the first two on the GPUs' copy engines instead of NCCL
 (``--xla_gpu_use_memcpy_local_p2p``, see ``benchmarks/EP_NOTES.md``).
 
-The backward is the transposed exchange written out (``custom_vjp``). Round 0 keeps the expert
+The backward is the transposed exchange written out. Round 0 keeps the expert
 program's residuals from the forward (as single-device autodiff would), so its backward sends
 only the output cotangents and runs no forward GEMM again; the rare further rounds dispatch rows
 and cotangents together and recompute their program under ``jax.vjp`` (nothing of size
 ``rounds x capacity`` is kept). Weight gradients of further rounds and chunks are added in
 float32 and rounded to the weights' dtype once per addition.
+
+Both autodiff modes: the exchange is a ``custom_jvp`` whose tangent is one linear primitive
+(``exchange_tangent_p``) of the forward's residuals and the input tangents. Reverse mode
+transposes it into the written-out backward above; forward mode (``jax.jvp``, ``jacfwd``)
+evaluates it as JAX's own JVP of the forward on the collective transports (a ``custom_vjp``
+could only do the first: JAX cannot run its backward forwards).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -50,7 +57,9 @@ from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from moe_lowering import _compat
 from moe_lowering.expert_program import (
     Elementwise,
     ExpertMatmul,
@@ -102,6 +111,7 @@ class ExchangeConfig:
     chunks: int = 1  # chunks per round
     backend: str = "auto"
     transport: str = "all_to_all"
+    row_swiglu: bool = True  # SwiGLU on the received rows only (``swiglu_rows``, reverse mode only)
 
     @property
     def round_rows(self) -> int:
@@ -439,7 +449,7 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
         return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside,
                              expected_rows=expected_rows)
 
-    if zero_outside:
+    if zero_outside or not cfg.row_swiglu:
         return evaluate(program, values, context, matmul)
 
     def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
@@ -743,7 +753,7 @@ def _output_rows(cfg: ExchangeConfig, rows, payloads, params) -> jax.ShapeDtypeS
     return jax.eval_shape(functools.partial(_local_program, cfg), group_sizes, expert_of_row, rows, payloads, params)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_row=None,
                          row_source: RowSource | None = None):
     """Expert-program outputs for my sorted ``rows``, computed on the ranks that own their experts.
@@ -760,9 +770,18 @@ def exchange_expert_rows(cfg: ExchangeConfig, rows, payloads, params, group_size
     return out
 
 
-def _exchange_fwd(cfg, rows, payloads, params, group_sizes, token_of_row=None, row_source=None):
+@exchange_expert_rows.defjvp
+def _exchange_jvp(cfg, primals, tangents):
+    """The forward with round 0's vjps kept, and the tangent as one linear primitive of them."""
+    rows, payloads, params, group_sizes, token_of_row, row_source = primals
     out, vjps, counts = _forward(cfg, rows, payloads, params, group_sizes, token_of_row, True, row_source)
-    return out, (rows, payloads, params, counts, vjps)
+    residuals = (rows, payloads, params, group_sizes, counts, vjps)
+    differentiable = tuple(jnp.issubdtype(leaf.dtype, jnp.inexact) for leaf in jax.tree.leaves(primals[:3]))
+    tangent_leaves = [t for t, keep in zip(jax.tree.leaves(tangents[:3]), differentiable) if keep]
+    residual_leaves, residual_tree = jax.tree.flatten(residuals)
+    statics = _TangentStatics(cfg, residual_tree, differentiable, jax.typeof(out))
+    out_tangent = exchange_tangent_p.bind(*residual_leaves, *tangent_leaves, statics=statics, batch=(), batch_shape=())
+    return out, out_tangent
 
 
 def _param_cotangent(g, p):
@@ -817,7 +836,7 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
 
 
 def _exchange_bwd(cfg, residuals, d_out):
-    rows, payloads, params, counts, vjps = residuals
+    rows, payloads, params, _, counts, vjps = residuals
     buffers = _preallocate(cfg, (d_out,), (rows, *payloads), rows.shape[0])
     if buffers is not None:
         buffers, _ = _gather_with_addresses(cfg, buffers)
@@ -831,10 +850,127 @@ def _exchange_bwd(cfg, residuals, d_out):
                 tuple(_add_rounded(a, g) for a, g in zip(d_params, more_params)))
 
     d_rows, d_payloads, d_params = _further_rounds(counts, cfg, body, state, rows.shape[0])
-    return d_rows, d_payloads, d_params, None, None, None
+    return d_rows, d_payloads, d_params
 
 
-exchange_expert_rows.defvjp(_exchange_fwd, _exchange_bwd)
+# --------------------------------------------------------------------------- the tangent primitive
+# Operands: the leaves of the residuals ``(rows, payloads, params, group_sizes, counts, round 0's
+# vjps)``, then the tangents of the inexact leaves of ``(rows, payloads, params)``
+# (``differentiable`` marks which). Linear in the tangents. ``batch`` holds one tuple per
+# enclosing ``vmap`` (outermost first) telling which operands have that axis in front, as the
+# primitives of ``moe_lowering.primitives`` do; ``batch_shape`` the sizes of those axes.
+
+
+@dataclass(frozen=True, eq=False)
+class _TangentStatics:
+    """The tangent primitive's static parameters, compared by identity (primitive parameters must
+    hash, and the expert program holds array literals)."""
+
+    cfg: ExchangeConfig
+    residual_tree: Any  # the residuals' PyTreeDef
+    differentiable: tuple[bool, ...]  # which leaves of (rows, payloads, params) have tangent operands
+    out_aval: Any  # the unbatched output's aval
+
+    @property
+    def num_residuals(self) -> int:
+        return self.residual_tree.num_leaves
+
+
+def _full_tangents(primals, differentiable, tangent_leaves):
+    """Tangents of every leaf of ``primals`` (float0 zeros for the integer ones)."""
+    tangents, given = [], iter(tangent_leaves)
+    for leaf, keep in zip(jax.tree.leaves(primals), differentiable):
+        tangents.append(next(given) if keep else np.zeros(leaf.shape, jax.dtypes.float0))
+    return jax.tree.unflatten(jax.tree.structure(primals), tangents)
+
+
+def _forward_mode_config(cfg: ExchangeConfig) -> ExchangeConfig:
+    """``cfg`` on pieces JAX differentiates forwards: collective transports instead of the
+    ``"peer"`` kernels, the program's own SwiGLU instead of ``swiglu_rows`` (``custom_vjp``)."""
+    transport = "all_to_all" if cfg.transport == "peer" else cfg.transport
+    return dataclasses.replace(cfg, transport=transport, row_swiglu=False)
+
+
+def _vmapped(fn, batch, *operands):
+    """``fn`` on ``operands`` unbatched, ``vmap``ped over each level of ``batch``."""
+    for level in reversed(batch):
+        fn = jax.vmap(fn, in_axes=tuple(0 if batched else None for batched in level))
+    return fn(*operands)
+
+
+def _tangent(statics: _TangentStatics, *operands):
+    """Forward mode, one unbatched call: JAX's JVP of the exchange's forward at the residuals' primals."""
+    residuals = jax.tree.unflatten(statics.residual_tree, operands[:statics.num_residuals])
+    rows, payloads, params, group_sizes, _, _ = residuals
+    primals = (rows, payloads, params)
+    plain = _forward_mode_config(statics.cfg)
+
+    def forward(rows, payloads, params):
+        return _forward(plain, rows, payloads, params, group_sizes, None, False)[0]
+
+    tangents = _full_tangents(primals, statics.differentiable, operands[statics.num_residuals:])
+    return jax.jvp(forward, primals, tangents)[1]
+
+
+def _tangent_cotangents(statics: _TangentStatics, d_out, *residual_leaves):
+    """Reverse mode, one unbatched call: the cotangents of the tangent operands by the written-out
+    backward (:func:`_exchange_bwd`) on the residuals."""
+    residuals = jax.tree.unflatten(statics.residual_tree, residual_leaves)
+    rows, payloads, params = residuals[:3]
+    d_rows, d_payloads, d_params = _exchange_bwd(statics.cfg, residuals, d_out)
+    cotangents = [d_rows, *d_payloads]
+    for param, d_param in zip(params, d_params):
+        structure = jax.tree.structure(param)
+        cotangents += structure.flatten_up_to(d_param) if d_param is not None else [None] * structure.num_leaves
+    primal_leaves = jax.tree.leaves((rows, payloads, params))
+    return [jnp.zeros(leaf.shape, leaf.dtype) if ct is None else ct.astype(leaf.dtype)
+            for ct, leaf, keep in zip(cotangents, primal_leaves, statics.differentiable) if keep]
+
+
+def _tangent_impl(*operands, statics: _TangentStatics, batch, batch_shape):
+    return _vmapped(functools.partial(_tangent, statics), batch, *operands)
+
+
+def _tangent_abstract_eval(*operands, statics: _TangentStatics, batch, batch_shape):
+    return _compat.ShapedArray(tuple(batch_shape) + tuple(statics.out_aval.shape), statics.out_aval.dtype)
+
+
+def _tangent_transpose(d_out, *operands, statics: _TangentStatics, batch, batch_shape):
+    num_residuals = statics.num_residuals
+    if type(d_out) is _compat.Zero:
+        return [None] * len(operands)
+    cotangent_fn = functools.partial(_tangent_cotangents, statics)
+    levels = tuple((True,) + level[:num_residuals] for level in batch)  # d_out has every level's axis
+    cotangents = _vmapped(cotangent_fn, levels, _compat.instantiate_zeros(d_out), *operands[:num_residuals])
+    summed = []
+    for i, ct in enumerate(cotangents):  # over the levels a tangent operand lacks
+        axes = tuple(j for j, level in enumerate(batch) if not level[num_residuals + i])
+        summed.append(ct.sum(axis=axes) if axes else ct)
+    return [None] * num_residuals + summed
+
+
+def _tangent_jvp(primals, tangents, **params):
+    """Second-order forward mode: the JVP of the forward-mode tangent."""
+    tangents = [_compat.instantiate_zeros(t) for t in tangents]
+    return jax.jvp(functools.partial(_tangent_impl, **params), tuple(primals), tuple(tangents))
+
+
+def _tangent_batch(operands, dims, *, batch, batch_shape, **params):
+    size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+    operands = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims)]
+    level = tuple(d is not None for d in dims)
+    out = exchange_tangent_p.bind(*operands, batch=(level,) + tuple(batch), batch_shape=(size,) + tuple(batch_shape),
+                                  **params)
+    return out, 0
+
+
+exchange_tangent_p = _compat.Primitive("moe_ep_exchange_tangent")
+exchange_tangent_p.def_abstract_eval(_tangent_abstract_eval)
+exchange_tangent_p.def_impl(_tangent_impl)
+_compat.register_lowering(exchange_tangent_p, _tangent_impl, multiple_results=False)
+_compat.primitive_transposes[exchange_tangent_p] = _tangent_transpose
+_compat.primitive_jvps[exchange_tangent_p] = _tangent_jvp
+_compat.primitive_batchers[exchange_tangent_p] = _tangent_batch
 
 
 def prepare_peer_transport(devices, backend: str) -> None:

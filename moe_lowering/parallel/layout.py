@@ -201,8 +201,8 @@ class UnsupportedLayout:
         return f"not expert parallel ({self.reason}): the single-device sparse layer runs under the caller's shardings"
 
 
-def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[PartitionSpec | None], num_experts: int
-                ) -> Layout | UnsupportedLayout | None:
+def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[PartitionSpec | None], num_experts: int,
+                weight_shapes: Sequence[tuple[int, ...]] | None = None) -> Layout | UnsupportedLayout | None:
     """The layout for tokens ``[T, D]`` sharded as ``tokens_spec`` and expert-indexed params as ``weight_specs``.
 
     Never raises: every layout it declines is one the program itself runs under, so the region
@@ -214,6 +214,8 @@ def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[Partiti
         weight_specs: One spec per parameter whose leading dimension is E (``EXPERT_WEIGHT`` and
             ``PER_EXPERT`` inputs, in program order); ``None`` means replicated.
         num_experts: ``E``.
+        weight_shapes: The shapes of those parameters, in the same order (optional): feature dims
+            the FSDP axis does not divide are declined (GSPMD pads them; the gather does not).
 
     Returns:
         A ``Layout``; ``None`` when nothing is sharded (the single-device lowering is then the
@@ -275,6 +277,12 @@ def plan_layout(mesh, tokens_spec: PartitionSpec, weight_specs: Sequence[Partiti
         feature_axes = [a for a in spec[1:] if a is not None]
         if len(feature_axes) > 1:
             return UnsupportedLayout(f"expert parameter {position} ({spec}) shards two feature dims over FSDP")
+    for position, (spec, shape) in enumerate(zip(specs, weight_shapes or ())):
+        for dim, entry in enumerate(spec):
+            shards = mesh.shape[_axes_of(entry)[0]] if dim > 0 and entry is not None else 1
+            if shape[dim] % shards:
+                return UnsupportedLayout(f"dimension {dim} of expert parameter {position} (size {shape[dim]}) does not "
+                                         f"split over the {shards} FSDP shards of {entry!r}")
 
     if mesh.size == 1 or (not token_axes and expert_axis is None and fsdp_axis is None):
         return None

@@ -110,21 +110,33 @@ def _validate(tokens, expert_indices, expert_weights, params, program, num_exper
             raise ValueError(f"an expert-indexed param has leading dim {p.shape[0]}, expected {num_experts}")
         if kind is ParamKind.PER_TOKEN and p.shape[0] != tokens.shape[0]:
             raise ValueError(f"a per-token param has leading dim {p.shape[0]}, expected {tokens.shape[0]}")
-    if quant is not None and layout.fsdp_axis is not None:
-        position = 0
-        for p, kind in zip(params, program.param_kinds):
-            if kind not in _EXPERT_INDEXED:
-                continue
-            dim = layout.fsdp_dim(position)
-            if kind is ParamKind.EXPERT_WEIGHT and dim is not None:
-                shard = list(p.shape)
-                shard[0] //= layout.expert_parallel_size
-                if shard[dim] % layout.fsdp_size:
-                    raise ValueError(f"expert weight dim {dim} ({p.shape}) does not split over {layout.fsdp_size} "
-                                     f"FSDP shards")
-                shard[dim] //= layout.fsdp_size
+    position = 0
+    for p, kind in zip(params, program.param_kinds):
+        if kind not in _EXPERT_INDEXED:
+            continue
+        dim = layout.fsdp_dim(position)
+        if dim is not None and p.shape[dim] % layout.fsdp_size:
+            raise ValueError(f"expert-indexed param dim {dim} ({p.shape}) does not split over {layout.fsdp_size} "
+                             "FSDP shards")
+        position += 1
+
+
+def _unquantizable(params, program: ExpertProgram, layout: Layout, quant) -> str | None:
+    """Why an FSDP shard of the expert weights cannot travel as ``quant`` (``None``: every one can)."""
+    position = 0
+    for p, kind in zip(params, program.param_kinds):
+        if kind not in _EXPERT_INDEXED:
+            continue
+        dim = layout.fsdp_dim(position)
+        position += 1
+        if kind is ParamKind.EXPERT_WEIGHT and dim is not None:
+            shard = [layout.local_experts, *p.shape[1:]]
+            shard[dim] //= layout.fsdp_size
+            try:
                 check_quantizable(tuple(shard), quant)
-            position += 1
+            except ValueError as unquantizable:
+                return str(unquantizable)
+    return None
 
 
 def _param_specs(program: ExpertProgram, layout: Layout, token_spec: PartitionSpec):
@@ -277,10 +289,13 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     exchange_transport = resolve_transport(exchange_transport, layout.devices, backend)
     if exchange_transport == "peer" and layout.expert_parallel_size > 1:
         prepare_peer_transport(layout.devices, backend)
-    if weight_gather_quant is not None and layout.fsdp_axis is None:
-        warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored: the expert weights are not FSDP-sharded",
-                      stacklevel=2)
-        weight_gather_quant = None
+    if weight_gather_quant is not None:
+        reason = ("the expert weights are not FSDP-sharded" if layout.fsdp_axis is None
+                  else _unquantizable(params, program, layout, weight_gather_quant))
+        if reason is not None:
+            warnings.warn(f"weight_gather_quant={weight_gather_quant!r} ignored (the weights gather exactly): {reason}",
+                          stacklevel=2)
+            weight_gather_quant = None
     mesh = layout.mesh
     axes = layout.compute_axes
     num_slices = math.prod(mesh.shape[a] for a in axes)

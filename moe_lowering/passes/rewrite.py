@@ -235,12 +235,12 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     else:
         expert_indices = _index_matrix(anchor, read(anchor.indices))
         expert_weights = _routing_weights(region, read, expert_indices)
+    if region.style == GATE_ON_TOKENS:
+        tokens, expert_indices, expert_weights = _gated_copies(tokens, expert_indices, expert_weights)
     params = _region_params(region, read)
     capacity_factor = options.capacity_factor if region.combine is None else None
     layout = _sharded_layout(region, sharding_of)
     if layout:
-    if region.style == GATE_ON_TOKENS:
-        tokens, expert_indices, expert_weights = _gated_copies(tokens, expert_indices, expert_weights)
         from moe_lowering.parallel import sharded_sparse_moe
         from moe_lowering.parallel.exchange import resolve_transport
 
@@ -337,16 +337,17 @@ def _sharded_layout(region: MoeRegion, sharding_of):
 
     token_sharding = sharding_of(region.tokens)
     mesh = token_sharding[0] if token_sharding else None
-    weight_specs = []
+    weight_specs, weight_shapes = [], []
     for param in region.params:
         if param.kind not in (ParamKind.EXPERT_WEIGHT, ParamKind.PER_EXPERT):
             continue
+        order = ("E", "K", "N") if param.kind is ParamKind.EXPERT_WEIGHT else (EXPERT, FEATURE)
+        weight_shapes.append(tuple(param.source.shape[param.roles.index(r)] if r in param.roles else 1 for r in order))
         found = sharding_of(param.source) if not isinstance(param.source, Const) else None
         if found is None:
             weight_specs.append(None)
             continue
         mesh = mesh or found[0]
-        order = ("E", "K", "N") if param.kind is ParamKind.EXPERT_WEIGHT else (EXPERT, FEATURE)
         weight_specs.append(PartitionSpec(*[found[1][param.roles.index(r)] if r in param.roles else None for r in order]))
     if mesh is None or all(s is None for s in weight_specs) and not token_sharding:
         return None
@@ -356,7 +357,7 @@ def _sharded_layout(region: MoeRegion, sharding_of):
             token_axes += (entry,) if isinstance(entry, str) else tuple(entry or ())
     from moe_lowering.parallel import plan_layout
 
-    return plan_layout(mesh, PartitionSpec(token_axes or None, None), weight_specs, region.num_experts)
+    return plan_layout(mesh, PartitionSpec(token_axes or None, None), weight_specs, region.num_experts, weight_shapes)
 
 
 def _index_matrix(anchor: RoutingAnchor, indices):
@@ -524,10 +525,6 @@ def _region_params(region: MoeRegion, read) -> list:
     return [_normalise_param(p, value, region) for p, value in zip(region.params, sources)]
 
 
-def _normalise_param(param, value, region: MoeRegion):
-    """A program input in the layout ``ExpertProgram`` expects (see ``ParamKind``)."""
-    value = jnp.asarray(value)
-    if param.kind is ParamKind.EXPERT_WEIGHT:
 def _read_source(source, read):
     """A program input's value now: a constant's, E separate weights stacked (experts kept as separate
     modules: a copy per call), or the value ``read`` gives."""
@@ -538,6 +535,10 @@ def _read_source(source, read):
     return read(source)
 
 
+def _normalise_param(param, value, region: MoeRegion):
+    """A program input in the layout ``ExpertProgram`` expects (see ``ParamKind``)."""
+    value = jnp.asarray(value)
+    if param.kind is ParamKind.EXPERT_WEIGHT:
         return jnp.transpose(value, [param.roles.index(r) for r in ("E", "K", "N")])
     if param.kind is ParamKind.PER_EXPERT:
         out, roles = _canonical(value, param.roles, (EXPERT, FEATURE))
@@ -552,10 +553,6 @@ def _read_source(source, read):
     return out.reshape(1, -1)
 
 
-def _to_output_layout(out, region: MoeRegion):
-    token_shape = tuple(region.anchor.token_shape)
-    tokens = token_roles(len(token_shape))
-    roles = [r for r in region.output_roles if r != ONE]
 def _gated_copies(tokens, expert_indices, expert_weights):
     """The gate-on-tokens style (``x * G[t, e]`` before the experts): each routed copy of a token,
     scaled by its routing weight, as a token of its own with one expert and weight 1. The expert
@@ -566,10 +563,14 @@ def _gated_copies(tokens, expert_indices, expert_weights):
     return copies, expert_indices.reshape(-1, 1), jnp.ones((num_tokens * top_k, 1), expert_weights.dtype)
 
 
-    kept = [r for r in tokens if r in roles]  # token axes of size 1 the output's layout dropped are left out
+def _to_output_layout(out, region: MoeRegion):
     if region.style == GATE_ON_TOKENS:  # one row per routed copy (``_gated_copies``), summed per token
         out = jnp.sum(out.reshape(region.num_tokens, region.top_k, -1), axis=1,
                       dtype=jnp.promote_types(out.dtype, jnp.float32)).astype(out.dtype)
+    token_shape = tuple(region.anchor.token_shape)
+    tokens = token_roles(len(token_shape))
+    roles = [r for r in region.output_roles if r != ONE]
+    kept = [r for r in tokens if r in roles]  # token axes of size 1 the output's layout dropped are left out
     out = out.reshape(tuple(token_shape[tokens.index(r)] for r in kept) + (out.shape[-1],))
     canonical = kept + [FEATURE]
     out = jnp.transpose(out, [canonical.index(r) for r in roles])
