@@ -90,3 +90,12 @@ def test_experts_over_two_axes_are_one_product_axis():
     assert layout.expert_axis == ("data", "expert") and layout.expert_parallel_size == 4
     assert layout.local_experts == 2 and layout.fsdp_axis == "fsdp"
     assert layout.expert_param_specs[0] == P(("data", "expert"), "fsdp")
+
+
+def test_feature_dims_fsdp_does_not_divide_decline():
+    """GSPMD pads a feature dim of 6 over 4 FSDP shards; the gather inside the lowering does not."""
+    specs = [P("expert", "fsdp", None)]
+    fsdp4 = mesh((2, 4), ("expert", "fsdp"))
+    declined = plan_layout(fsdp4, P(), specs, 8, weight_shapes=[(8, 6, 16)])
+    assert not declined and "dimension 1 of expert parameter 0 (size 6) does not split over the 4" in declined.reason
+    assert plan_layout(fsdp4, P(), specs, 8, weight_shapes=[(8, 8, 16)]).fsdp_axis == "fsdp"
