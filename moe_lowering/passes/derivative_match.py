@@ -45,6 +45,7 @@ class DerivativeOutput:
     value: Value
     input_index: int
     rest: tuple
+    terms: tuple = ()  # every term of the program's sum (``rest`` included); one term where it is no sum
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,12 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
     """
     region_eqns = sorted({graph.eqns[i] for i in interior} | set(gate_eqns), key=lambda e: e.index)
     inputs = _operands(region_eqns)
+    rebuilt = {v for e in gate_eqns for v in e.outputs}
+    for value in sparse_reads:
+        if isinstance(value, Value) and value not in inputs and value not in rebuilt and is_inexact(value):
+            return FailedMatch(
+                f"the sparse layer reads a value ({list(value.shape)}) the dense region does not, so their "
+                "derivatives cannot be compared", graph.producer.get(value), "private-interior")
     interior_values = {v for i in interior for v in graph.eqns[i].outputs if v is not output}
     for value in interior_values:
         if value in graph.output_set:
@@ -93,6 +100,11 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
             return found
         failures.append(found)
     return max(failures, key=lambda failure: failure[1])[0]  # the candidate that explained the most uses
+
+
+def is_inexact(value: Value) -> bool:
+    """A float (or complex) value: one that has a cotangent."""
+    return jax.numpy.issubdtype(value.dtype, jax.numpy.inexact)
 
 
 def _describe(eqn: Eqn) -> str:
@@ -308,7 +320,7 @@ def _cotangents_of_the_output_alone(graph, reference: _Reference, keyed, inputs,
             continue
         index = wanted.get(keyed.get(eqn.outputs[0]))
         if index is not None:
-            extra.append(DerivativeOutput(eqn.outputs[0], index, ()))
+            extra.append(DerivativeOutput(eqn.outputs[0], index, (), (eqn.outputs[0],)))
     return extra
 
 
@@ -366,7 +378,7 @@ def _match_output(graph, reference: _Reference, keyed, value, derived, inputs, s
     if any(n > 0 for n in remaining.values()):
         return FailedMatch(f"the derivative of the layer at {where} is split across values the rewrite cannot "
                            "re-add", graph.producer[value], "private-interior")
-    return DerivativeOutput(value, index, tuple(rest))
+    return DerivativeOutput(value, index, tuple(rest), tuple(terms))
 
 
 def _dead_backward(graph: JaxprGraph, removed_ids, interior, pinned) -> set:
@@ -405,6 +417,11 @@ def unavailable_sums(graph: JaxprGraph, regions) -> list:
     broken = []
     for entries in claims.values():
         rest = common_rest([out for _, out in entries])
-        if any(isinstance(t, Value) and t in graph.producer and graph.producer[t].index in removed for t in rest):
+        total = collections.Counter(entries[0][1].terms)
+        claimed = collections.Counter(rest)
+        for _, out in entries:  # each claim's own terms: together with the rest, every term exactly once
+            claimed.update(collections.Counter(out.terms) - collections.Counter(out.rest))
+        if claimed != total or any(isinstance(t, Value) and t in graph.producer and graph.producer[t].index in removed
+                                   for t in rest):
             broken.extend(region for region, _ in entries if all(region is not b for b in broken))
     return broken

@@ -43,7 +43,7 @@ from moe_lowering.expert_program import (
     topological_nodes,
 )
 from moe_lowering.passes.abstract import FEATURE, SLOT, Combined, Gate, GateValue, Roles, Rows, is_token, token_roles
-from moe_lowering.passes.derivative_match import RegionDerivative, match_derivative
+from moe_lowering.passes.derivative_match import RegionDerivative, is_inexact, match_derivative
 from moe_lowering.passes.derivative_support import Support, derivative_support, tangent_free
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, IndexInBounds, ParamSource, RoutingAnchor, rule, rules
@@ -340,12 +340,6 @@ def _derivative(an: Analysis, combined: Combined, replaced, output: Value, param
                             frozenset(reads | {a for e in prologue for a in e.inputs}))
 
 
-def _is_inexact(value: Value) -> bool:
-    import jax.numpy as jnp
-
-    return jnp.issubdtype(value.dtype, jnp.inexact)
-
-
 def _layout_prologue(graph: JaxprGraph, eqns, reads, depth: int = 8) -> list[Eqn]:
     """One-operand eqns (a bias reshaped, routing weights broadcast) between a value the sparse layer
     reads and an operand of the region's eqns: part of the function whose VJP is compared, so that
@@ -356,7 +350,7 @@ def _layout_prologue(graph: JaxprGraph, eqns, reads, depth: int = 8) -> list[Eqn
         chain, value = [], atom
         while value not in reads and len(chain) < depth:
             eqn = graph.producer.get(value)
-            operands = [a for a in eqn.inputs if isinstance(a, Value) and _is_inexact(a)] if eqn is not None else []
+            operands = [a for a in eqn.inputs if isinstance(a, Value) and is_inexact(a)] if eqn is not None else []
             if len(operands) != 1:  # one float operand (a weight gathered by integer indices counts)
                 break
             chain.append(eqn)

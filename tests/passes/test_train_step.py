@@ -228,3 +228,15 @@ def test_what_still_declines_says_why():
     [region] = explain(remat, params, x).regions
     assert not region.backward
     _assert_close(remat(params, x), moe_optimize(remat, strict=True)(params, x), 1e-5)
+
+
+def test_the_same_layer_twice_on_the_same_tokens_shares_out_its_sums():
+    """Two regions with the same operands and the same output cotangent: each region's terms of the
+    weights' gradient sums are keyed alike, and each must be counted once."""
+    params, x = _args()
+
+    def step(params, x):
+        loss = lambda p, x: jnp.mean(jnp.sin(MIXTRAL.fn(p, x) + MIXTRAL.fn(p, x)) ** 2)  # noqa: E731
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    _check_rewritten(step, params, x, regions=2)
