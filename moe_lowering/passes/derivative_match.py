@@ -78,8 +78,8 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
     for value in interior_values:
         if value in graph.output_set:
             return FailedMatch(
-                f"an interior value of the MoE (the expert activations {list(value.shape)}) leaves "
-                "its scope as an output (a remat policy saving it, or a scan carrying it to its backward): the layer's derivative is not in this scope, so it cannot be rewritten with it",
+                f"{_interior_used(value)} as an output of the function or scope (returned, saved by a remat policy "
+                "or carried by a scan to its backward): replacing the layer would change that use",
                 graph.producer[value], "private-interior")
     readers = [e for e in graph.eqns if e.index not in interior
                and any(isinstance(a, Value) and a in interior_values for a in e.inputs)]
@@ -90,9 +90,9 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
     candidates = _cotangent_candidates(graph, output, interior_values, readers, interior | gate_ids)
     if not candidates:
         return FailedMatch(
-            f"an interior value of the MoE is used outside it by {_describe(readers[0])}, and no cotangent of the "
-            f"layer's output [{', '.join(map(str, output.shape))}] reaches that use: it is not the layer's "
-            "reverse-mode derivative (forward mode, jvp, is not rewritten)", readers[0], "private-interior")
+            f"{_interior_used(_first_interior(readers[0], interior_values))} by {_describe(readers[0])}, and no "
+            f"cotangent of the layer's output [{', '.join(map(str, output.shape))}] reaches that use: it is not the "
+            "layer's reverse-mode derivative (forward mode, jvp, is not rewritten)", readers[0], "private-interior")
     failures = []
     for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
         found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
@@ -105,6 +105,14 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
 def is_inexact(value: Value) -> bool:
     """A float (or complex) value: one that has a cotangent."""
     return jax.numpy.issubdtype(value.dtype, jax.numpy.inexact)
+
+
+def _interior_used(value: Value) -> str:
+    return f"an interior value of the MoE (the expert activations {list(value.shape)}) is also used outside it,"
+
+
+def _first_interior(eqn: Eqn, interior_values) -> Value:
+    return next(a for a in eqn.inputs if isinstance(a, Value) and a in interior_values)
 
 
 def _describe(eqn: Eqn) -> str:
@@ -281,8 +289,8 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
             derived.update(eqn.outputs)
         elif any(isinstance(a, Value) and a in interior_values for a in eqn.inputs):
             return FailedMatch(
-                f"an interior value of the MoE is used outside it by {_describe(eqn)}, which is not an op of the "
-                "layer's reverse-mode derivative (compared with jax.vjp of the dense layer): replacing the layer "
+                f"{_interior_used(_first_interior(eqn, interior_values))} by {_describe(eqn)}, which is not an op of "
+                "the layer's reverse-mode derivative (compared with jax.vjp of the dense layer): replacing the layer "
                 "would change that use", eqn, "private-interior"), len(uses)
     derived -= set(interior_values)
     use_ids = {e.index for e in uses}
