@@ -91,8 +91,9 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
     if not candidates:
         return FailedMatch(
             f"{_interior_used(_first_interior(readers[0], interior_values))} by {_describe(readers[0])}, and no "
-            f"cotangent of the layer's output [{', '.join(map(str, output.shape))}] reaches that use: it is not the "
-            "layer's reverse-mode derivative (forward mode, jvp, is not rewritten)", readers[0], "private-interior")
+            f"cotangent of the layer's output [{', '.join(map(str, output.shape))}] reaches that use, so it is not "
+            "the layer's reverse-mode derivative: replacing the layer would change that use", readers[0],
+            "private-interior")
     failures = []
     for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
         found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
