@@ -108,7 +108,8 @@ def test_zoo_layers_training_steps(name):
     def step(params, x):
         return jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(model.fn(p, x)) ** 2), argnums=(0, 1))(params, x)
 
-    _check_rewritten(step, params, x, dense=name != "hf_loop")  # the loop computes one expert at a time
+    # the loop computes one expert at a time; EasyDeL's style gathers [T, k, d, f] weight copies instead
+    _check_rewritten(step, params, x, dense=name not in ("hf_loop", "gathered_weights"))
 
 
 def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
