@@ -241,3 +241,11 @@ def test_the_same_layer_twice_on_the_same_tokens_shares_out_its_sums():
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     _check_rewritten(step, params, x, regions=2)
+
+
+def test_jit_outside_the_decorated_step():
+    params, x = _args()
+    step = jax.value_and_grad(_loss, argnums=(0, 1))
+    outer = jax.jit(moe_optimize(step, strict=True))
+    _assert_close(step(params, x), outer(params, x), 1e-5)
+    assert _largest_value(jax.make_jaxpr(outer)(params, x)) < _dense_elements()
