@@ -4,6 +4,7 @@ of its abstract operands (range checks, contributions and rows, expert indices, 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
 from moe_lowering.passes.abstract import (
@@ -39,5 +40,8 @@ def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
     if Gate in kinds:
         return _gate_arith(an, eqn, abstracts)
     if prim is lax.convert_element_type_p and isinstance(abstracts[0], ExpertParamSlice):
-        return abstracts[0]
+        # a cast that keeps every value of the slice (a widening one) is the slice; a narrowing one
+        # (float32 -> int8, -> bfloat16) changes the weights the dense experts use, so it is not
+        if jnp.promote_types(eqn.inputs[0].dtype, eqn.params["new_dtype"]) == jnp.dtype(eqn.params["new_dtype"]):
+            return abstracts[0]
     return None

@@ -661,3 +661,22 @@ def test_separate_arrays_gathered_by_something_other_than_stacked_products_say_s
         return jnp.sum(outs[index, jnp.arange(16)[:, None], :] * weights[..., None], axis=1)
 
     declined_because(layer, params, x, "a gather by the routing indices and the token positions")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bfloat16])
+def test_a_loop_weight_slice_cast_narrower_is_not_the_weight(dtype):
+    """``w[e].astype(int8).astype(float32)`` rounds the weights the dense expert uses: the slice is then
+    not the stacked weight's (a mutant the suite found rewritten with the unrounded weights)."""
+    params, x = _params(jax.random.key(44)), jax.random.normal(jax.random.key(45), (16, 8))
+    params["w_up"] = params["w_up"] * 4  # entries of a few units: int8 truncates them, bfloat16 rounds them
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        out = jnp.zeros_like(x)
+        for e in range(4):
+            w_up = params["w_up"][e].astype(dtype).astype(x.dtype)
+            gate = jnp.where(index == e, weights, 0.0).sum(-1)
+            out = out + gate[:, None] * (jax.nn.gelu(x @ w_up) @ params["w_down"][e])
+        return out
+
+    rewritten_exactly(layer, params, x)

@@ -272,6 +272,23 @@ def batched_matmul_unrouted_reference(p, x, model):
     return (heads @ p["w_out"]) * confidence[:, None]
 
 
+def route_sigmoid(logits_row, k):
+    probs = sigmoid(logits_row)
+    chosen = top(probs, k)
+    return list(zip(chosen, probs[chosen]))
+
+
+def gate_on_tokens_reference(p, x, model):
+    """The routing weight scales the token before its expert: ``sum over (e, w) of expert(e, w * x[t])``."""
+    routes = [route_sigmoid(row, model.top_k) for row in x @ p["router"]]
+    return np.stack([sum(swiglu_expert(p, e, w * x[t]) for e, w in token_routes) for t, token_routes in enumerate(routes)])
+
+
+def separate_experts_reference(p, x, model):
+    stacked = {name: np.stack([expert[name] for expert in p["experts"]]) for name in ("w_gate", "w_up", "w_down")}
+    return mixtral_reference({"router": p["router"], **stacked}, x, model)
+
+
 REFERENCES = {
     "mixtral": mixtral_reference,
     "mixtral_logits_topk": lambda p, x, m: mixtral_reference(p, x, m, fused_swiglu_expert, route_logits_then_softmax),
@@ -292,6 +309,9 @@ REFERENCES = {
     "hf_loop": mixtral_reference,
     "gather_combine": mixtral_reference,
     "gathered_weights": lambda p, x, m: mixtral_reference(p, x, m, swiglu_bias_expert),
+    "gate_on_tokens": gate_on_tokens_reference,
+    "one_hot_dispatch_loop": bsd_reference,
+    "separate_experts": separate_experts_reference,
     "two_layers": two_layers_reference,
     "scan_layers": scan_layers_reference,
     "flax_moe": mixtral_reference,
