@@ -680,3 +680,18 @@ def test_a_loop_weight_slice_cast_narrower_is_not_the_weight(dtype):
         return out
 
     rewritten_exactly(layer, params, x)
+
+
+def test_separate_modules_stacked_by_concatenate_are_rewritten():
+    """``jnp.stack`` is one primitive from JAX 0.11; before, unit-axis pieces and a concatenate."""
+    params, x = _separate_modules(_params(jax.random.key(46))), jax.random.normal(jax.random.key(47), (16, 8))
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        mask = jnp.swapaxes(jax.nn.one_hot(index, 4, dtype=x.dtype), -1, -2)  # [T, E, k]
+        xin = jnp.einsum("TID,TEK->TED", x[:, None], mask)
+        outs = [(jax.nn.gelu(xin[:, i] @ expert["w_up"]) @ expert["w_down"])[:, None]
+                for i, expert in enumerate(params["experts"])]
+        return jnp.einsum("TED,TEK->TD", lax.concatenate(outs, 1), mask * weights[:, None, :])
+
+    assert rewritten_exactly(layer, params, x)
