@@ -206,9 +206,9 @@ def _why_not(analysis: Analysis) -> FailedMatch:
     kinds = {type(v) for v in analysis.values.values()}
     if Gate not in kinds and Rows not in kinds:
         return FailedMatch(
-            "the routing indices never select experts: no one-hot mask, scatter or gather built from them, "
-            "and no matmul of the tokens with a weight of expert axis "
-            f"E={analysis.num_experts}"
+            "the routing indices are not seen to select experts: the matcher follows no one-hot mask "
+            "(indices == iota over E), scatter or gather built from them, and finds no matmul of the tokens with a "
+            f"weight of expert axis E={analysis.num_experts}"
         )
     if Rows not in kinds:
         return FailedMatch(
