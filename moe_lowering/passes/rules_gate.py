@@ -167,8 +167,8 @@ def _gathers_what_scatters(gather_params: dict, dnums) -> bool:
 
 
 def _distinct_ids(graph: JaxprGraph, atom) -> bool:
-    """``iota(n).reshape(shape) [+ c]``: pairwise distinct integers (``c`` a scalar, the count fitting
-    the type so that no two wrap to the same value)."""
+    """``iota(n).reshape(shape) [+ c]``: pairwise distinct integers (the type holds ``0..n-1``; adding
+    a scalar, wrapping or not, keeps them distinct)."""
     eqn = graph.producer.get(atom) if isinstance(atom, Value) else None
     if eqn is not None and eqn.primitive is lax.add_p:
         plain = [a for a in eqn.inputs if not _is_scalar_broadcast(graph, a)]
@@ -180,8 +180,8 @@ def _distinct_ids(graph: JaxprGraph, atom) -> bool:
         eqn = graph.producer.get(eqn.inputs[0]) if isinstance(eqn.inputs[0], Value) else None
     if eqn is None or eqn.primitive is not lax.iota_p or len(eqn.outputs[0].shape) != 1:
         return False
-    count = eqn.outputs[0].shape[0]
-    return np.issubdtype(np.dtype(atom.dtype), np.integer) and np.iinfo(atom.dtype).max >= 2 * count
+    dtype = np.dtype(eqn.outputs[0].dtype)
+    return np.issubdtype(dtype, np.integer) and np.iinfo(dtype).max >= eqn.outputs[0].shape[0] - 1
 
 
 def _is_scalar_broadcast(graph: JaxprGraph, atom) -> bool:
