@@ -133,3 +133,17 @@ def test_chain_mutants_decline_with_the_reason(mutate, reason):
     report = explain(mutant, *flat)
     assert not report.regions, str(report)
     assert any(reason in miss.reason for miss in report.near_misses), str(report)
+
+
+@pytest.mark.parametrize("name", ("gpt_oss", "deepseek_v3"))
+def test_zoo_scatter_gate_training_steps(name):
+    """The zoo's scatter-built gates (GPT-OSS, DeepSeek-V3): their training steps, declined before
+    this chain was recognised, are rewritten forward and backward."""
+    from moe_lowering.testing import zoo
+
+    model = zoo.ZOO[name].sized(T=8, d=8, f=12, E=4, k=2)
+    params, x = model.args(jax.random.key(1))
+    step = _step(model.fn)
+    report = explain(step, params, x)
+    assert len(report.regions) == 1 and report.regions[0].backward, str(report)
+    _assert_close(step(params, x), moe_optimize(step, strict=True)(params, x))
