@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers see; at run time ``__getattr__`` imports each name from _LAZY's module
     from moe_lowering.api import MoeNotFoundError, NoMoeFoundWarning, explain, moe_optimize, optimize_jaxpr
+    from moe_lowering.arguments import StateNotCarriedError
     from moe_lowering.kernels import Backend
     from moe_lowering.parallel.exchange import ExchangeTransport
     from moe_lowering.parallel.quantize import WeightGatherQuant
@@ -30,6 +31,7 @@ _LAZY = {
     "optimize_jaxpr": "moe_lowering.api",
     "MoeNotFoundError": "moe_lowering.api",
     "NoMoeFoundWarning": "moe_lowering.api",
+    "StateNotCarriedError": "moe_lowering.arguments",
     "ExplainReport": "moe_lowering.report",
     "NearMiss": "moe_lowering.report",
     "RegionReport": "moe_lowering.report",
@@ -46,6 +48,7 @@ __all__ = [  # a literal list, as type checkers read it; tests/test_typing.py ho
     "NearMiss",
     "NoMoeFoundWarning",
     "RegionReport",
+    "StateNotCarriedError",
     "WeightGatherQuant",
     "explain",
     "moe_optimize",

@@ -31,7 +31,26 @@ class StateNotCarriedError(TypeError):
     """The decorated function writes state that the rewritten program cannot carry back to the caller.
 
     Raised at the call that first traces it, before anything runs, so no write is lost silently.
-    A ``TypeError``: the arguments are of a kind the decorator does not support.
+    A ``TypeError``: the arguments are of a kind the decorator does not support. Flax NNX modules
+    and optimizers among the arguments are carried (their variable writes and RNG advances come
+    out of the rewritten call); a dict or list argument changed in place, or an array attribute of
+    a plain Python object rebound, is not.
+
+    Examples:
+        >>> import jax
+        >>> from moe_lowering import StateNotCarriedError, moe_optimize
+        >>> from moe_lowering.testing.zoo import Sizes, build_mixtral
+        >>> model = build_mixtral(Sizes(T=8, d=4, f=6, E=4, k=2))
+        >>> params, x = model.args(jax.random.key(0))
+        >>> @moe_optimize
+        ... def layer(params, x, cache):
+        ...     cache["x"] = x  # a write into the caller's dict: it cannot leave the rewritten program
+        ...     return model.fn(params, x)
+        >>> try:
+        ...     layer(params, x, {})
+        ... except StateNotCarriedError as err:
+        ...     print(type(err).__name__)
+        StateNotCarriedError
     """
 
 

@@ -382,6 +382,7 @@ def test_outputs_get_the_umask_mode(umask, mixtral_text, tmp_path, capsys):
     source.write_text(mixtral_text)
     neg = tmp_path / "neg.mlir"
     neg.write_text(examples.zoo_module_text("ensemble_average"))
+    (tmp_path / "sub").mkdir()  # a file output into a missing directory is an error (test_cli_output.py)
     old = os.umask(umask)
     try:
         assert _run([source, "-o", tmp_path / "o.mlir", "--report", tmp_path / "sub" / "r.json", "-q"], capsys)[0] == 0
