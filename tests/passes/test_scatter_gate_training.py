@@ -70,9 +70,26 @@ def test_training_step_with_scatter_gate_is_rewritten_forward_and_backward():
     report = explain(step, params, x)
     assert len(report.regions) == 1 and report.regions[0].backward, str(report)
     assert "rewritten forward and backward" in str(report)
-    expected, got = step(params, x), moe_optimize(step, strict=True)(params, x)
+    rewritten = moe_optimize(step, strict=True)
+    expected, got = step(params, x), rewritten(params, x)
     assert np.any(np.asarray(expected[1][0]["router"]) != 0)  # the router's gradient flows through the scatter
     _assert_close(expected, got)
+    dense = {(B, S, E, F), (B, S, E, D)}
+    assert dense & _shapes(jax.make_jaxpr(step)(params, x).jaxpr)
+    assert not dense & _shapes(jax.make_jaxpr(rewritten)(params, x).jaxpr), "a dense [B, S, E, F] value is left"
+
+
+def _shapes(jaxpr) -> set:
+    """Every value's shape in ``jaxpr`` and its sub-jaxprs."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        shapes.update(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    shapes |= _shapes(inner)
+    return shapes
 
 
 def test_possibly_duplicated_indices_decline():
