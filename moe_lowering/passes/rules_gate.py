@@ -1,7 +1,7 @@
 """Rules that recognise routing weights (a ``Gate``): a one-hot mask times per-(token, choice)
 or per-(token, expert) factors, divided, selected on, compared with zero, or written by a scatter of
-the top-k weights into zeros; a gate times the tokens broadcast along the experts starts expert rows
-(``rules_rows._gated_tokens``).
+the top-k weights into zeros (also as autodiff emits it); a gate times the tokens broadcast along the
+experts starts expert rows (``rules_rows._gated_tokens``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def _with_factor(an: Analysis, gate: Gate, atom, out, eqn, reciprocal: bool = Fa
 
 @rule(lax.scatter_p, lax.scatter_add_p)
 def _scatter(an: Analysis, eqn: Eqn, abstracts):
-    """``zeros[T, E].at[arange(T)[:, None], idx].set(w)``: routing weights by scatter."""
+    """``zeros[T, E].at[arange(T)[:, None], idx].set(w)``: routing weights by scatter, or by the chain
+    autodiff computes it with (``_differentiated_scatter_set``); the factor is the scatter's own
+    updates (there the masked ``w``, equal to it), so the region reads what the program reads."""
     operand, indices, updates = eqn.inputs[:3]
     packed = abstracts[1]
     if not isinstance(packed, PackedIndices):
