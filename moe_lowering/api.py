@@ -152,7 +152,7 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
                                  row_bytes=region.d_model * np.dtype(region.tokens.dtype).itemsize,
                                  exchange_transport=transport, backend=backend)
             described = f"{layout.describe(transport, backend)}; {plan.describe(region.top_k)}"
-        regions.append(region_report(region, path, described, capacity_factor))
+        regions.append(region_report(region, path, described, capacity_factor, owner.remat_inlined))
     misses = tuple(
         NearMiss(anchor.describe(), failure.reason, failure.eqn.where() if failure.eqn else anchor.eqn.where(),
                  failure.assumption or "")

@@ -43,6 +43,8 @@ class RegionReport:
         device_checks: Assumptions checked on device at run time, with the dense layer as the fallback.
         backward: Whether the program's own derivative of the layer (``jax.vjp`` of it, as in a
             training step traced whole) was proven and rewritten with it.
+        remat_inlined: Whether the ``jax.checkpoint`` bodies around it were inlined so that the backward
+            recomputing the layer inside them could be rewritten (remat's memory saving dropped there).
         stacked_weight_bytes: Experts kept as separate weight arrays: the bytes the rewrite copies on
             every call to stack them into ``[E, ...]`` weights (0 where the weights are stacked already).
 
@@ -80,6 +82,7 @@ class RegionReport:
     parallel_layout: str | None = None
     device_checks: tuple[str, ...] = ()  # assumptions checked at run time, the dense layer as fallback
     backward: bool = False  # the layer's own derivative in the program, proven and rewritten with it
+    remat_inlined: bool = False  # jax.checkpoint bodies of its scope inlined to rewrite the backward inside them
     stacked_weight_bytes: int = 0  # separate expert weight arrays, stacked by the rewrite on every call
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,6 +105,9 @@ class RegionReport:
             + (f"\n  sharded: {self.parallel_layout}" if self.parallel_layout else "")
             + ("\n  rewritten forward and backward (the program's derivative of the layer is jax.vjp of it)"
                if self.backward else "")
+            + ("\n  jax.checkpoint inlined in its scope: the backward reads the forward's values instead of "
+               "recomputing them (the same results; remat's memory saving is dropped there, and the other ops of "
+               "the remat body keep their residuals)" if self.remat_inlined else "")
             + (f"\n  checked on device, dense layer as fallback: {', '.join(self.device_checks)}"
                if self.device_checks else "")
             + (f"\n  separate expert weight arrays, stacked on every call: {_bytes(self.stacked_weight_bytes)} copied "
@@ -198,7 +204,7 @@ def already_sparse_message(operations) -> str:
 
 
 def region_report(region, scope: str = "", parallel_layout: str | None = None,
-                  capacity_factor: float | None = None) -> RegionReport:
+                  capacity_factor: float | None = None, remat_inlined: bool = False) -> RegionReport:
     """Costs from the matched shapes: the dense reference runs every expert on every token.
 
     ``capacity`` is the matched layer's own (Switch/GShard) or, with ``capacity_factor``, the
@@ -243,6 +249,7 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
         stacked_weight_bytes=sum(math.prod(p.source.shape) * np.dtype(p.source.dtype).itemsize for p in region.params
                                  if isinstance(p.source, StackedWeights)),
         backward=region.derivative is not None,
+        remat_inlined=remat_inlined,
     )
 
 

@@ -24,6 +24,7 @@ proof and its location.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -169,6 +170,53 @@ class _Keys:
 
     def term_set(self, key: int) -> collections.Counter:
         return collections.Counter(self.terms.get(key, (key,)))
+
+
+_STATEFUL = ("rng_uniform",)  # XLA's stateful generator: two calls draw different numbers
+
+
+def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
+    """``graph`` with each eqn that repeats an earlier one (same primitive and params, the same operand
+    values) replaced by the earlier one's outputs. A backward inlined from ``jax.checkpoint``
+    recomputes the layer's forward from the same operands; merged, it reads the forward's own
+    interior, as autodiff's backward does without remat. Eqns with effects or state are kept; params
+    that are not plain values (a jaxpr, an array, an unhashable object) must be the same object."""
+    alias: dict = {}
+    first: dict = {}
+    eqns: list[Eqn] = []
+    for eqn in graph.eqns:
+        inputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in eqn.inputs)
+        key = None
+        if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
+            key = (eqn.primitive, _plain_params_key(eqn.params),
+                   tuple(a if isinstance(a, Value) else ("const", id(a.value)) for a in inputs))
+        earlier = first.get(key) if key is not None else None
+        if earlier is not None:
+            alias.update(zip(eqn.outputs, earlier.outputs))
+            continue
+        kept = dataclasses.replace(eqn, index=len(eqns), inputs=inputs)
+        if key is not None:
+            first[key] = kept
+        eqns.append(kept)
+    outputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in graph.outputs)
+    return JaxprGraph(tuple(eqns), graph.inputs, outputs, graph.input_shardings)
+
+
+def _plain_params_key(params: dict):
+    def key(value):
+        if isinstance(value, (tuple, list)):
+            return tuple(key(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((name, key(v)) for name, v in value.items()))
+        if isinstance(value, np.ndarray) or hasattr(value, "eqns") or hasattr(value, "jaxpr"):
+            return ("object", id(value))
+        try:
+            hash(value)
+        except TypeError:
+            return ("object", id(value))
+        return value
+
+    return key(params)
 
 
 def _params_key(params: dict):

@@ -132,8 +132,9 @@ class JaxprGraph:
         return frozenset(seen)
 
 
-def build_graph(closed_jaxpr) -> JaxprGraph:
-    """Flattens ``closed_jaxpr`` (inlining jit and closed_call) into a ``JaxprGraph``."""
+def build_graph(closed_jaxpr, inline_remat: bool = False) -> JaxprGraph:
+    """Flattens ``closed_jaxpr`` (inlining jit and closed_call, and with ``inline_remat`` the bodies of
+    ``jax.checkpoint``: the same values, without remat's recomputation boundary) into a ``JaxprGraph``."""
     jaxpr, consts = _compat.jaxpr_parts(closed_jaxpr)
     env: dict = {}
     for var, const in zip(jaxpr.constvars, consts):
@@ -142,7 +143,8 @@ def build_graph(closed_jaxpr) -> JaxprGraph:
     env.update(zip(jaxpr.invars, inputs))
     eqns: list[Eqn] = []
     shardings: dict = {}
-    outputs = inline_jaxpr(jaxpr, env, eqns, shardings)
+    inlined = _INLINED + (_compat.remat_p,) if inline_remat else _INLINED
+    outputs = inline_jaxpr(jaxpr, env, eqns, shardings, inlined=inlined)
     return JaxprGraph(tuple(eqns), inputs, tuple(outputs), shardings)
 
 
@@ -152,11 +154,11 @@ def _read(env, atom):
     return env[atom]
 
 
-def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = ()):
-    """Appends ``jaxpr``'s eqns to ``eqns`` (jit and closed_call bodies inlined); returns its outputs."""
+def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = (), inlined: tuple = _INLINED):
+    """Appends ``jaxpr``'s eqns to ``eqns`` (the bodies of ``inlined`` primitives inlined); returns its outputs."""
     for source in jaxpr.eqns:
         inputs = tuple(_read(env, a) for a in source.invars)
-        if source.primitive in _INLINED:
+        if source.primitive in inlined:
             sub = source.params.get("jaxpr") or source.params.get("call_jaxpr")
             sub_open = _compat.open_jaxpr(sub)
             sub_env = {v: Const(c, v.aval) for v, c in zip(sub_open.constvars, _compat.sub_jaxpr_consts(sub))}
@@ -164,7 +166,7 @@ def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = ()):
             for value, sharding in zip(inputs, source.params.get("in_shardings", ())):
                 if isinstance(value, Value) and not _is_unspecified(sharding):
                     shardings.setdefault(value, sharding)
-            results = inline_jaxpr(sub_open, sub_env, eqns, shardings, callers + (source,))
+            results = inline_jaxpr(sub_open, sub_env, eqns, shardings, callers + (source,), inlined)
             for var, result in zip(source.outvars, results):
                 env[var] = result
             continue

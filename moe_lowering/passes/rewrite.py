@@ -9,6 +9,7 @@ inside are rewritten and the loop re-emitted through the public ``lax.scan`` / `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -24,7 +25,7 @@ from moe_lowering.expert_program import ParamKind, RowContext, evaluate
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, StackedWeights, token_roles
 from moe_lowering.passes.assumptions import GATE_ON_TOKENS
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
-from moe_lowering.passes.derivative_match import common_rest, unavailable_sums
+from moe_lowering.passes.derivative_match import common_rest, merged_recomputation, unavailable_sums
 from moe_lowering.passes.derivative_support import support_indicator
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
 
@@ -40,6 +41,7 @@ class ScopeResult:
     near_misses: tuple[tuple[RoutingAnchor, FailedMatch], ...]
     nested: dict  # eqn index -> ScopeResult of its body (scan / remat) holding regions
     path: str = ""
+    remat_inlined: bool = False  # the remat bodies of this scope inlined, for the backwards inside them
 
     def all_regions(self):
         yield from ((self.path, r) for r in self.regions)
@@ -66,8 +68,35 @@ def _scope_primitives():
 
 
 def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
-    """Finds the regions of ``closed_jaxpr`` and, recursively, of its scan and remat bodies."""
-    graph = build_graph(closed_jaxpr)
+    """Finds the regions of ``closed_jaxpr`` and, recursively, of its scan and remat bodies.
+
+    A backward under ``jax.checkpoint`` recomputes the layer's dense forward inside its remat body,
+    where no proof can see the forward. Where the program holds a remat and a region is left without
+    its backward (or a near miss), the program is analysed again with its remat bodies inlined and
+    their recomputation merged with the forward (``merged_recomputation``): the same values, the
+    plain training step's shape. That analysis is kept where it rewrites more backwards; the rewritten
+    program then has no remat boundary there, which ``explain`` says (``remat_inlined``)."""
+    found = _analyse_graph(build_graph(closed_jaxpr), path)
+    if not _may_recompute_a_region(found):
+        return found
+    inlined = _analyse_graph(merged_recomputation(build_graph(closed_jaxpr, inline_remat=True)), path)
+    if _backward_count(inlined) > _backward_count(found) and len(list(inlined.all_regions())) >= len(
+            list(found.all_regions())):
+        log.info("remat inlined at %s: %d backward(s) rewritten", path or "top level", _backward_count(inlined))
+        return dataclasses.replace(inlined, remat_inlined=True)
+    return found
+
+
+def _may_recompute_a_region(scope: ScopeResult) -> bool:
+    has_remat = any(eqn.primitive is _compat.remat_p for eqn in scope.graph.eqns)
+    return has_remat and (bool(scope.near_misses) or any(r.derivative is None for _, r in scope.all_regions()))
+
+
+def _backward_count(scope: ScopeResult) -> int:
+    return sum(r.derivative is not None for _, r in scope.all_regions())
+
+
+def _analyse_graph(graph: JaxprGraph, path: str) -> ScopeResult:
     regions, near_misses = analyse(graph)
     broken = unavailable_sums(graph, regions)
     if broken:
