@@ -33,6 +33,20 @@ def test_the_step_under_jit_and_checkpoint():
     _check_rewritten(jax.jit(_remat_step(None)), params, x)
 
 
+def test_two_checkpointed_residual_blocks_sharing_weights():
+    """MaxText's shape: each block (a norm, the layer, a residual add) under its own jax.checkpoint."""
+    params, x = MIXTRAL.args(jax.random.key(3))
+
+    def block(p, x):
+        return x + MIXTRAL.fn(p, jnp.tanh(x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)))
+
+    def loss(p, x):
+        return jnp.mean(jnp.sin(jax.checkpoint(block)(p, jax.checkpoint(block)(p, x))) ** 2)
+
+    report = _check_rewritten(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, regions=2)
+    assert all(r.remat_inlined for r in report.regions)
+
+
 def test_a_remat_that_saves_the_dots_is_declined_with_its_reason():
     """dots_saveable returns the expert projections from the forward's remat as residuals: an interior
     value used outside the layer, so the backward stays dense (the forward is not rewritten either)."""
