@@ -21,7 +21,8 @@ def _remat_step(policy):
     return jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(layer(p, x)) ** 2), argnums=(0, 1))
 
 
-@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable], ids=["no_policy", "nothing_saveable"])
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable],
+                         ids=["no_policy", "nothing_saveable"])
 def test_value_and_grad_under_checkpoint_rewrites_the_recomputing_backward(policy):
     params, x = MIXTRAL.args(jax.random.key(0))
     report = _check_rewritten(_remat_step(policy), params, x)
