@@ -476,17 +476,34 @@ class _Interpreter:
             raise UnsupportedModuleError("block argument count mismatch")
         env = _Env(parent)
         env.update(zip(block.arguments, args))
+        logistics = _logistic_candidates(block)
+        deferred = {step.results[0]: step for chain in logistics.values() for step in chain}
         for op in block.operations:
             op = op.operation
             if op.name in ("func.return", "stablehlo.return", "mhlo.return"):
                 return [_materialize(env[v]) for v in op.operands]
+            if len(op.results) == 1 and op.results[0] in deferred:
+                continue
             with self.locations.context(op):  # the eqns it traces name the op's source location
-                results = self.eval_op(op, env)
+                chain = logistics.get(op.results[0]) if len(op.results) == 1 else None
+                results = self.logistic(op, chain, env) if chain else self.eval_op(op, env)
             if len(results) != len(op.results):
                 raise UnsupportedModuleError(f"{op.name}: produced {len(results)} values for {len(op.results)} results")
             for result, value in zip(op.results, results):
                 env[result] = value
         raise UnsupportedModuleError("block without a terminator")
+
+    def logistic(self, divide, chain, env) -> list:
+        """``1 / (1 + exp(-x))`` as ``lax.logistic(x)``, the op JAX lowered it from: its derivative in a
+        traced train step is logistic's (``s * (1 - s)``), which the derivative proof re-derives
+        from the region. Ones that are not constant ones are evaluated op by op instead."""
+        negate, exponential, add = chain
+        ones = [env[divide.operands[0]]] + [env[v] for v in add.operands if v != exponential.results[0]]
+        if all(isinstance(x, _Broadcast) and x.is_constant_scalar and np.all(x.value == 1) for x in ones):
+            return [lax.logistic(_materialize(env[negate.operands[0]]))]
+        for step in chain:
+            env[step.results[0]] = self.eval_op(step, env)[0]
+        return self.eval_op(divide, env)
 
     def region_fn(self, region, env) -> Callable:
         block = region.blocks[0]
@@ -1082,6 +1099,30 @@ def _defining_op(value):
     """The operation producing ``value``, or None for a block argument."""
     owner = value.owner
     return None if isinstance(owner, ir.Block) else getattr(owner, "operation", owner)
+
+
+def _sole_user(value, name: str):
+    """The one op using ``value``, when it is the stablehlo op ``name``."""
+    users = [use.owner for use in value.uses]
+    if len(users) != 1 or getattr(users[0], "operation", users[0]).name != f"stablehlo.{name}":
+        return None
+    return getattr(users[0], "operation", users[0])
+
+
+def _logistic_candidates(block) -> dict:
+    """Divides of the form ``c / (c' + exp(-x))`` in ``block``, by result: ``(negate, exponential, add)``,
+    each used only by the next (whether ``c`` and ``c'`` are ones is known only when evaluated)."""
+    found = {}
+    for op in block.operations:
+        op = op.operation
+        if op.name != "stablehlo.negate":
+            continue
+        exponential = _sole_user(op.results[0], "exponential")
+        add = exponential and _sole_user(exponential.results[0], "add")
+        divide = add and _sole_user(add.results[0], "divide")
+        if divide and divide.operands[1] == add.results[0] and add.operands[0] != add.operands[1]:
+            found[divide.results[0]] = (op, exponential, add)
+    return found
 
 
 def _index_vector_last(indices, index_vector_dim: int, batching: list[int]):

@@ -160,7 +160,9 @@ class _Keys:
 
     def eqn_outputs(self, eqn: Eqn, operand_keys) -> list[int]:
         backward = any(k in self.backward for k in operand_keys)
-        if str(eqn.primitive) == _ADD_ANY:
+        # ``add`` of two cotangents is ``add_any``: a StableHLO module spells autodiff's accumulation as ``add``.
+        cotangent_sum = str(eqn.primitive) == "add" and all(k in self.backward for k in operand_keys)
+        if str(eqn.primitive) == _ADD_ANY or cotangent_sum:
             terms = tuple(sorted(t for k in operand_keys for t in self.terms.get(k, (k,))))
             key = self.intern((_ADD_ANY, terms), backward)
             self.terms[key] = terms
@@ -259,8 +261,44 @@ def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
                 if all(k is not None for k in found):
                     keyed.update(zip(eqn.outputs, found))
                 continue
+            widened = _elementwise_broadcast_shape(graph, eqn)
+            composed = _composed_transpose(graph, eqn, keyed)
+            if widened is not None or composed is not None:  # keyed as the one op it stands for
+                params, operand_keys = ({**eqn.params, "shape": widened}, operand_keys) if widened else composed
+                head = (str(eqn.primitive), _params_key(params), tuple(operand_keys))
+                shape = widened or eqn.outputs[0].shape
+                keyed[eqn.outputs[0]] = keys.intern(head + (0, shape, str(eqn.outputs[0].dtype)),
+                                                    any(k in keys.backward for k in operand_keys))
+                continue
             keyed.update(zip(eqn.outputs, keys.eqn_outputs(eqn, operand_keys)))
     return keyed
+
+
+def _composed_transpose(graph: JaxprGraph, eqn: Eqn, keyed: dict):
+    """``(params, operand keys)`` of the one transpose a transpose of a transpose is (HLO text folds
+    JAX's two into one), or None."""
+    inner = graph.producer.get(eqn.inputs[0]) if str(eqn.primitive) == "transpose" else None
+    if inner is None or str(inner.primitive) != "transpose" or keyed.get(inner.inputs[0]) is None:
+        return None
+    outer_perm, inner_perm = eqn.params["permutation"], inner.params["permutation"]
+    return {**eqn.params, "permutation": tuple(int(inner_perm[i]) for i in outer_perm)}, [keyed[inner.inputs[0]]]
+
+
+_ELEMENTWISE_BINARY = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min"})
+
+
+def _elementwise_broadcast_shape(graph: JaxprGraph, eqn: Eqn):
+    """The shape a ``broadcast_in_dim`` to size-1 dimensions stands for when every user is an elementwise
+    op that broadcasts it further to one shape (``mul x[T,k,E] b[T,1,E]``, as the StableHLO importer
+    restores it), which JAX's own transpose spells as the full ``broadcast_in_dim``; else None."""
+    if str(eqn.primitive) != "broadcast_in_dim":
+        return None
+    users = graph.users.get(eqn.outputs[0], ())
+    shapes = {u.outputs[0].shape for u in users if str(u.primitive) in _ELEMENTWISE_BINARY}
+    if not users or len(shapes) != 1 or any(str(u.primitive) not in _ELEMENTWISE_BINARY for u in users):
+        return None
+    (shape,) = shapes
+    return shape if shape != eqn.outputs[0].shape else None
 
 
 # --------------------------------------------------------------------------- the reference
