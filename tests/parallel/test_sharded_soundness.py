@@ -230,7 +230,8 @@ def sharded_cases(draw):
     return shape, names, expert_spec, style, num_experts, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same few examples every run (each compiles a sharded forward and backward: ~20 s on 2 cores)
+@settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(sharded_cases())
 @example(((2, 4), ("fsdp", "expert"), "expert", "mixtral", 6, 0))  # issue 38: E = 6 over 4 ranks
 @example(((2, 4), ("fsdp", "expert"), ("fsdp", "expert"), "mlp_relu_bias", 12, 1))  # 12 over 8: padded, product
