@@ -52,12 +52,20 @@ def test_train_step_is_rewritten_forward_and_backward(lowered, kind, tmp_path):
     assert "backward" in json.dumps(report), report
 
 
-def test_a_wrong_term_in_the_silu_backward_declines_with_the_use(lowered, tmp_path):
+SUMMED = "%3 = stablehlo.add %1, %2 : tensor<16x4x12xf32>"  # the silu's VJP: ct * s + (ct * x) * s(1 - s)
+MUTANTS = {
+    "wrong_term": "%3 = stablehlo.add %1, %1 : tensor<16x4x12xf32>",
+    "scaled_cotangent": "%s = stablehlo.add %1, %2 : tensor<16x4x12xf32>\n    "
+                        "%3 = stablehlo.add %s, %s : tensor<16x4x12xf32>",
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_a_mutated_silu_backward_declines_with_the_use(lowered, mutant, tmp_path):
     text = lowered.as_text()
-    summed = "%3 = stablehlo.add %1, %2 : tensor<16x4x12xf32>"
-    assert text.count(summed) == 1  # the silu's VJP: cotangent * s + (cotangent * x) * s(1 - s)
+    assert text.count(SUMMED) == 1
     source = tmp_path / "mutant.mlir"
-    source.write_text(text.replace(summed, "%3 = stablehlo.add %1, %1 : tensor<16x4x12xf32>"))
+    source.write_text(text.replace(SUMMED, MUTANTS[mutant]))
     code, report, _ = _rewrite(source, tmp_path)
     assert code == 0, report
     assert not report["regions"], report
