@@ -291,7 +291,7 @@ def _elementwise_broadcast_shape(graph: JaxprGraph, eqn: Eqn):
     """The shape a ``broadcast_in_dim`` to size-1 dimensions stands for when every user is an elementwise
     op that broadcasts it further to one shape (``mul x[T,k,E] b[T,1,E]``, as the StableHLO importer
     restores it), which JAX's own transpose spells as the full ``broadcast_in_dim``; else None."""
-    if str(eqn.primitive) != "broadcast_in_dim":
+    if str(eqn.primitive) != "broadcast_in_dim" or eqn.outputs[0] in graph.output_set:
         return None
     users = graph.users.get(eqn.outputs[0], ())
     shapes = {u.outputs[0].shape for u in users if str(u.primitive) in _ELEMENTWISE_BINARY}
