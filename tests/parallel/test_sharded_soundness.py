@@ -102,6 +102,7 @@ ACTIVATIONS = {  # the zoo's expert bodies, each with its activation
 }
 
 
+@pytest.mark.ep_sweep
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_every_zoo_activation_under_expert_parallelism_with_gradients(name):
     """Weights ``P('expert')`` through ``in_shardings`` on a 2 x 4 mesh made current by
@@ -231,6 +232,7 @@ def sharded_cases(draw):
 
 
 # derandomize: the same few examples every run (each compiles a sharded forward and backward: ~20 s on 2 cores)
+@pytest.mark.ep_sweep
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(sharded_cases())
 @example(((2, 4), ("fsdp", "expert"), "expert", "mixtral", 6, 0))  # issue 38: E = 6 over 4 ranks
