@@ -221,8 +221,14 @@ def _plain_params_key(params: dict):
     return key(params)
 
 
+_PLACEMENT_PARAMS = ("out_sharding", "sharding")
+
+
 def _params_key(params: dict):
-    return tuple(sorted((name, _param_key(value)) for name, value in params.items()))
+    """Params as a key of the value an eqn computes: a sharding places the value, it does not change it
+    (autodiff spells a transposed ``dot_general``'s or a ``broadcast_in_dim``'s as ``None`` or as the mesh's,
+    by how it was traced)."""
+    return tuple(sorted((name, _param_key(value)) for name, value in params.items() if name not in _PLACEMENT_PARAMS))
 
 
 def _param_key(value):
@@ -254,6 +260,9 @@ def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
                 break
             operand_keys.append(key)
         else:
+            if _is_placement(eqn):  # keyed as its operand: a sharding does not change the value
+                keyed[eqn.outputs[0]] = operand_keys[0]
+                continue
             if eqn.primitive is _compat.custom_jvp_call_p:  # keyed as its body: autodiff may have inlined it
                 body = build_graph(_compat.as_closed(eqn.params["call_jaxpr"]))
                 inner = _key_graph(keys, body, dict(zip(body.inputs, operand_keys)))
@@ -272,6 +281,13 @@ def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
                 continue
             keyed.update(zip(eqn.outputs, keys.eqn_outputs(eqn, operand_keys)))
     return keyed
+
+
+def _is_placement(eqn: Eqn) -> bool:
+    """A ``reshard`` or ``sharding_constraint``: the identity on values, which autodiff places differently
+    by how it was traced (``full_like``'s reshard of a derivative rule's ``1``, a constraint's transpose applied
+    before or after the sum with another layer's cotangent)."""
+    return str(eqn.primitive) in ("reshard", "sharding_constraint") and len(eqn.inputs) == 1
 
 
 def _composed_transpose(graph: JaxprGraph, eqn: Eqn, keyed: dict):

@@ -63,3 +63,25 @@ def test_a_plain_step_is_not_marked_inlined():
     params, x = MIXTRAL.args(jax.random.key(0))
     [region] = explain(jax.value_and_grad(lambda p, x: jnp.mean(MIXTRAL.fn(p, x) ** 2)), params, x).regions
     assert region.backward and not region.remat_inlined
+
+
+def test_checkpointed_blocks_with_sharding_constraints_under_a_mesh():
+    """MaxText's decoder layer: under a mesh, the block's tokens are constrained before the layer and the
+    layer's hidden values after its projections, inside a remat. Autodiff places the constraints'
+    transposes (and ``full_like``'s reshard of silu's ``1 - y``) differently in the recomputing backward
+    than in the reference VJP; the proof keys them as the values they constrain."""
+    params, x = MIXTRAL.args(jax.random.key(4))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def block(p, x):
+        h = jax.lax.with_sharding_constraint(x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6), replicated)
+        return x + jax.lax.with_sharding_constraint(MIXTRAL.fn(p, h), replicated)
+
+    def loss(p, x):
+        return jnp.mean(jnp.sin(jax.checkpoint(block)(p, jax.checkpoint(block)(p, x))) ** 2)
+
+    set_mesh = jax.set_mesh if hasattr(jax, "set_mesh") else jax.sharding.use_mesh
+    with set_mesh(mesh):
+        report = _check_rewritten(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, regions=2)
+    assert all(r.remat_inlined for r in report.regions)
