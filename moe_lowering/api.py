@@ -312,7 +312,7 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ExplainReport:
     declared = options.get("declared_shardings")
     if declared is None and _compat.is_jitted(fn):
         declared = _compat.jit_options(fn).get("in_shardings")
-    report = build_report(analyse_program(closed), _input_shardings(call, args, declared),
+    report = build_report(analyse_program(closed), _input_shardings(call, args, declared, bound),
                           options.get("capacity_factor"), options.get("exchange_transport", "auto"),
                           options.get("backend", "auto"))
     log.info("explain(%s): traced in %s, matched in %s: %d MoE region(s)", _name(target),
@@ -440,7 +440,7 @@ def moe_optimize(fn: Callable[_P, _R] | None = None, *, backend: Backend = "auto
         started = time.perf_counter()
         closed, out_tree, writes = _trace(target, call)
         traced = time.perf_counter()
-        shardings = _input_shardings(call, args, declared)
+        shardings = _input_shardings(call, args, declared, bound)
         run, report = optimize_jaxpr(closed, backend=backend, strict=strict, weight_gather_quant=weight_gather_quant,
                                      input_shardings=shardings, capacity_factor=capacity_factor,
                                      exchange_transport=exchange_transport)
@@ -537,30 +537,63 @@ def _static_key(value):
     return type(value), value
 
 
-def _input_shardings(call: CallArguments, args, declared) -> tuple:
-    """Per traced leaf: the ``NamedSharding`` a committed array carries or ``jit`` declared for it
-    (declared per positional argument of ``args``: read where the call has no NNX objects)."""
-    from jax.sharding import NamedSharding
+def _input_shardings(call: CallArguments, args, declared, bound: tuple = ()) -> tuple:
+    """Per traced leaf: the ``NamedSharding`` a committed array carries or ``jit`` declared for it.
 
-    leaves, dynamic = call.leaves, call.dynamic
-    declared_leaves = [None] * len(leaves)
-    if declared is not None and not call.nodes:
-        per_arg = declared if isinstance(declared, (tuple, list)) else (declared,) * len(args)
-        expanded = []
-        for arg, sharding in zip(args, per_arg):
-            count = len(jax.tree_util.tree_leaves(arg))
-            expanded.extend(jax.tree_util.tree_leaves(sharding, is_leaf=lambda s: isinstance(s, NamedSharding))
-                            if not isinstance(sharding, NamedSharding) and sharding is not None
-                            and len(jax.tree_util.tree_leaves(sharding)) == count else [sharding] * count)
-        declared_leaves[: len(expanded)] = expanded
+    ``declared`` is ``jit``'s ``in_shardings``, per positional argument of ``args`` (``bound``
+    arguments come first and declare nothing): one sharding for a whole argument, or a tree of them
+    shaped like it. NNX objects in an argument (an ``nnx.State`` holds ``Param`` variables) take their
+    leaves' shardings from the same objects in the declared tree."""
+    is_node = _compat.nnx_is_graph_node
+    is_declared_leaf = lambda s: isinstance(s, NamedSharding) or s is None or is_node(s)  # noqa: E731
+    tree_declared: list = []
+    node_declared: list = []  # per NNX object of the call, in order: (object, its declared counterpart)
+    per_arg = ((declared if isinstance(declared, (tuple, list)) else (declared,) * len(args))
+               if declared is not None else (None,) * len(args))
+    for arg, sharding in [*((b, None) for b in bound), *zip(args, per_arg)]:
+        arg_leaves = jax.tree_util.tree_leaves(arg, is_leaf=is_node)
+        leaf_shardings = jax.tree_util.tree_leaves(sharding, is_leaf=is_declared_leaf)
+        if not isinstance(sharding, NamedSharding) and len(leaf_shardings) == len(arg_leaves):
+            pairs = zip(arg_leaves, leaf_shardings)
+        else:  # one sharding for the argument (or a tree that does not fit it: unknown)
+            pairs = ((leaf, sharding if isinstance(sharding, NamedSharding) else None) for leaf in arg_leaves)
+        for leaf, leaf_sharding in pairs:
+            tree_declared.append(None if is_node(leaf) else leaf_sharding)
+            if is_node(leaf):
+                node_declared.append((leaf, leaf_sharding))
+    if len(tree_declared) != call.num_tree_leaves:  # keyword arguments: nothing declared for them
+        tree_declared = [*tree_declared, *[None] * call.num_tree_leaves][: call.num_tree_leaves]
     out = []
-    for leaf, is_dynamic, sharding in zip(leaves, dynamic, declared_leaves):
+    for leaf, is_dynamic, sharding in zip(call.leaves, call.dynamic, tree_declared + _state_shardings(call, node_declared)):
         if not is_dynamic:
             continue
         concrete = getattr(leaf, "sharding", None) if not isinstance(leaf, jax.core.Tracer) else None
         chosen = sharding if isinstance(sharding, NamedSharding) else concrete
         out.append(chosen if isinstance(chosen, NamedSharding) else None)
     return tuple(out)
+
+
+def _state_shardings(call: CallArguments, node_declared: list) -> list:
+    """The declared sharding of each state leaf of the call's NNX objects, ``None`` where unknown:
+    each object's counterpart split as the object is (one sharding is broadcast over its leaves).
+    Objects that share variables are split together by the call: then nothing is known."""
+    unknown = [None] * call.num_state_leaves
+    if not call.nodes or len(node_declared) != len(call.nodes):
+        return unknown
+    nnx = _compat.flax_nnx()
+    is_sharding = lambda s: isinstance(s, NamedSharding) or s is None  # noqa: E731
+    shardings: list = []
+    for node, counterpart in node_declared:
+        count = len(jax.tree_util.tree_leaves(nnx.split(node)[1]))
+        if is_sharding(counterpart):
+            shardings.extend([counterpart] * count)
+            continue
+        try:
+            split = jax.tree_util.tree_leaves(nnx.split(counterpart)[1], is_leaf=is_sharding)
+        except Exception:  # noqa: BLE001  (a declared tree nnx cannot split: unknown, not an error)
+            split = []
+        shardings.extend(split if len(split) == count else [None] * count)
+    return shardings if len(shardings) == call.num_state_leaves else unknown
 
 
 def _seconds(duration: float) -> str:

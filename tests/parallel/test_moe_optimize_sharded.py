@@ -66,6 +66,32 @@ def test_committed_arguments_and_fp8_weight_gather():
     assert any("u8[" in line for line in gathers)
 
 
+def test_nnx_state_takes_the_declared_shardings_of_its_variables():
+    """An ``nnx.State`` argument holds ``Param`` variables (NNX objects): under an outer ``jit`` its
+    leaves are tracers, so their layout is read from ``in_shardings`` through the variables, and the
+    layer is expert parallel with FP8 gathers (it once fell back to the single-device layer)."""
+    nnx = pytest.importorskip("flax.nnx")
+    model, params, x, shardings, placed = _setup()
+
+    class Layer(nnx.Module):
+        def __init__(self):
+            for name, value in params.items():
+                setattr(self, name, nnx.Param(value))
+
+        def __call__(self, x):
+            return model.fn({name: getattr(self, name)[...] for name in params}, x)
+
+    graphdef, state = nnx.split(Layer())
+    forward = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+    param_shardings = jax.tree.map(lambda leaf: shardings[0]["w_gate" if leaf.ndim == 3 else "router"], state)
+    placed_state = jax.device_put(state, param_shardings)
+    rewritten = moe_optimize(jax.jit(forward, in_shardings=(param_shardings, shardings[1])),
+                             weight_gather_quant="fp8_e4m3", strict=True)
+    program = str(jax.make_jaxpr(rewritten)(placed_state, placed[1]))
+    assert "shard_map" in program and "float8_e4m3fn" in program
+    assert _rel(model.fn(params, x), rewritten(placed_state, placed[1])) < 5e-2
+
+
 def test_explicit_axes_are_read_from_the_types():
     model = ZOO["mixtral"].sized(E=8, T=64)
     params, x = model.args(jax.random.key(1))
