@@ -98,6 +98,17 @@ def as_closed(jaxpr_like):
     return jex_core.ClosedJaxpr(jaxpr_like, ())
 
 
+def scan_roles(params, operands) -> tuple[list, list, list]:
+    """``(consts, carry, xs)``: a ``scan`` eqn's operands, or its body's inputs, split by role (0.11 describes
+    them with a flat tree, ``ft_in``; 0.10 with ``num_consts`` and ``num_carry``)."""
+    operands = list(operands)
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].update(operands).unpack()
+        return list(consts), list(carry), list(xs)
+    consts, carry = params["num_consts"], params["num_carry"]
+    return operands[:consts], operands[consts:consts + carry], operands[consts + carry:]
+
+
 def is_jitted(fn) -> bool:
     return hasattr(fn, "_jit_info") and hasattr(fn, "lower") and hasattr(fn, "__wrapped__")
 

@@ -28,6 +28,7 @@ from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
 from moe_lowering.passes.derivative_match import common_rest, merged_recomputation, unavailable_sums
 from moe_lowering.passes.derivative_support import support_indicator
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
+from moe_lowering.passes.scan_derivative import analyse_scan_pairs, emit_backward, emit_forward
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ScopeResult:
     nested: dict  # eqn index -> ScopeResult of its body (scan / remat) holding regions
     path: str = ""
     remat_inlined: bool = False  # the remat bodies of this scope inlined, for the backwards inside them
+    scan_pairs: dict = dataclasses.field(default_factory=dict)  # forward and backward scan eqn index -> ScanPair
 
     def all_regions(self):
         yield from ((self.path, r) for r in self.regions)
@@ -104,18 +106,30 @@ def _analyse_graph(graph: JaxprGraph, path: str) -> ScopeResult:
         near_misses = list(near_misses) + [(r.anchor, FailedMatch(
             "the layer's derivative is summed with another layer's in a way the rewrite cannot share out, so "
             "neither is rewritten", graph.producer[r.output], "private-interior")) for r in broken]
+    attempts = {a.forward_index: a for a in analyse_scan_pairs(graph, path, _analyse_graph)}
+    pairs = {}
+    for attempt in attempts.values():
+        if attempt.pair is not None:
+            pairs[attempt.forward_index] = pairs[attempt.backward_index] = attempt.pair
     nested = {}
     for eqn in graph.eqns:
         param = _scope_primitives().get(eqn.primitive)
         if param is None:
             continue
+        if eqn.index in pairs:  # a forward scan and its backward, rewritten together: their joined bodies
+            if eqn is pairs[eqn.index].forward:
+                nested[eqn.index] = pairs[eqn.index].joint
+            continue
         body = eqn.params[param]
         where = f"{path}/{eqn.primitive}[{eqn.index}]"
         child = analyse_program(_compat.as_closed(body), where)
+        attempt = attempts.get(eqn.index)
+        if attempt is not None and attempt.near_misses:  # the joined bodies say why better than the forward's
+            child = dataclasses.replace(child, near_misses=attempt.near_misses)
         if child.changed or child.near_misses:
             nested[eqn.index] = child
     nested_changed = {i: c for i, c in nested.items() if c.changed}
-    result = ScopeResult(graph, tuple(regions), tuple(near_misses), nested_changed, path)
+    result = ScopeResult(graph, tuple(regions), tuple(near_misses), nested_changed, path, scan_pairs=pairs)
     if not nested_changed:
         # near misses of unchanged scopes still matter to explain
         return ScopeResult(graph, tuple(regions), tuple(near_misses) + tuple(
@@ -130,8 +144,16 @@ def make_rewritten(scope: ScopeResult, options: "RewriteOptions") -> Callable:
 
 
 def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
+    env = dict(zip(scope.graph.inputs, args))
+    read = _run(scope, options, env, scope.graph.eqns, {})
+    return [read(a) for a in scope.graph.outputs]
+
+
+def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backward: dict):
+    """Interprets ``eqns`` of ``scope`` into ``env``; returns the reader of its values. ``backward``: id(region)
+    -> its sparse pullback, then the cotangents it gave (a scan pair makes the pullback in the forward body
+    and calls it in the backward's)."""
     graph = scope.graph
-    env = dict(zip(graph.inputs, args))
     sharding_of = functools.partial(_sharding_of, graph, declared_shardings(scope, options.input_shardings))
 
     def read(atom):
@@ -147,8 +169,14 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
             replaced |= region.derivative.replaced
             for out in region.derivative.outputs:
                 cotangents_at.setdefault(graph.producer[out.value].index, []).append((region, out))
-    backward = {}  # id(region) -> its sparse pullback, then the cotangents it gave
-    for eqn in graph.eqns:
+    emitted: dict = {}  # forward scan eqn index -> what its rewritten scan stacked for the backward's
+    for eqn in eqns:
+        pair = scope.scan_pairs.get(eqn.index)
+        if pair is not None:
+            emit = emit_forward if eqn is pair.forward else emit_backward
+            run = functools.partial(_run_scope, options)
+            env.update(zip(eqn.outputs, emit(pair, read, run, emitted)))
+            continue
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
             if region is not None and region.derivative is not None:
@@ -172,7 +200,11 @@ def _evaluate(scope: ScopeResult, options: "RewriteOptions", *args):
         if not eqn.primitive.multiple_results:
             outputs = [outputs]
         env.update(zip(eqn.outputs, outputs))
-    return [read(a) for a in graph.outputs]
+    return read
+
+
+def _run_scope(options: "RewriteOptions", scope: ScopeResult, env: dict, eqns, backward: dict):
+    return _run(scope, options, env, eqns, backward)
 
 
 def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
