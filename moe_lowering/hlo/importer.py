@@ -942,7 +942,38 @@ class _Interpreter:
         if target in ("mhlo.topk", "TopK") and len(op.results) == 2:
             k = _tensor_type(op.results[0].type)[0][-1]
             return list(lax.top_k(operands[0], k))
+        if target == "ApproxTopK" and len(op.results) == 2:
+            approx = self._approx_top_k(op, operands)
+            if approx is not None:
+                return approx
         return self.passthrough(op, operands)
+
+    def _approx_top_k(self, op, operands):
+        """``lax.approx_max_k`` / ``approx_min_k`` as JAX lowers them: an ``ApproxTopK`` custom call on
+        (scores, iota, init value, -1) whose comparator is one ``compare GT`` (max) or ``LT`` (min) of the
+        two scores; its parameters from ``mhlo.backend_config``. ``None`` for any other form."""
+        try:
+            config = ir.DictAttr(op.attributes["mhlo.backend_config"])
+            [callee] = [ir.FlatSymbolRefAttr(a).value for a in ir.ArrayAttr(op.attributes["called_computations"])]
+        except (KeyError, ValueError, TypeError):
+            return None
+        body = self.functions.get(callee)
+        ops = list(body.regions[0].blocks[0].operations) if body is not None else []
+        block_args = list(body.regions[0].blocks[0].arguments) if body is not None else []
+        if len(ops) != 2 or ops[0].operation.name != "stablehlo.compare" or len(block_args) != 4:
+            return None
+        if list(ops[0].operands) != block_args[:2]:
+            return None
+        direction = str(ops[0].attributes["comparison_direction"])
+        if "GT" not in direction and "LT" not in direction:
+            return None
+        approx = lax.approx_max_k if "GT" in direction else lax.approx_min_k
+        return list(approx(
+            operands[0], ir.IntegerAttr(config["top_k"]).value,
+            reduction_dimension=ir.IntegerAttr(config["reduction_dim"]).value,
+            recall_target=ir.FloatAttr(config["recall_target"]).value,
+            aggregate_to_topk=ir.BoolAttr(config["aggregate_to_topk"]).value,
+            reduction_input_size_override=ir.IntegerAttr(config["reduction_input_size_override"]).value))
 
 
 # Ops lax lets take a scalar (or size-1 dimensions) for a full tensor operand.

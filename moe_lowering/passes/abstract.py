@@ -181,3 +181,58 @@ class Combined:
     style: str = ""
     gate_values: tuple[GateValue, ...] = ()  # the routing weights as computed (one per expert in the loop style)
     slot_groups: tuple = ()  # slot space: token axes batched through dispatch and combine, each group with its own slots
+
+
+# --------------------------------------------------------------------------------------------
+# The sort-based dense dispatch (``rules_sort.py``): the routing's copies sorted by expert, every expert
+# run on every sorted copy, each copy's own expert kept by a range mask ``start_e <= i < end_e``.
+
+COPY = "n"  # one (token, choice) copy: the last token axis and k merged, copy n = token * k + choice
+SORTED = "s"  # a position among the copies sorted by expert
+
+
+@dataclass(frozen=True)
+class CopyIndex:
+    """The routing's expert indices with the last token axis and ``k`` merged into one ``COPY`` axis
+    (``idx.reshape(B, L * k)``): ``value[b.., n] = idx[b.., n // k, n % k]``."""
+
+    roles: Roles
+
+
+@dataclass(frozen=True)
+class SortOrder:
+    """``argsort`` of a ``CopyIndex`` along its ``COPY`` axis (ascending, stable or not): ``value[b.., s]``
+    is the copy sorted to position ``s``, the copies' expert indices non-decreasing in ``s``. ``inverse``:
+    ``argsort`` of such an order, the inverse permutation (``value[b.., n]`` is where copy ``n`` went);
+    ``token``: ``order // divisor``, the token each sorted copy is of where ``divisor`` is k."""
+
+    roles: Roles
+    inverse: bool = False
+    divisor: int | None = None
+
+
+@dataclass(frozen=True)
+class CopyOneHot:
+    """``CopyIndex == iota over E``: a one-hot of the copies' expert indices (a predicate or 0/1 numbers)."""
+
+    roles: Roles
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """How many copies chose each expert: a ``CopyOneHot`` summed over its ``COPY`` axis (per sorted row,
+    the rows being the token axes left). ``bound``: ``""`` for the counts, ``"end"`` for their cumsum over
+    E (one past expert e's last sorted position), ``"start"`` for end - counts (its first)."""
+
+    roles: Roles
+    bound: str = ""
+
+
+@dataclass(frozen=True)
+class RangeMask:
+    """``start_e <= i`` (``lower``), ``i < end_e`` (``upper``) or both, of an iota ``i`` over the
+    ``SORTED`` positions: with both, 1 exactly where sorted position ``i`` holds a copy of expert e."""
+
+    roles: Roles
+    lower: bool = False
+    upper: bool = False

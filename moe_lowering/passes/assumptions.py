@@ -19,8 +19,9 @@ READ = "read from the program"
 GATE_ON_TOKENS = "gate on tokens"  # the routing weights scale the tokens before the experts (x * G[t, e])
 SEPARATE_EXPERTS = "separate expert weights"  # E modules' weights, stacked by the rewrite on every call
 ONE_HOT_DISPATCH = "one-hot dispatch"  # the tokens masked per expert (x * one_hot), the gate at the combine
+SORTED_RANGE_MASK = "sorted range mask"  # copies sorted by expert, every expert on each, start_e <= i < end_e kept
 TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights", GATE_ON_TOKENS,
-                SEPARATE_EXPERTS, ONE_HOT_DISPATCH)
+                SEPARATE_EXPERTS, ONE_HOT_DISPATCH, SORTED_RANGE_MASK)
 CAPACITY = ("capacity", "grouped capacity")
 ALL_STYLES = TOP_K_STYLES + CAPACITY
 
@@ -96,6 +97,19 @@ ASSUMPTIONS = (
         "the expert program evaluated on a zero row as for unrouted-experts-vanish, its value finite (not "
         "necessarily zero); the mask is a one-hot of the indices summed over distinct choices, so it is 1 at the "
         "chosen experts and the routed rows are the tokens themselves"),
+    Assumption(
+        "sorted-copy-own-expert", (SORTED_RANGE_MASK,),
+        "at sorted position i the range mask keeps exactly the expert of the copy sorted there, and the un-sort "
+        "returns every copy's output to its own (token, choice) place",
+        PROVEN,
+        "the copies' expert indices are the routing's indices with the last token axis and k merged (copy n = "
+        "token * k + choice); the copies are sorted ascending by exactly those indices along that axis (stable or "
+        "not: the mask reads only the sorted keys), and gathered from the tokens at order // k; the counts are a "
+        "one-hot of those same indices summed over that axis, per sorted row; end = cumsum(counts) over E, start = "
+        "end - counts; the mask is start_e <= i and i < end_e against an iota over the sorted positions (indices in "
+        "[0, E), so positions start_e..end_e - 1 hold the copies of expert e and no other); only the E sum and "
+        "casts follow the mask; the un-sort gathers by argsort of the sort order, its inverse permutation. As with a "
+        "one-hot gate, an expert's non-finite output on a copy it did not get (0 * inf) reaches the reference only"),
     Assumption(
         "private-interior", ALL_STYLES,
         "nothing outside the layer reads its dense intermediates, but the layer's own derivative",

@@ -4,7 +4,8 @@ Annotations (a remat name, a sharding constraint) are identities: ``identity_ann
 and matching, the derivative bounds and the token source see through them; on expert rows a remat
 name is kept by ``_annotation``, the rule for every one of them. A cast keeps expert indices when
 the new type holds each of them (``_holds_integers_up_to``). ``_params_tuple`` is an eqn's params in
-one canonical, hashable order (how a replayed eqn records them).
+one canonical, hashable order (how a replayed eqn records them). ``floor_division_fixup`` sees
+``jnp.floor_divide``'s sign correction, a no-op for a non-negative dividend.
 """
 
 from __future__ import annotations
@@ -60,3 +61,66 @@ def _annotation(an: Analysis, eqn: Eqn, abstracts):
     if isinstance(value, Rows) and eqn.primitive is _compat.name_p:
         return replace(value, node=Elementwise(eqn.primitive, _params_tuple(eqn), (value.node,)))
     return value
+
+
+def floor_division_fixup(graph, eqn: Eqn):
+    """``(quotient, dividend, divisor)`` where ``eqn`` is the last step of ``jnp.floor_divide`` of integers,
+    ``select_n(sign(a) != sign(b) & rem(a, b) != 0, div(a, b), div(a, b) - 1)``, with ``b`` a positive
+    constant; else ``None``. For ``a >= 0`` the condition is false (``sign(a)`` differs from ``sign(b) = 1``
+    only at ``a = 0``, where the remainder is 0), so the value is the truncating ``div(a, b)``: the caller
+    proves ``a >= 0``."""
+    from jax import lax
+
+    if eqn.primitive is not lax.select_n_p or len(eqn.inputs) != 3:
+        return None
+    predicate, quotient, lowered = eqn.inputs
+    producer = graph.producer.get
+    div, sub, both = producer(quotient), producer(lowered), producer(predicate)
+    if div is None or div.primitive is not lax.div_p or sub is None or sub.primitive is not lax.sub_p:
+        return None
+    dividend, divisor = div.inputs
+    value = scalar_constant(graph, divisor)
+    if sub.inputs[0] is not quotient or scalar_constant(graph, sub.inputs[1]) != 1 or value is None or value <= 0:
+        return None
+    if both is None or both.primitive is not lax.and_p:
+        return None
+    signs, remainder = (producer(a) for a in both.inputs)
+    if signs is None or remainder is None or signs.primitive is not lax.ne_p or remainder.primitive is not lax.ne_p:
+        return None
+    sign_a, sign_b = (producer(_unbroadcast(graph, a)) for a in signs.inputs)
+    rem = producer(remainder.inputs[0])
+    if sign_a is None or sign_a.primitive is not lax.sign_p or sign_a.inputs[0] is not dividend:
+        return None
+    if not (scalar_constant(graph, signs.inputs[1]) == 1 or sign_b is not None and sign_b.primitive is lax.sign_p
+            and scalar_constant(graph, sign_b.inputs[0]) == value):
+        return None
+    if (rem is None or rem.primitive is not lax.rem_p or rem.inputs[0] is not dividend
+            or scalar_constant(graph, rem.inputs[1]) != value or scalar_constant(graph, remainder.inputs[1]) != 0):
+        return None
+    return quotient, dividend, value
+
+
+def scalar_constant(graph, atom):
+    """The number an operand of one element, or a broadcast of one, is, seen through casts (``jnp`` casts a
+    Python int divisor); else None."""
+    from jax import lax
+
+    from moe_lowering.passes.graph import Const
+
+    while not isinstance(atom, Const):
+        eqn = graph.producer.get(atom)
+        if eqn is None or eqn.primitive not in (lax.convert_element_type_p, lax.broadcast_in_dim_p):
+            return None
+        atom = eqn.inputs[0]
+    return np.asarray(atom.value).reshape(()).item() if np.size(atom.value) == 1 else None
+
+
+def _unbroadcast(graph, atom):
+    """The value ``atom`` broadcasts (through ``broadcast_in_dim``), or ``atom``."""
+    from jax import lax
+
+    eqn = graph.producer.get(atom)
+    while eqn is not None and eqn.primitive is lax.broadcast_in_dim_p:
+        atom = eqn.inputs[0]
+        eqn = graph.producer.get(atom)
+    return atom

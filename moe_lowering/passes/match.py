@@ -42,7 +42,20 @@ from moe_lowering.expert_program import (
     RowInput,
     topological_nodes,
 )
-from moe_lowering.passes.abstract import FEATURE, SLOT, Combined, Gate, GateValue, Roles, Rows, is_token, token_roles
+from moe_lowering.passes.abstract import (
+    COPY,
+    FEATURE,
+    SLOT,
+    Combined,
+    CopyIndex,
+    CopyOneHot,
+    Gate,
+    GateValue,
+    Roles,
+    Rows,
+    is_token,
+    token_roles,
+)
 from moe_lowering.passes.derivative_match import RegionDerivative, is_inexact, match_derivative
 from moe_lowering.passes.derivative_support import Support, derivative_support, tangent_free
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
@@ -204,6 +217,12 @@ def _why_not(analysis: Analysis) -> FailedMatch:
     if analysis.failures:
         return analysis.failures[0]
     kinds = {type(v) for v in analysis.values.values()}
+    if Gate not in kinds and Rows not in kinds and kinds & {CopyIndex, CopyOneHot}:
+        return FailedMatch(
+            "the routing indices are flattened to one per (token, choice) copy"
+            f"{' and a one-hot over E is built from them' if CopyOneHot in kinds else ''}, but no product of the "
+            "tokens tiled in that order (jnp.repeat(x, k, axis=0)) with an expert weight "
+            f"[E={analysis.num_experts}, d, f] was found")
     if Gate not in kinds and Rows not in kinds:
         return FailedMatch(
             "the routing indices are not seen to select experts: the matcher follows no one-hot mask "
@@ -254,7 +273,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
     present = [r for r in out_roles if is_token(r)]
     unit = {r for r, n in zip(token_roles_, an.token_shape) if n == 1}  # a reshape may drop these
     if (len(set(present)) != len(present) or not set(token_roles_) - unit <= set(present) <= set(token_roles_)
-            or out_roles.count(FEATURE) != 1):
+            or out_roles.count(FEATURE) != 1 or COPY in out_roles):
         return FailedMatch("the MoE output is not laid out as [tokens.., features]")
     capacity = None
     top_k = an.anchor.top_k

@@ -108,6 +108,7 @@ _RULE_MODULES = (
     "moe_lowering.passes.rules_rows",
     "moe_lowering.passes.rules_layout",
     "moe_lowering.passes.rules_dot",
+    "moe_lowering.passes.rules_sort",
 )
 
 

@@ -33,6 +33,7 @@ from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, rule
 from moe_lowering.passes.rules_layout import _merged_parts
+from moe_lowering.passes.rules_sort import sorted_projection
 from moe_lowering.passes.rules_rows import (
     _as_contribution,
     _gated_sum,
@@ -83,6 +84,8 @@ def _dot_general(an: Analysis, eqn: Eqn, abstracts):
     a_lhs, a_rhs = abstracts
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     pet = eqn.params.get("preferred_element_type")
+    if any(isinstance(a, Rows) and a.space == "sorted" for a in abstracts):
+        return sorted_projection(an, eqn, abstracts)
     for swap in (False, True):
         x, w, ax, aw = (rhs, lhs, a_rhs, a_lhs) if swap else (lhs, rhs, a_lhs, a_rhs)
         xc, wc, xb, wb = (rc, lc, rb, lb) if swap else (lc, rc, lb, rb)

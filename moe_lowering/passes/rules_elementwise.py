@@ -21,6 +21,7 @@ from moe_lowering.passes.graph import Eqn
 from moe_lowering.passes.match_core import Analysis, IndexInBounds
 from moe_lowering.passes.rules_gate import _gate_arith
 from moe_lowering.passes.rules_routing import _bounds_arith, _index_arith
+from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_arith
 from moe_lowering.passes.rules_rows import _as_contribution, _combined_arith, _is_contribution, _rows_elementwise
 
 
@@ -28,6 +29,8 @@ def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
     prim = eqn.primitive
     if any(isinstance(a, IndexInBounds) for a in abstracts):
         return _bounds_arith(an, eqn, abstracts)
+    if involves_sorted_dispatch(abstracts):  # copies sorted by expert, kept by a range mask
+        return sorted_arith(an, eqn, abstracts)
     if prim is lax.add_p and any(_is_contribution(a) for a in abstracts):
         abstracts = [_as_contribution(a) for a in abstracts]
     kinds = {type(a) for a in abstracts if a is not None}

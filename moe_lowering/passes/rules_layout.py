@@ -35,6 +35,7 @@ from moe_lowering.passes.assumptions import SEPARATE_EXPERTS
 from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import ITERATION_ROLE, Analysis, FailedMatch, IndexInBounds, _rows_like, rule
 from moe_lowering.passes.rules_rows import _gated_sum, _style, _unit_reshape
+from moe_lowering.passes.rules_sort import SORT_KINDS, copy_index, involves_sorted_dispatch, sorted_reduce_sum
 
 
 @rule(lax.broadcast_in_dim_p)
@@ -53,7 +54,7 @@ def _broadcast(an: Analysis, eqn: Eqn, abstracts):
         if BROADCAST in roles:
             return FailedMatch("expert activations are broadcast to a larger shape", eqn)
         return replace(value, roles=roles)
-    if isinstance(value, (ExpertIndex, Iota, Gate, IndexInBounds)):
+    if isinstance(value, (ExpertIndex, Iota, Gate, IndexInBounds) + SORT_KINDS):
         return replace(value, roles=roles)
     return None
 
@@ -71,6 +72,8 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
                 return replace(value, roles=roles)
         if isinstance(value, (Rows, Combined)):
             return FailedMatch("a reshape merges or splits the axes of expert activations", eqn)
+        if isinstance(value, ExpertIndex) and copy_index(an, eqn, value) is not None:
+            return copy_index(an, eqn, value)  # [.., L, k] -> [.., L * k]: one index per (token, choice) copy
         if isinstance(value, ExpertIndex):
             return FailedMatch(
                 f"the routing indices are reshaped {list(eqn.inputs[0].shape)} -> {list(eqn.outputs[0].shape)}, merging "
@@ -175,6 +178,8 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
         return None
     if not hasattr(value, "roles"):
         return None
+    if involves_sorted_dispatch([value]):
+        return sorted_reduce_sum(an, eqn, value)
     summed = {value.roles[a] for a in axes} - {ONE}
     kept = tuple(r for i, r in enumerate(value.roles) if i not in axes)
     if isinstance(value, Gate):

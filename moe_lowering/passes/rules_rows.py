@@ -68,6 +68,7 @@ from moe_lowering.passes.match_core import (
     _rows_like,
     rule,
 )
+from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_gather
 
 
 def _is_contribution(value) -> bool:
@@ -471,6 +472,8 @@ def _combined_arith(an: Analysis, eqn: Eqn, abstracts):
 def _gather(an: Analysis, eqn: Eqn, abstracts):
     """``take_along_axis(expert_out[T, E, D], idx[..., None], axis=1)``: pick the chosen experts."""
     rows, index = abstracts[0], abstracts[1]
+    if involves_sorted_dispatch(abstracts[:2]):  # the sorted copies' tokens, or their outputs un-sorted
+        return sorted_gather(an, eqn, abstracts)
     if rows is None and isinstance(index, ExpertIndex):
         return _gathered_weight(an, eqn, index)
     if rows is None and isinstance(index, PackedIndices) and EXPERT in index.components:

@@ -65,7 +65,8 @@ class ZooModel:
     ``deepseek``, ``capacity`` (Switch/GShard ``[T, E, C]`` dispatch), ``hf_loop``, ``gather``,
     ``gate_on_tokens`` (the routing weights scale the tokens before the experts), ``one_hot_dispatch``
     (the tokens masked per expert, a loop's outputs stacked), ``separate_experts``
-    (E expert modules with weight arrays of their own) or ``negative``.
+    (E expert modules with weight arrays of their own), ``sorted_range_mask`` (copies sorted by expert,
+    each one's own expert kept by a range mask of the sorted positions) or ``negative``.
     """
 
     name: str
@@ -899,6 +900,47 @@ def build_separate_experts(sizes: Sizes = Sizes()) -> ZooModel:
     )
 
 
+def _sorted_range_mask_fn(k: int):
+    def sorted_range_mask(params, x):
+        """A sort-based dense dispatch on ``[B, L, d]`` tokens: ``approx_max_k`` routing, each row's
+        (token, choice) copies argsorted by expert and gathered (``order // k``), every expert run on every
+        sorted copy, each copy's own expert kept by the range mask ``start_e <= i < end_e`` (bounds from a
+        cumsum of the per-expert counts), summed over E, un-sorted by ``argsort(order)``, combined with
+        ``'blkd,blk->bld'``."""
+        batch, length, _ = x.shape
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax((x @ params["router"]).astype(jnp.float32), axis=-1)
+        weights, idx = lax.approx_max_k(probs, k)  # [B, L, k]
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        flat = idx.reshape(batch, length * k)
+        order = jnp.argsort(flat, axis=-1)  # [B, L*k]: copies by expert
+        copies = jnp.take_along_axis(x, (order // k)[..., None], axis=1)  # [B, L*k, d]
+        counts = jnp.sum(jax.nn.one_hot(flat, num_experts, dtype=jnp.int32), axis=1)  # [B, E]
+        end = jnp.cumsum(counts, axis=-1)
+        start = end - counts
+        position = jnp.arange(length * k)
+        in_range = (start[:, :, None] <= position) & (position < end[:, :, None])  # [B, E, L*k]
+        hidden = jax.nn.silu(jnp.einsum("bnd,edf->benf", copies, params["w_gate"])) * jnp.einsum(
+            "bnd,edf->benf", copies, params["w_up"])
+        out = jnp.einsum("benf,efd->bend", hidden, params["w_down"])
+        out = jnp.sum(out * in_range[..., None].astype(x.dtype), axis=1)  # [B, L*k, d], sorted
+        out = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
+        return jnp.einsum("blkd,blk->bld", out.reshape(batch, length, k, -1), weights.astype(x.dtype))
+
+    return sorted_range_mask
+
+
+def build_sorted_range_mask(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="sorted_range_mask", fn=_sorted_range_mask_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
+        make_inputs=_bsd_inputs(sizes), expected_regions=1, style="sorted_range_mask", top_k=sizes.k,
+        num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_sorted_range_mask,
+        notes="softmax -> approx_max_k -> renormalise; [B, L*k] copies argsorted by expert, gathered at order // k, SwiGLU experts on every "
+              "sorted copy, start_e <= i < end_e range mask from a cumsum of counts, sum over E, un-sorted by "
+              "argsort(order), 'blkd,blk->bld' combine.",
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # Several layers: two layers in one function, and a scan over stacked layers.
 
@@ -1124,6 +1166,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "gate_on_tokens": build_gate_on_tokens,
     "one_hot_dispatch_loop": build_one_hot_dispatch_loop,
     "separate_experts": build_separate_experts,
+    "sorted_range_mask": build_sorted_range_mask,
     "two_layers": build_two_layers,
     "scan_layers": build_scan_layers,
     **({"flax_moe": build_flax_moe} if nn is not None else {}),

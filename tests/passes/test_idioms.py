@@ -626,8 +626,8 @@ def _tiled_per_choice(params, x):
 
 
 def _sorted_range_mask(params, x):
-    """approx_max_k routing, copies argsorted by expert, every expert on every sorted copy, each copy's
-    own expert kept by ``start_e <= i < end_e`` (not recognised yet)."""
+    """approx_max_k routing, copies of the tokens tiled per choice argsorted by expert, every expert on
+    every sorted copy, each copy's own expert kept by ``start_e <= i < end_e``, un-sorted."""
     weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
     flat = index.reshape(-1)
     order = jnp.argsort(flat)
@@ -639,15 +639,6 @@ def _sorted_range_mask(params, x):
     out = jnp.einsum("enf,efd->end", jax.nn.gelu(jnp.einsum("nd,edf->enf", copies, params["w_up"])), params["w_down"])
     out = jnp.sum(out * in_range[..., None], axis=0)[jnp.argsort(order)].reshape(16, 2, -1)
     return jnp.einsum("lkd,lk->ld", out, weights)
-
-
-@pytest.mark.parametrize("layer", [_tiled_per_choice, _sorted_range_mask], ids=["tiled-per-choice", "sorted-range-mask"])
-def test_idioms_not_yet_recognised_say_where_the_indices_were_lost(layer):
-    """explain names what it found (a reshape merging the indices' token and choice axes), never that
-    no one-hot or gather is built from them (they are)."""
-    params, x = _params(jax.random.key(40)), jax.random.normal(jax.random.key(41), (16, 8))
-    declined_because(layer, params, x, "merging or splitting their token and choice axes")
-    assert "not seen to select experts" not in str(explain(layer, params, x))
 
 
 def test_separate_arrays_gathered_by_something_other_than_stacked_products_say_so():
@@ -695,3 +686,82 @@ def test_separate_modules_stacked_by_concatenate_are_rewritten():
         return jnp.einsum("TED,TEK->TD", lax.concatenate(outs, 1), mask * weights[:, None, :])
 
     assert rewritten_exactly(layer, params, x)
+
+
+# --------------------------------------------------------------------------- idiom 4: copies sorted by expert, a range mask
+
+
+def _sort_dispatch(route=lax.approx_max_k, key_of=None, counts_of=None, lower=None, upper=None, unsort_by=None,
+                   mask_with="mul", stable=True, sums_counts_over=(1,)):
+    """The zoo's ``sorted_range_mask`` on ``[B=2, L=4, d]`` tokens (E=4, k=2): each row's copies argsorted by
+    expert, the tokens gathered at ``order // k``, every expert on every sorted copy, ``start_e <= i < end_e``
+    keeping each copy's own expert, summed over E, un-sorted by ``argsort(order)``. Hooks for the variants
+    and the negatives: the sort key, the index the counts read, the two range conditions, the un-sort
+    index, how the mask is applied, the sort's stability, the axes the one-hot is summed over."""
+
+    def layer(params, x):
+        batch, length, _ = x.shape
+        weights, index = route(jax.nn.softmax(x @ params["router"]), 2)
+        flat = index.reshape(batch, length * 2)
+        order = jnp.argsort(key_of(params, x, flat) if key_of else flat, axis=-1, stable=stable)
+        copies = jnp.take_along_axis(x, (order // 2)[..., None], axis=1)
+        counted = counts_of(params, x, flat) if counts_of else flat
+        counts = jnp.sum(jax.nn.one_hot(counted, 4, dtype=jnp.int32), axis=sums_counts_over, keepdims=False)
+        counts = jnp.broadcast_to(counts, (batch, 4))
+        end = jnp.cumsum(counts, axis=-1)
+        start = end - counts
+        i = jnp.arange(length * 2)
+        in_range = ((lower or (lambda s, i: s <= i))(start[:, :, None], i)
+                    & (upper or (lambda i, e: i < e))(i, end[:, :, None]))
+        out = jnp.einsum("benf,efd->bend", jax.nn.gelu(jnp.einsum("bnd,edf->benf", copies, params["w_up"])),
+                         params["w_down"])
+        if mask_with == "where":
+            out = jnp.where(in_range[..., None], out, 0.0)
+        else:
+            out = out * in_range[..., None].astype(x.dtype)
+        inverse = unsort_by(order) if unsort_by else jnp.argsort(order, axis=-1)
+        out = jnp.take_along_axis(out.sum(1), inverse[..., None], axis=1).reshape(batch, length, 2, -1)
+        return jnp.einsum("blkd,blk->bld", out, weights)
+
+    return layer
+
+
+def _other_router_indices(params, x, flat):
+    """The expert indices of a second router (the first one's weights reversed along E)."""
+    return lax.top_k(x @ params["router"][:, ::-1], 2)[1].reshape(flat.shape)
+
+
+def _bsd_args(seed):
+    return _params(jax.random.key(seed)), jax.random.normal(jax.random.key(seed + 1), (2, 4, 8))
+
+
+@pytest.mark.parametrize("layer", [
+    _sort_dispatch(), _sort_dispatch(route=lax.top_k, mask_with="where", stable=False),
+    _sort_dispatch(lower=lambda s, i: i >= s, upper=lambda i, e: e > i), _sorted_range_mask,
+], ids=["approx_max_k", "top_k-where-unstable", "flipped-comparisons", "tiled-tokens-1d"])
+def test_a_sort_based_range_mask_dispatch_is_rewritten(layer):
+    """Issue 35, idiom 4: the range mask keeps each sorted copy's own expert, so the layer is the chosen
+    experts' rows; rewritten exactly (outputs and gradients) whichever way the mask is written."""
+    params, x = _bsd_args(50) if layer is not _sorted_range_mask else (
+        _params(jax.random.key(50)), jax.random.normal(jax.random.key(51), (16, 8)))
+    assert rewritten_exactly(layer, params, x)
+    assert explain(layer, params, x).regions[0].style == "sorted range mask"
+
+
+@pytest.mark.parametrize("layer, reason", [
+    (_sort_dispatch(lower=lambda s, i: s < i), "keeps start_e < i: off by one"),
+    (_sort_dispatch(upper=lambda i, e: i <= e), "keeps i <= end_e: off by one"),
+    (_sort_dispatch(lower=lambda s, i: s <= i + 1), "not an iota over the sorted positions"),
+    (_sort_dispatch(counts_of=_other_router_indices), "not the range mask start_e <= i < end_e"),
+    (_sort_dispatch(sums_counts_over=(0, 1)), "not over the copies of each sorted row"),
+    (_sort_dispatch(unsort_by=lambda order: order), "the un-sort is not the inverse permutation"),
+    (_sort_dispatch(unsort_by=lambda order: jnp.argsort(order[:, ::-1], axis=-1)),
+     "the un-sort is not the inverse permutation"),
+    (_sort_dispatch(key_of=lambda params, x, flat: -flat), "sorted by a key that is not the routing's"),
+    (_sort_dispatch(key_of=_other_router_indices), "(sorted by another key, or gathered otherwise)"),
+], ids=["lower-off-by-one", "upper-off-by-one", "shifted-iota", "counts-of-another-index", "counts-over-the-batch",
+        "unsorted-by-the-order", "unsorted-by-another-permutation", "sorted-descending", "sorted-by-another-index"])
+def test_a_range_mask_dispatch_that_does_not_keep_each_copys_own_expert_declines(layer, reason):
+    """Each breaks one link of the proof (assumption sorted-copy-own-expert) and is declined, naming it."""
+    params, x = _bsd_args(52)
+    declined_because(layer, params, x, reason)

@@ -312,6 +312,7 @@ REFERENCES = {
     "gate_on_tokens": gate_on_tokens_reference,
     "one_hot_dispatch_loop": bsd_reference,
     "separate_experts": separate_experts_reference,
+    "sorted_range_mask": bsd_reference,
     "two_layers": two_layers_reference,
     "scan_layers": scan_layers_reference,
     "flax_moe": mixtral_reference,
