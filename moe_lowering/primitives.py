@@ -11,7 +11,8 @@ refuse it. So the pieces are primitives, built the way ``lax.ragged_dot`` is:
 * a transpose rule that is the hand-written backward: ``gmm`` in its rows transposes to ``gmm``
   with transposed weights, in its weights to ``tgmm``; ``permute`` and ``unpermute`` transpose
   into each other, ``combine`` into ``spread`` (rows) and ``combine_weights_ct`` (weights), and
-  these three into one another; ``swiglu_tangent`` into ``swiglu_grads``. So ``jax.grad`` runs
+  these three into one another; ``swiglu_tangent`` into ``swiglu_grads``, ``swiglu_rows_tangent``
+  and ``swiglu_rows_grads`` into each other. So ``jax.grad`` runs
   exactly the kernels the former ``custom_vjp`` backward ran, with the same options, and the set
   is closed under differentiation and transposition (any order, forward or reverse);
 * batching: every primitive carries ``batch``, one tuple per enclosing ``vmap`` (outermost
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 
 from moe_lowering import _compat
 from moe_lowering.kernels.swiglu_gmm import swiglu_gmm_reference, swiglu_grads
+from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 Zero = _compat.Zero
 ALL = "all"  # in ``_levels``: an operand batched at every level (a cotangent of a batched output)
@@ -417,14 +419,23 @@ def _swiglu_tangent_jvp(primals, tangents, *, batch):
     if _nonzero(tangents[0]) or _nonzero(tangents[1]):
         linear = [_compat.instantiate_zeros(t) for t in tangents[:2]]
         terms.append(swiglu_tangent_p.bind(*linear, *primals[2:], batch=batch))
-    if _nonzero(tangents[2]) or _nonzero(tangents[3]):  # through the pre-activations: plain jnp
-
-        def through_preactivations(gate_dot, up_dot, gate, up, t_gate, t_up):
-            return jax.jvp(functools.partial(_swiglu_tangent_impl, gate_dot, up_dot), (gate, up), (t_gate, t_up))[1]
-
-        moved = [_compat.instantiate_zeros(t) for t in tangents[2:]]
-        terms.append(_call_batched(through_preactivations, _levels(batch, 0, 1, 2, 3, 2, 3), *primals, *moved))
+    if _nonzero(tangents[2]) or _nonzero(tangents[3]):
+        terms.append(_along_preactivations(_swiglu_tangent_impl, primals[:2], primals[2:4], tangents[2:4],
+                                           _levels(batch, 0, 1, 2, 3, 2, 3)))
     return out, _sum(terms, out)
+
+
+def _along_preactivations(fn, fixed, preactivations, tangents, batch):
+    """JAX's JVP of ``fn(*fixed, gate, up)`` along the pre-activations' ``tangents``, in plain jnp:
+    only forward mode and higher orders differentiate there. ``batch``: the levels of ``fixed``,
+    ``gate``, ``up`` and the two tangents, in that order."""
+
+    def along(*operands):
+        *head, gate, up, t_gate, t_up = operands
+        return jax.jvp(functools.partial(fn, *head), (gate, up), (t_gate, t_up))[1]
+
+    moved = [_compat.instantiate_zeros(t) for t in tangents]
+    return _call_batched(along, batch, *fixed, *preactivations, *moved)
 
 
 def _swiglu_tangent_transpose(ct, gate_dot, up_dot, gate, up, *, batch):
@@ -440,6 +451,99 @@ swiglu_gmm_p = _define("moe_swiglu_gmm", _swiglu_gmm_impl, _swiglu_gmm_shape, mu
                        jvp=_swiglu_gmm_jvp)
 swiglu_tangent_p = _define("moe_swiglu_tangent", _swiglu_tangent_impl, _swiglu_tangent_shape,
                            jvp=_swiglu_tangent_jvp, transpose=_swiglu_tangent_transpose)
+
+
+# --------------------------------------------------------------------------- SwiGLU on leading rows
+# ``swiglu_rows(gate, up, num_rows)``: SwiGLU's elementwise part on a buffer's leading rows (later
+# rows unspecified), for expert-parallel receive buffers sized for the worst case. Its tangent
+# ``swiglu_rows_tangent`` transposes into ``swiglu_rows_grads`` (the backend's row kernel, the
+# backward the former ``custom_vjp`` ran) and that back into the tangent, so reverse mode costs the
+# rows that arrived and forward mode and every higher order (Hessian-vector products) work too.
+
+
+def _swiglu_rows_impl(gate, up, num_rows, *, kernels):
+    return (kernels.swiglu_rows or swiglu_rows_reference)(gate, up, num_rows)
+
+
+def _swiglu_rows_shape(gate, up, num_rows, **_):
+    return [(gate.shape, gate.dtype)]
+
+
+def _swiglu_rows_jvp(primals, tangents, *, kernels, batch):
+    out = swiglu_rows_p.bind(*primals, kernels=kernels, batch=batch)
+    if not (_nonzero(tangents[0]) or _nonzero(tangents[1])):
+        return out, _compat.zero_tangent(out)
+    linear = [_compat.instantiate_zeros(t) for t in tangents[:2]]
+    return out, swiglu_rows_tangent_p.bind(*linear, *primals, kernels=kernels, batch=_levels(batch, 0, 1, 0, 1, 2))
+
+
+def _swiglu_rows_tangent_impl(gate_dot, up_dot, gate, up, num_rows, *, kernels):
+    """Forward mode's tangent: every row, in jnp (rows from ``num_rows`` on are unspecified)."""
+    return _swiglu_tangent_impl(gate_dot, up_dot, gate, up)
+
+
+def _swiglu_rows_tangent_shape(gate_dot, up_dot, gate, up, num_rows, **_):
+    return [(gate.shape, gate.dtype)]
+
+
+def _swiglu_rows_tangent_jvp(primals, tangents, *, kernels, batch):
+    out = swiglu_rows_tangent_p.bind(*primals, kernels=kernels, batch=batch)
+    terms = []
+    if _nonzero(tangents[0]) or _nonzero(tangents[1]):
+        linear = [_compat.instantiate_zeros(t) for t in tangents[:2]]
+        terms.append(swiglu_rows_tangent_p.bind(*linear, *primals[2:], kernels=kernels, batch=batch))
+    if _nonzero(tangents[2]) or _nonzero(tangents[3]):
+        terms.append(_along_preactivations(_swiglu_tangent_impl, primals[:2], primals[2:4], tangents[2:4],
+                                           _levels(batch, 0, 1, 2, 3, 2, 3)))
+    return out, _sum(terms, out)
+
+
+def _swiglu_rows_tangent_transpose(ct, gate_dot, up_dot, gate, up, num_rows, *, kernels, batch):
+    """Reverse mode: the backend's ``swiglu_rows_grads`` on the rows that count."""
+    if not _nonzero(ct):
+        return [None] * 5
+    d_gate, d_up = swiglu_rows_grads_p.bind(ct, gate, up, num_rows, kernels=kernels,
+                                            batch=_levels(batch, ALL, 2, 3, 4))
+    return [_sum_unbatched(d_gate, batch, 0) if _compat.is_undefined_primal(gate_dot) else None,
+            _sum_unbatched(d_up, batch, 1) if _compat.is_undefined_primal(up_dot) else None, None, None, None]
+
+
+def _swiglu_rows_grads_impl(d_out, gate, up, num_rows, *, kernels):
+    return tuple((kernels.swiglu_rows_grads or swiglu_rows_grads_reference)(d_out, gate, up, num_rows))
+
+
+def _swiglu_rows_grads_shape(d_out, gate, up, num_rows, **_):
+    return [(gate.shape, gate.dtype), (up.shape, up.dtype)]
+
+
+def _swiglu_rows_grads_jvp(primals, tangents, *, kernels, batch):
+    """Linear in ``d_out`` (itself again); along the pre-activations, jnp (second order and up)."""
+    outs = swiglu_rows_grads_p.bind(*primals, kernels=kernels, batch=batch)
+    terms = []
+    if _nonzero(tangents[0]):
+        terms.append(swiglu_rows_grads_p.bind(tangents[0], *primals[1:], kernels=kernels, batch=batch))
+    if _nonzero(tangents[1]) or _nonzero(tangents[2]):
+        terms.append(_along_preactivations(swiglu_grads, primals[:1], primals[1:3], tangents[1:3],
+                                           _levels(batch, 0, 1, 2, 1, 2)))
+    return outs, [_sum([term[i] for term in terms], out) for i, out in enumerate(outs)]
+
+
+def _swiglu_rows_grads_transpose(cts, d_out, gate, up, num_rows, *, kernels, batch):
+    """Third order (reverse over a Hessian-vector product): the tangent again."""
+    if not any(_nonzero(ct) for ct in cts):
+        return [None] * 4
+    ct_gate, ct_up = (_compat.instantiate_zeros(ct) for ct in cts)
+    d_d_out = swiglu_rows_tangent_p.bind(ct_gate, ct_up, gate, up, num_rows, kernels=kernels,
+                                         batch=_levels(batch, ALL, ALL, 1, 2, 3))
+    return [_sum_unbatched(d_d_out, batch, 0), None, None, None]
+
+
+swiglu_rows_p = _define("moe_swiglu_rows", _swiglu_rows_impl, _swiglu_rows_shape, jvp=_swiglu_rows_jvp)
+swiglu_rows_tangent_p = _define("moe_swiglu_rows_tangent", _swiglu_rows_tangent_impl, _swiglu_rows_tangent_shape,
+                                jvp=_swiglu_rows_tangent_jvp, transpose=_swiglu_rows_tangent_transpose)
+swiglu_rows_grads_p = _define("moe_swiglu_rows_grads", _swiglu_rows_grads_impl, _swiglu_rows_grads_shape,
+                              multiple_results=True, jvp=_swiglu_rows_grads_jvp,
+                              transpose=_swiglu_rows_grads_transpose)
 
 
 # --------------------------------------------------------------------------- permutations
@@ -941,6 +1045,12 @@ def swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, kernels, *, group_offset=0, p
                                preferred_element_type=_dtype_or_none(preferred_element_type),
                                with_preactivations=False, batch=())
     return out
+
+
+def swiglu_rows(gate, up, num_rows, kernels):
+    """``silu(gate) * up`` on rows ``[0, num_rows)`` through ``kernels.swiglu_rows`` (or the jnp
+    reference); later rows unspecified, in the forward and in every derivative."""
+    return swiglu_rows_p.bind(gate, up, jnp.asarray(num_rows, jnp.int32), kernels=kernels, batch=())
 
 
 def permute(tokens, token_of_row, inverse):

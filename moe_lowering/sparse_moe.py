@@ -8,7 +8,7 @@ Each step is a primitive (:mod:`moe_lowering.primitives`) whose transpose is aga
 or a grouped GEMM: autodiff of ``lax.ragged_dot`` lowers the weight gradient to a dense dot over
 all groups, so the backward is written out instead of derived. Being primitives with JVP rules
 (not ``custom_vjp`` functions), they also take forward-mode autodiff: ``jax.jvp``, ``jacfwd``,
-``hessian``, ``linearize``. ``swiglu_rows`` (the expert-parallel path only) stays a ``custom_vjp``.
+``hessian``, ``linearize``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import jax.numpy as jnp
 from moe_lowering import primitives
 from moe_lowering.expert_program import ExpertProgram, RowContext, evaluate, last_product_weight
 from moe_lowering.kernels import Backend, get_backend
-from moe_lowering.kernels.swiglu_rows import swiglu_rows_grads_reference, swiglu_rows_reference
 
 
 class SortedRouting(NamedTuple):
@@ -181,35 +180,15 @@ def grouped_swiglu_matmul(lhs, gate_rhs, up_rhs, group_sizes, backend: str = "au
                                  preferred_element_type=preferred_element_type)
 
 
-class SwigluRowsResiduals(NamedTuple):
-    """What ``swiglu_rows``'s backward keeps: both pre-activations and the rows that count."""
-
-    gate: jax.Array  # [M, N]
-    up: jax.Array  # [M, N]
-    num_rows: jax.Array  # [] rows [0, num_rows) are computed, later ones unspecified
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def swiglu_rows(gate, up, num_rows, backend: str = "auto"):
-    """``silu(gate) * up`` on rows ``[0, num_rows)``, later rows unspecified (forward and backward).
+    """``silu(gate) * up`` on rows ``[0, num_rows)``, later rows unspecified (forward and derivatives).
 
     For buffers sized for the worst case whose tail nothing reads: on the Triton backend it costs
-    the rows that arrived, not the buffer (``kernels/swiglu_rows/``).
+    the rows that arrived, not the buffer (``kernels/swiglu_rows/``), forward and backward. A
+    primitive (:mod:`moe_lowering.primitives`): reverse mode runs the backend's ``swiglu_rows_grads``,
+    forward mode and higher orders (Hessian-vector products) work as well.
     """
-    return (get_backend(backend).swiglu_rows or swiglu_rows_reference)(gate, up, num_rows)
-
-
-def _swiglu_rows_fwd(gate, up, num_rows, backend):
-    return swiglu_rows(gate, up, num_rows, backend), SwigluRowsResiduals(gate, up, num_rows)
-
-
-def _swiglu_rows_bwd(backend, residuals: SwigluRowsResiduals, d_out):
-    grads = get_backend(backend).swiglu_rows_grads or swiglu_rows_grads_reference
-    d_gate, d_up = grads(d_out, residuals.gate, residuals.up, residuals.num_rows)
-    return d_gate, d_up, None
-
-
-swiglu_rows.defvjp(_swiglu_rows_fwd, _swiglu_rows_bwd)
+    return primitives.swiglu_rows(gate, up, num_rows, get_backend(backend))
 
 
 def run_expert_program(program: ExpertProgram, params: Sequence, rows, routing: SortedRouting, *, backend="auto",

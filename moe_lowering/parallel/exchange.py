@@ -111,7 +111,6 @@ class ExchangeConfig:
     chunks: int = 1  # chunks per round
     backend: str = "auto"
     transport: str = "all_to_all"
-    row_swiglu: bool = True  # SwiGLU on the received rows only (``swiglu_rows``, reverse mode only)
 
     @property
     def round_rows(self) -> int:
@@ -449,7 +448,7 @@ def _local_program(cfg: ExchangeConfig, group_sizes, expert_of_row, sorted_rows,
         return expert_matmul(lhs, rhs, sizes, cfg.backend, offset, preferred_element_type, zero_outside=zero_outside,
                              expected_rows=expected_rows)
 
-    if zero_outside or not cfg.row_swiglu:
+    if zero_outside:
         return evaluate(program, values, context, matmul)
 
     def swiglu_matmul(lhs, gate_rhs, up_rhs, sizes, offset, preferred_element_type):
@@ -886,9 +885,9 @@ def _full_tangents(primals, differentiable, tangent_leaves):
 
 def _forward_mode_config(cfg: ExchangeConfig) -> ExchangeConfig:
     """``cfg`` on pieces JAX differentiates forwards: collective transports instead of the
-    ``"peer"`` kernels, the program's own SwiGLU instead of ``swiglu_rows`` (``custom_vjp``)."""
+    ``"peer"`` kernels."""
     transport = "all_to_all" if cfg.transport == "peer" else cfg.transport
-    return dataclasses.replace(cfg, transport=transport, row_swiglu=False)
+    return dataclasses.replace(cfg, transport=transport)
 
 
 def _vmapped(fn, batch, *operands):
