@@ -61,10 +61,10 @@ def rewritten_exactly(fn, params, x, *, gradients=True, tol=1e-5) -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoMoeFoundWarning)
         optimized = moe_optimize(fn)
-        error = _relative_error(fn(params, x), jax.jit(optimized)(params, x))
+        error = _relative_error(jax.jit(fn)(params, x), jax.jit(optimized)(params, x))
         assert error < tol, f"outputs differ by {error:.3g}\n{report}"
         if gradients:
-            expected = jax.grad(_loss(fn), argnums=(0, 1))(params, x)
+            expected = jax.jit(jax.grad(_loss(fn), argnums=(0, 1)))(params, x)
             got = jax.jit(jax.grad(_loss(optimized), argnums=(0, 1)))(params, x)
             for path, a, b in zip(jax.tree_util.tree_flatten_with_path(expected)[0], jax.tree.leaves(expected),
                                   jax.tree.leaves(got)):
