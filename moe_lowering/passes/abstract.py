@@ -152,8 +152,10 @@ class Rows:
 
     ``space``: ``dense`` (roles hold tokens and ``E``: every expert on every token), ``choice``
     (tokens and ``k``: the chosen experts, after a gather), ``single`` (one ``expert``: the loop
-    style), ``slot`` (``E`` and ``C``: capacity slots after a dispatch einsum). ``gate`` is set
-    once routing weights have been multiplied in; only linear steps may follow.
+    style), ``slot`` (``E`` and ``C``: capacity slots after a dispatch einsum), ``pending`` (``E`` and
+    the chosen rows' axes: every expert's weight applied to rows already chosen, valid only once each
+    row's own expert is selected again; tokens tiled per choice). ``gate`` is set once routing weights
+    have been multiplied in; only linear steps may follow.
     """
 
     roles: Roles

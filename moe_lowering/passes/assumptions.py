@@ -19,9 +19,10 @@ READ = "read from the program"
 GATE_ON_TOKENS = "gate on tokens"  # the routing weights scale the tokens before the experts (x * G[t, e])
 SEPARATE_EXPERTS = "separate expert weights"  # E modules' weights, stacked by the rewrite on every call
 ONE_HOT_DISPATCH = "one-hot dispatch"  # the tokens masked per expert (x * one_hot), the gate at the combine
+TILED_CHOICES = "tokens tiled per choice"  # [T*k, d] copies, every expert on every copy, each copy's own kept
 SORTED_RANGE_MASK = "sorted range mask"  # copies sorted by expert, every expert on each, start_e <= i < end_e kept
 TOP_K_STYLES = ("one-hot gate", "gather combine", "per-expert loop", "gathered weights", GATE_ON_TOKENS,
-                SEPARATE_EXPERTS, ONE_HOT_DISPATCH, SORTED_RANGE_MASK)
+                SEPARATE_EXPERTS, ONE_HOT_DISPATCH, SORTED_RANGE_MASK, TILED_CHOICES)
 CAPACITY = ("capacity", "grouped capacity")
 ALL_STYLES = TOP_K_STYLES + CAPACITY
 
@@ -110,6 +111,27 @@ ASSUMPTIONS = (
         "[0, E), so positions start_e..end_e - 1 hold the copies of expert e and no other); only the E sum and "
         "casts follow the mask; the un-sort gathers by argsort of the sort order, its inverse permutation. As with a "
         "one-hot gate, an expert's non-finite output on a copy it did not get (0 * inf) reaches the reference only"),
+    Assumption(
+        "copy-selects-own-expert", (TILED_CHOICES,),
+        "each copy of a token keeps the output of the expert the routing chose for that same (token, choice), "
+        "and the copies are split back into (token, choice) as the routing indices were merged",
+        PROVEN,
+        "the tiled tokens are x broadcast along a new axis of size k right after the last token axis and "
+        "merged with it (copy n = token * k + choice, jnp.repeat's order), as the flattened indices of the "
+        "one-hot are; the selection contracts E against that one-hot with no factor (0/1), batched over the "
+        "same copies; every expert product after a selection is selected again by it; the chosen rows' copy "
+        "axis is only split back into (token, k)"),
+    Assumption(
+        "finite-before-selection", (TILED_CHOICES,),
+        "a step between an expert's product and the selection of each copy's own expert is finite, with "
+        "finite partial derivatives, at every finite input (the dense layer multiplies every other expert's "
+        "value there by the one-hot's 0, and 0 * inf is NaN: exp, log, a quotient or sqrt there could put a "
+        "NaN into the reference that the sparse layer does not compute)",
+        PROVEN,
+        "only add, sub, mul, neg, max, min, abs, select, tanh, logistic, erf, sin, cos, integer powers >= 0 "
+        "and casts (of a per-expert bias or constants too) may precede the selection; anything else declines. "
+        "After the selection the body is on the chosen rows only: an activation after a one-hot selection "
+        "is the selection of the activation"),
     Assumption(
         "private-interior", ALL_STYLES,
         "nothing outside the layer reads its dense intermediates, but the layer's own derivative",

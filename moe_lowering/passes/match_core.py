@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from moe_lowering.expert_program import ParamKind
-from moe_lowering.passes.abstract import BROADCAST, CHOICE, ONE, Combined, ExpertIndex, Roles, Rows, token_roles
+from moe_lowering.passes.abstract import BROADCAST, CHOICE, EXPERT, ONE, Combined, ExpertIndex, Roles, Rows, token_roles
 from moe_lowering.passes.assumptions import BY_NAME
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
@@ -289,3 +289,17 @@ def _maybe_param_slice(an: Analysis, eqn: Eqn) -> bool:
         return False
     shape = eqn.inputs[0].shape
     return len(shape) >= 2 and an.num_experts in shape
+
+
+def expert_weight(an: Analysis, w, contract_dim: int) -> tuple[int, int] | None:
+    """A weight ``[E, K, N]`` (any axis order) contracted over ``contract_dim``: its param index and its
+    expert axis, the free axis of size E; ``None`` without one. Where both free axes count E, the analysis's
+    ``expert_axis_choice`` picks one and the data flow rejects the wrong one (``ambiguous_expert_axis``)."""
+    expert_dims = [d for d in range(3) if d != contract_dim and w.shape[d] == an.num_experts]
+    if not expert_dims:
+        return None
+    if len(expert_dims) > 1:
+        an.ambiguous_expert_axis = True
+    e_dim = expert_dims[an.expert_axis_choice]
+    roles = tuple(EXPERT if d == e_dim else ("K" if d == contract_dim else "N") for d in range(3))
+    return an.param(w, ParamKind.EXPERT_WEIGHT, roles), e_dim

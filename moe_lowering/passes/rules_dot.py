@@ -30,8 +30,10 @@ from moe_lowering.passes.abstract import (
     token_roles,
 )
 from moe_lowering.passes.canonicalize import identity_annotations
+from moe_lowering.passes.assumptions import TILED_CHOICES
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
-from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, rule
+from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, expert_weight, rule
+from moe_lowering.passes.rules_copies import copies_dot, tiled_tokens
 from moe_lowering.passes.rules_layout import _merged_parts
 from moe_lowering.passes.rules_sort import sorted_projection
 from moe_lowering.passes.rules_rows import (
@@ -113,26 +115,29 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
     n_tok = len(token_shape)
     tokens = token_roles(n_tok)
 
+    # tokens tiled per choice: a one-hot selection of each copy's expert, chosen copies times every expert
+    copies = copies_dot(an, eqn, w, ax, aw, xc, wc, xb, wb, pet,
+                        lambda x_roles, w_roles: out_roles(x_roles, w_roles, xc, wc, xb, wb, swap))
+    if copies is not None:
+        return copies
+
     # gate [t.., E] times tokens [t.., D], batched over the tokens, nothing contracted -> rows [t.., E, D]
     if isinstance(ax, Gate) and aw is None and not xc and not wc and not ax.boolean and ax.expert is None:
         return _gated_tokens_product(an, ax, x, w, xb, wb, swap)
 
-    # tokens [t.., D] @ W [E, D, F] -> dense rows [t.., E, F]
-    if ax is None and aw is None and not xb and len(w.shape) == 3 and x.shape[:-1] == token_shape:
+    # tokens [t.., D] @ W [E, D, F] -> dense rows [t.., E, F]; tokens tiled per choice [.., L*k, D] alike
+    tiled = tiled_tokens(an, x) if ax is None and aw is None and x.shape[:-1] != token_shape else None
+    if ax is None and aw is None and not xb and len(w.shape) == 3 and (x.shape[:-1] == token_shape or tiled):
         if xc != (len(x.shape) - 1,) or len(wc) != 1:
             return None
-        free = [d for d in range(3) if d != wc[0]]
-        expert_dims = [d for d in free if w.shape[d] == E]
-        if not expert_dims:
+        found = expert_weight(an, w, wc[0])
+        if found is None:
             return None
-        if len(expert_dims) > 1:  # both free axes count E: try one; the data flow rejects the wrong one
-            an.ambiguous_expert_axis = True
-        e_dim = expert_dims[an.expert_axis_choice]
-        w_roles = tuple(EXPERT if d == e_dim else ("K" if d == wc[0] else "N") for d in range(3))
-        index = an.param(w, ParamKind.EXPERT_WEIGHT, w_roles)
+        index, e_dim = found
         node = ExpertMatmul(RowInput(), index, pet)
-        roles = out_roles(tokens + (FEATURE,), tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
-        return Rows(roles, node, "dense", _token_source(an.graph, x))
+        x_roles, source = (tiled[1], tiled[0]) if tiled else (tokens + (FEATURE,), x)
+        roles = out_roles(x_roles, tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
+        return Rows(roles, node, "dense", _token_source(an.graph, source), style=TILED_CHOICES if tiled else "")
 
     # tokens [t.., D] . W[idx] [t.., k, D, F] over D, batched over tokens -> chosen rows [t.., k, F]
     if ax is None and isinstance(aw, GatheredWeight) and x.shape[:-1] == token_shape:

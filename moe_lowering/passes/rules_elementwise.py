@@ -19,6 +19,7 @@ from moe_lowering.passes.abstract import (
 )
 from moe_lowering.passes.graph import Eqn
 from moe_lowering.passes.match_core import Analysis, IndexInBounds
+from moe_lowering.passes.rules_copies import step_before_selection
 from moe_lowering.passes.rules_gate import _gate_arith
 from moe_lowering.passes.rules_routing import _bounds_arith, _index_arith
 from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_arith
@@ -37,7 +38,8 @@ def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
     if Combined in kinds:
         return _combined_arith(an, eqn, abstracts)
     if Rows in kinds:
-        return _rows_elementwise(an, eqn, abstracts)
+        before = step_before_selection(eqn, abstracts)
+        return _rows_elementwise(an, eqn, abstracts) if before is None else before
     if kinds & {ExpertIndex, Iota, NegativeIndexCheck, ShiftedIndex}:
         return _index_arith(an, eqn, abstracts)
     if Gate in kinds:

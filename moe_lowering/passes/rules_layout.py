@@ -34,6 +34,7 @@ from moe_lowering.passes.abstract import (
 from moe_lowering.passes.assumptions import SEPARATE_EXPERTS
 from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import ITERATION_ROLE, Analysis, FailedMatch, IndexInBounds, _rows_like, rule
+from moe_lowering.passes.rules_copies import split_copies
 from moe_lowering.passes.rules_rows import _gated_sum, _style, _unit_reshape
 from moe_lowering.passes.rules_sort import SORT_KINDS, copy_index, involves_sorted_dispatch, sorted_reduce_sum
 
@@ -66,6 +67,9 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
         return None
     mapping = _unit_reshape(eqn.inputs[0].shape, eqn.outputs[0].shape)
     if mapping is None:
+        copies = split_copies(an, value, eqn.inputs[0].shape, eqn.outputs[0].shape) if isinstance(value, Rows) else None
+        if copies is not None:  # tokens tiled per choice: the chosen copies back as (token, choice)
+            return replace(value, roles=copies)
         if isinstance(value, Rows) and value.space == "slot" and value.gate is None:
             roles = _slot_reshape_roles(value.roles, eqn.inputs[0].shape, eqn.outputs[0].shape)
             if roles is not None:

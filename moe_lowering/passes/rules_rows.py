@@ -35,6 +35,7 @@ from moe_lowering.expert_program import (
 from moe_lowering.passes.abstract import (
     BROADCAST,
     CHOICE,
+    COPY,
     EXPERT,
     FEATURE,
     ONE,
@@ -68,6 +69,7 @@ from moe_lowering.passes.match_core import (
     _rows_like,
     rule,
 )
+from moe_lowering.passes.rules_copies import before_selection
 from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_gather
 
 
@@ -144,6 +146,10 @@ def _elementwise_node(an: Analysis, eqn: Eqn, abstracts, rows: Rows):
                 operands.append(ParamRef(_slice_param(an, slice_, rows, out, eqn, atom)))
                 continue
             has_tokens = any(is_token(r) for r in roles)
+            if COPY in roles:
+                return FailedMatch("expert activations on the tokens' tiled copies meet a tensor with an axis along "
+                                   "the copies (a per-copy value is not a parameter of the expert program; routing "
+                                   "weights are read once the copies are split back into (token, choice))", eqn)
             if CHOICE in roles or SLOT in roles or (has_tokens and EXPERT in roles):
                 return FailedMatch(
                     "expert activations are combined with a [tokens, experts] tensor that is not recognised as "
@@ -569,6 +575,10 @@ def _custom_jvp(an: Analysis, eqn: Eqn, abstracts):
         return None
     name = _compat.custom_jvp_name(eqn.params)
     first = rows[0]
+    if any(before_selection(r) for r in rows):
+        return FailedMatch(f"custom_jvp function `{name}` runs on every expert's output for every tiled copy before "
+                           "each copy's own expert is selected, where the one-hot's 0 meets it (0 * inf is NaN): "
+                           "not proven finite there (apply it after the selection)", eqn, "finite-before-selection")
     if first.style == GATE_ON_TOKENS and isinstance(first.node, RowInput):
         return _step_before_first_product(eqn)
     if any(not _rows_like(r, first) for r in rows) or (first.gate is not None and first.style != GATE_ON_TOKENS):
