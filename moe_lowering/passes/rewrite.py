@@ -106,7 +106,9 @@ def _analyse_graph(graph: JaxprGraph, path: str) -> ScopeResult:
         near_misses = list(near_misses) + [(r.anchor, FailedMatch(
             "the layer's derivative is summed with another layer's in a way the rewrite cannot share out, so "
             "neither is rewritten", graph.producer[r.output], "private-interior")) for r in broken]
-    attempts = {a.forward_index: a for a in analyse_scan_pairs(graph, path, _analyse_graph)}
+    attempts = {}  # forward and backward scan eqn index -> PairAttempt
+    for attempt in analyse_scan_pairs(graph, path, _analyse_graph):
+        attempts[attempt.forward_index] = attempts[attempt.backward_index] = attempt
     pairs = {}
     for attempt in attempts.values():
         if attempt.pair is not None:
@@ -124,8 +126,9 @@ def _analyse_graph(graph: JaxprGraph, path: str) -> ScopeResult:
         where = f"{path}/{eqn.primitive}[{eqn.index}]"
         child = analyse_program(_compat.as_closed(body), where)
         attempt = attempts.get(eqn.index)
-        if attempt is not None and attempt.near_misses:  # the joined bodies say why better than the forward's
-            child = dataclasses.replace(child, near_misses=attempt.near_misses)
+        if attempt is not None and attempt.near_misses:  # the joined bodies say why better than either body
+            child = dataclasses.replace(child, near_misses=attempt.near_misses if eqn.index == attempt.forward_index
+                                        else ())
         if child.changed or child.near_misses:
             nested[eqn.index] = child
     nested_changed = {i: c for i, c in nested.items() if c.changed}

@@ -230,9 +230,10 @@ def _invariant_chain(graph: JaxprGraph, value: Value, leaves: set) -> list | Non
 def _indirect_residuals(graph: JaxprGraph, forward: Eqn, backward: Eqn) -> str | None:
     """Names the op through which the backward scan reads a forward output other than directly (not joined)."""
     outputs = set(forward.outputs)
-    for atom in backward.inputs:
+    consts, _, xs = _compat.scan_roles(backward.params, backward.inputs)
+    for atom in consts + xs:  # the carry is the cotangent: computed from the forward's outputs by the loss
         eqn = graph.producer.get(atom) if isinstance(atom, Value) else None
-        if eqn is not None and eqn is not forward and graph.ancestors(atom) & outputs:
+        if eqn is not None and eqn is not forward and any(a in outputs for a in eqn.inputs):
             return (f"the backward scan reads the forward scan's outputs through `{eqn.primitive}` at {eqn.where()}, "
                     "which the join of the two scan bodies does not follow")
     return None

@@ -1,0 +1,188 @@
+"""Training steps whose MoE layers sit inside ``lax.scan`` over layers (MaxText's ``scan_layers=True``):
+the forward scan's body and the backward scan JAX's autodiff transposed from it are joined, proven and
+re-emitted as two scans (``passes/scan_derivative.py``).
+
+Each step is compared with the undecorated step: the loss and every gradient, float32 tight, and no
+dense ``[.., T, E, F]`` value may be left in the rewritten jaxpr (the stacked residuals included).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from moe_lowering import explain, moe_optimize
+from moe_lowering.testing import mutate, zoo
+from test_train_step import MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value
+
+LAYERS = 2
+
+
+def _model(name: str) -> zoo.ZooModel:
+    return MIXTRAL if name == "mixtral" else zoo.ZOO[name].sized(T=SIZES.T, d=SIZES.d, f=SIZES.f, E=SIZES.E, k=SIZES.k)
+
+
+def _stacked_args(model, layers=LAYERS, seed=0):
+    """Each layer's own random weights, stacked on a leading layer axis, and the tokens."""
+    per_layer = [model.args(jax.random.key(seed + i)) for i in range(layers)]
+    return jax.tree.map(lambda *w: jnp.stack(w), *[p for p, _ in per_layer]), per_layer[0][1]
+
+
+def _scan_step(model, checkpoint=False, policy=None):
+    def block(h, p):
+        return h + model.fn(p, h), None
+
+    body = jax.checkpoint(block, policy=policy) if checkpoint else block
+
+    def loss(params, x):
+        h, _ = lax.scan(body, x, params)
+        return jnp.mean(jnp.sin(h) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _check_scan_rewritten(step, params, x):
+    report = _check_rewritten(step, params, x)
+    [region] = report.regions
+    assert "scan[" in region.scope and "+scan[" in region.scope, region.scope  # the joined forward and backward
+    return report
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gather_combine"])
+def test_value_and_grad_through_a_scan_over_layers(name):
+    model = _model(name)
+    _check_scan_rewritten(_scan_step(model), *_stacked_args(model))
+
+
+def test_three_layers_under_jit_equal_the_step_of_the_decorated_layer():
+    """Three layers of sparse-versus-dense float32 rounding compound through the residual stream (up to
+    ~1e-5 of the largest gradient entry, as much for the step whose layer alone is decorated): the whole
+    step rewritten computes what the decorated layer's step computes (1e-6), and the dense step within 2e-5."""
+    params, x = _stacked_args(MIXTRAL, layers=3, seed=3)
+    step = jax.jit(_scan_step(MIXTRAL))
+    [region] = explain(step, params, x).regions
+    assert region.backward and "+scan[" in region.scope
+    rewritten = moe_optimize(step, strict=True)
+    layer = moe_optimize(MIXTRAL.fn, strict=True)
+
+    def layer_loss(params, x):
+        h, _ = lax.scan(lambda h, p: (h + layer(p, h), None), x, params)
+        return jnp.mean(jnp.sin(h) ** 2)
+
+    got = rewritten(params, x)
+    _assert_close(jax.jit(jax.value_and_grad(layer_loss, argnums=(0, 1)))(params, x), got, 1e-6)
+    _assert_close(step(params, x), got, 2e-5)
+    assert _largest_value(jax.make_jaxpr(rewritten)(params, x)) < _dense_elements()
+
+
+def test_jit_outside_the_decorated_step():
+    params, x = _stacked_args(MIXTRAL, seed=5)
+    step = _scan_step(MIXTRAL)
+    outer = jax.jit(moe_optimize(step, strict=True))
+    _assert_close(step(params, x), outer(params, x), 1e-5)
+    assert _largest_value(jax.make_jaxpr(outer)(params, x)) < _dense_elements()
+
+
+@pytest.mark.parametrize("policy", [None, jax.checkpoint_policies.nothing_saveable],
+                         ids=["no_policy", "nothing_saveable"])
+def test_checkpoint_inside_the_scan_body(policy):
+    """The backward scan's body recomputes the layer under remat: inlined and merged with the forward body."""
+    params, x = _stacked_args(MIXTRAL, seed=7)
+    report = _check_scan_rewritten(_scan_step(MIXTRAL, checkpoint=True, policy=policy), params, x)
+    assert report.regions[0].remat_inlined and "jax.checkpoint inlined" in str(report)
+
+
+def test_a_forward_program_scan_is_still_rewritten_in_its_body():
+    """Without a backward scan nothing is joined: the layer is rewritten inside the forward scan as before."""
+    params, x = _stacked_args(MIXTRAL)
+
+    def forward(params, x):
+        return lax.scan(lambda h, p: (h + MIXTRAL.fn(p, h), None), x, params)[0]
+
+    [region] = explain(forward, params, x).regions
+    assert "+scan" not in region.scope and not region.backward
+    _assert_close(forward(params, x), moe_optimize(forward, strict=True)(params, x), 1e-5)
+
+
+def test_the_layer_outputs_also_returned_per_layer():
+    """A forward scan output read outside the pair (here the layers' outputs, stacked and returned) stays
+    an output of the rewritten forward scan."""
+    params, x = _stacked_args(MIXTRAL, seed=9)
+
+    def loss(params, x):
+        def block(h, p):
+            out = MIXTRAL.fn(p, h)
+            return h + out, out
+
+        h, outs = lax.scan(block, x, params)
+        return jnp.mean(jnp.sin(h) ** 2), outs
+
+    _check_scan_rewritten(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), params, x)
+
+
+def test_a_remat_that_saves_the_dots_inside_the_scan_declines_with_its_reason():
+    """dots_saveable: the forward scan stacks the expert projections for the backward's remat, which the
+    proof does not take for the layer's own derivative: the step runs as written, explain says why."""
+    params, x = _stacked_args(MIXTRAL)
+    step = _scan_step(MIXTRAL, checkpoint=True, policy=jax.checkpoint_policies.dots_saveable)
+    report = explain(step, params, x)
+    assert not any(r.backward for r in report.regions)
+    assert any("used outside it" in m.reason and "remat" in m.reason for m in report.near_misses), str(report)
+    _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
+
+
+# --------------------------------------------------------------------------- mutants of the backward scan
+
+def _backward_scan_sites(context: str, kind: str, predicate):
+    """Mutants of ``kind`` inside the backward scan's body of ``train-<model>`` that satisfy ``predicate(site, what)``."""
+    ctx = mutate.model_context(context)
+    backward = next(e.index for e in ctx.graph.eqns if str(e.primitive) == "scan" and e.params["reverse"])
+    sites = {s.path: s for s in ctx.sites}
+    return [m for m, _ in mutate.candidates(context, kind)
+            if m.path[0] == backward and len(m.path) == 2 and predicate(sites[m.path], m.what)]
+
+
+def _dense_shape(shape) -> bool:
+    return len(shape) == 3 and shape[0] == mutate.TINY["T"] and shape[1] == mutate.TINY["E"]
+
+
+def _arg_shape(site, what: str):
+    name = what.rsplit(",", 1)[-1]
+    return site.graph.inputs[int(name[3:])].shape if name.startswith("arg") else None
+
+
+SCAN_STEP = f"{mutate.TRAIN_STEP}scan_layers"
+
+
+@pytest.mark.mutation
+def test_a_scaled_gate_cotangent_in_the_backward_scan_declines():
+    [mutant] = _backward_scan_sites(SCAN_STEP, "scale", lambda s, w: str(s.eqn.primitive) == "dot_general"
+                                    and s.eqn.outputs[0].shape == (mutate.TINY["T"], mutate.TINY["E"])
+                                    and w.endswith(",x2"))[:1]
+    outcome = mutate.check_mutant(mutant, 1)
+    assert outcome.status == "declined", outcome.message()
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("kind", ["substitute", "extra_use"])
+def test_a_residual_swapped_or_read_once_more_in_the_backward_scan(kind):
+    """A dense residual ([T, E, F]) read in place of another, or used by one more op of the backward body:
+    declined, or rewritten and equal to the mutant's own dense step."""
+    found = _backward_scan_sites(SCAN_STEP, kind, lambda s, w: _dense_shape(_arg_shape(s, w) or ())
+                                 and any(_dense_shape(a.shape) for a in s.eqn.inputs))
+    assert found, f"no {kind} site reads a dense residual"
+    for mutant in found[:2]:
+        outcome = mutate.check_mutant(mutant, 1)
+        assert outcome.status in ("declined", "exact"), outcome.message()
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("primitive", ["logistic", "mul"])
+def test_a_stop_gradient_on_one_path_of_the_scanned_layer(primitive):
+    """``step-scan_layers``: a stop_gradient in the layer inside the scan; JAX's backward follows it."""
+    mutant = next(m for m, _ in mutate.candidates(f"{mutate.STEP_OF}scan_layers", "stop_gradient")
+                  if len(m.path) == 2 and m.what.startswith(f"{primitive},"))
+    outcome = mutate.check_mutant(mutant, 1)
+    assert outcome.status in ("declined", "exact"), outcome.message()
