@@ -41,4 +41,5 @@ def golden_sizes(name: str) -> dict[str, int]:
     model = ZOO[name]
     sizes = model.sizes
     tokens = sizes.T
-    return {"T": tokens, "D": sizes.d, "F": sizes.f, "E": model.num_experts or sizes.E, "K": model.top_k or sizes.k}
+    k = model.top_k or sizes.k
+    return {"T": tokens, "D": sizes.d, "F": sizes.f, "E": model.num_experts or sizes.E, "K": k, "TK": tokens * k}

@@ -66,7 +66,9 @@ class ZooModel:
     ``gate_on_tokens`` (the routing weights scale the tokens before the experts), ``one_hot_dispatch``
     (the tokens masked per expert, a loop's outputs stacked), ``separate_experts``
     (E expert modules with weight arrays of their own), ``sorted_range_mask`` (copies sorted by expert,
-    each one's own expert kept by a range mask of the sorted positions) or ``negative``.
+    each one's own expert kept by a range mask of the sorted positions), ``tiled_per_choice`` (the tokens
+    repeated per choice, each copy's own expert selected by a one-hot after every expert product) or
+    ``negative``.
     """
 
     name: str
@@ -900,6 +902,45 @@ def build_separate_experts(sizes: Sizes = Sizes()) -> ZooModel:
     )
 
 
+def _tiled_per_choice_fn(k: int):
+    def tiled_per_choice(params, x):
+        """Tokens tiled per choice: ``repeat(x, k, 0)`` gives one row per (token, choice) copy, every
+        expert's product runs on every copy (``einsum('mk,bkn->bmn', a, W * scales)``, per-expert scaled
+        weights), each copy's own expert is kept by ``einsum('bm,bmn->mn', one_hot(idx.reshape(-1), E,
+        axis=0), ...)``; GeGLU after the selection; weighted by the gate and summed over k."""
+        num_experts = params["router"].shape[-1]
+        weights, idx = _softmax_topk_renormalise(x @ params["router"], k)
+        tiled = jnp.repeat(x, k, axis=0)  # [T*k, d]: copy n is token n // k, choice n % k
+        select = jax.nn.one_hot(idx.reshape(-1), num_experts, axis=0, dtype=x.dtype)  # [E, T*k]
+
+        def product(a, weight):
+            scaled = params[weight] * params[weight + "_scale"]
+            return jnp.einsum("bm,bmn->mn", select, jnp.einsum("mk,bkn->bmn", a, scaled))
+
+        hidden = jax.nn.gelu(product(tiled, "w_gate")) * product(tiled, "w_up")
+        out = product(hidden, "w_down").reshape(-1, k, x.shape[-1])
+        return jnp.sum(out * weights.astype(x.dtype)[..., None], axis=1)
+
+    return tiled_per_choice
+
+
+def _tiled_per_choice_params(sizes):
+    scales = {"w_gate_scale": (sizes.E, 1, sizes.f), "w_up_scale": (sizes.E, 1, sizes.f), "w_down_scale": (sizes.E, 1, sizes.d)}
+    return {**_mixtral_params(sizes), **{name: _Normal(shape, 1.0) for name, shape in scales.items()}}
+
+
+def build_tiled_per_choice(sizes: Sizes = Sizes()) -> ZooModel:
+    return ZooModel(
+        name="tiled_per_choice", fn=_tiled_per_choice_fn(sizes.k),
+        make_params=_params_maker(sizes, _tiled_per_choice_params), make_inputs=_token_inputs(sizes),
+        expected_regions=1, style="tiled_per_choice", top_k=sizes.k, num_experts=sizes.E, capacity=None, sizes=sizes,
+        builder=build_tiled_per_choice,
+        notes="tokens repeated to [T*k, d], every expert on every copy with per-expert scaled weights W * scales, "
+              "each copy's own expert kept by a one-hot of idx.reshape(-1) contracted over E, GeGLU after the "
+              "selection, weights times the copies reshaped [T, k, d] summed over k.",
+    )
+
+
 def _sorted_range_mask_fn(k: int):
     def sorted_range_mask(params, x):
         """A sort-based dense dispatch on ``[B, L, d]`` tokens: ``approx_max_k`` routing, each row's
@@ -1166,6 +1207,7 @@ _BUILDERS: dict[str, Callable[[], ZooModel]] = {
     "gate_on_tokens": build_gate_on_tokens,
     "one_hot_dispatch_loop": build_one_hot_dispatch_loop,
     "separate_experts": build_separate_experts,
+    "tiled_per_choice": build_tiled_per_choice,
     "sorted_range_mask": build_sorted_range_mask,
     "two_layers": build_two_layers,
     "scan_layers": build_scan_layers,

@@ -611,20 +611,6 @@ def test_approx_max_k_routing_is_read_like_top_k():
     assert explain(layer, params, x).regions[0].location
 
 
-def _tiled_per_choice(params, x):
-    """Tokens tiled per choice ``[T*k, d]``, every expert on every copy, then each copy's own expert
-    selected by a one-hot of the flattened indices (not recognised yet)."""
-    weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
-    tiled = jnp.repeat(x, 2, axis=0)
-    select = jax.nn.one_hot(index.reshape(-1), 4, axis=0)  # [E, T*k]
-
-    def product(a, w):
-        return jnp.einsum("bm,bmn->mn", select, jnp.einsum("mk,bkn->bmn", a, w))
-
-    out = product(jax.nn.gelu(product(tiled, params["w_up"])), params["w_down"]).reshape(16, 2, -1)
-    return jnp.sum(out * weights[..., None], axis=1)
-
-
 def _sorted_range_mask(params, x):
     """approx_max_k routing, copies of the tokens tiled per choice argsorted by expert, every expert on
     every sorted copy, each copy's own expert kept by ``start_e <= i < end_e``, un-sorted."""
@@ -686,6 +672,76 @@ def test_separate_modules_stacked_by_concatenate_are_rewritten():
         return jnp.einsum("TED,TEK->TD", lax.concatenate(outs, 1), mask * weights[:, None, :])
 
     assert rewritten_exactly(layer, params, x)
+
+
+# --------------------------------------------------------------------------- idiom 3: tokens tiled per choice
+
+
+def _tiled(tile=None, first_index=None, later_index=None, before=None, split=None, weights_of=None):
+    """The zoo's ``tiled_per_choice`` (E=4, k=2): the tokens repeated per choice, every expert's product
+    (weights scaled per expert) on every copy, each copy's own expert kept by a one-hot of the flattened
+    indices. Hooks for the negatives: how the tokens are tiled, the index each selection reads (the first
+    two products, the last), a step on every expert's values before the first selection, how the copies
+    are split back into (token, choice), which weights combine them."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        tiled = tile(x) if tile else jnp.repeat(x, 2, axis=0)
+        first = jax.nn.one_hot((first_index or (lambda i: i.reshape(-1)))(index), 4, axis=0)
+        later = jax.nn.one_hot((later_index or (lambda i: i.reshape(-1)))(index), 4, axis=0)
+
+        def product(a, w, select, step=lambda v: v):
+            return jnp.einsum("bm,bmn->mn", select, step(jnp.einsum("mk,bkn->bmn", a, w)))
+
+        hidden = jax.nn.gelu(product(tiled, params["w_gate"] * params["scale"], first, before or (lambda v: v)))
+        out = product(hidden * product(tiled, params["w_up"], first), params["w_down"], later)
+        out = split(out) if split else out.reshape(-1, 2, out.shape[-1])
+        return jnp.sum(out * (weights_of or (lambda w, p: w))(weights, params)[..., None], axis=1)
+
+    return layer
+
+
+def _tiled_args(key):
+    params = _params(key)
+    params["scale"] = jax.random.uniform(jax.random.fold_in(key, 1), (4, 1, 16), minval=0.5, maxval=1.5)
+    params["other_weights"] = jax.random.uniform(jax.random.fold_in(key, 2), (16, 2))
+    return params, jax.random.normal(jax.random.fold_in(key, 3), (16, 8))
+
+
+@pytest.mark.parametrize("before", [None, jnp.tanh, jax.nn.gelu], ids=["after-selection", "tanh-before", "gelu-before"])
+def test_tokens_tiled_per_choice_are_rewritten(before):
+    """Each copy keeps its own expert's product; a step finite everywhere (tanh, gelu) may also run on every
+    expert's values before the selection: a one-hot selection of it is it of the selection."""
+    params, x = _tiled_args(jax.random.key(50))
+    assert rewritten_exactly(_tiled(before=before), params, x)
+    assert explain(_tiled(before=before), params, x).regions[0].style == "tokens tiled per choice"
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (dict(first_index=lambda i: i[:, ::-1].reshape(-1)), "not know as a one-hot of the routing indices flattened"),
+    (dict(first_index=lambda i: jnp.roll(i.reshape(-1), 1)), "not know as a one-hot of the routing indices flattened"),
+    (dict(first_index=lambda i: (i.reshape(-1) + 1) % 4), "not know as a one-hot of the routing indices flattened"),
+    (dict(later_index=lambda i: i[:, ::-1].reshape(-1)), "not know as a one-hot of the routing indices flattened"),
+    (dict(tile=lambda x: jnp.tile(x, (2, 1))), "tiled otherwise, as jnp.tile does"),
+    (dict(split=lambda out: out.reshape(2, -1, out.shape[-1]).swapaxes(0, 1)), "merges or splits the axes"),
+    (dict(before=jnp.exp), "only steps finite everywhere may come before the selection"),
+    (dict(before=lambda v: jnp.log(jnp.abs(v))), "only steps finite everywhere may come before the selection"),
+    (dict(before=lambda v: 1.0 / v), "only steps finite everywhere may come before the selection"),
+    (dict(before=jax.nn.relu), "not proven finite there"),
+], ids=["reversed-choices", "shifted-copies", "other-expert", "later-reversed", "tiled-by-jnp-tile", "split-k-outer",
+        "exp-before", "log-before", "reciprocal-before", "custom-jvp-before"])
+def test_tokens_tiled_per_choice_that_are_not_the_routed_layer_decline(variant, reason):
+    """A copy selected by another copy's index (or another expert), tokens tiled in another order than the
+    indices were flattened, copies split back in another order, or a step that can be inf or NaN on an expert
+    the copy did not choose (0 * inf is NaN in the dense layer only): each declines with why."""
+    params, x = _tiled_args(jax.random.key(51))
+    declined_because(_tiled(**variant), params, x, reason)
+
+
+def test_tokens_tiled_per_choice_weighted_by_values_not_from_the_routing_stay_exact():
+    """The weights per (token, choice) are read from the program as computed, whatever computed them."""
+    params, x = _tiled_args(jax.random.key(52))
+    assert rewritten_exactly(_tiled(weights_of=lambda w, p: p["other_weights"]), params, x)
 
 
 # --------------------------------------------------------------------------- idiom 4: copies sorted by expert, a range mask

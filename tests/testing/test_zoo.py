@@ -289,6 +289,12 @@ def separate_experts_reference(p, x, model):
     return mixtral_reference({"router": p["router"], **stacked}, x, model)
 
 
+def scaled_geglu_expert(p, e, x_t):
+    """GeGLU (tanh gelu) with each expert weight scaled per output column, ``W[e] * scale[e]``."""
+    w = {name: p[name][e] * p[name + "_scale"][e] for name in ("w_gate", "w_up", "w_down")}
+    return (gelu_tanh(x_t @ w["w_gate"]) * (x_t @ w["w_up"])) @ w["w_down"]
+
+
 REFERENCES = {
     "mixtral": mixtral_reference,
     "mixtral_logits_topk": lambda p, x, m: mixtral_reference(p, x, m, fused_swiglu_expert, route_logits_then_softmax),
@@ -312,6 +318,7 @@ REFERENCES = {
     "gate_on_tokens": gate_on_tokens_reference,
     "one_hot_dispatch_loop": bsd_reference,
     "separate_experts": separate_experts_reference,
+    "tiled_per_choice": lambda p, x, m: mixtral_reference(p, x, m, scaled_geglu_expert),
     "sorted_range_mask": bsd_reference,
     "two_layers": two_layers_reference,
     "scan_layers": scan_layers_reference,
