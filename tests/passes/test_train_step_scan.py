@@ -133,6 +133,31 @@ def test_a_remat_that_saves_the_dots_inside_the_scan_declines_with_its_reason():
     _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
 
 
+def test_nnx_scan_over_a_vmapped_stack_of_blocks():
+    """Flax NNX: blocks made with nnx.vmap, run with nnx.scan, differentiated with nnx.value_and_grad."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, key):
+            params, _ = MIXTRAL.args(key)
+            self.w = nnx.Dict({name: nnx.Param(value) for name, value in params.items()})
+
+        def __call__(self, h):
+            return h + MIXTRAL.fn({name: value[...] for name, value in self.w.items()}, h)
+
+    blocks = nnx.vmap(Block, in_axes=0, out_axes=0)(jax.random.split(jax.random.key(11), LAYERS))
+    graphdef, state = nnx.split(blocks)
+
+    def loss(blocks, x):
+        run = nnx.scan(lambda block, h: block(h), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        return jnp.mean(jnp.sin(run(blocks, x)) ** 2)
+
+    def step(state, x):
+        return nnx.value_and_grad(loss)(nnx.merge(graphdef, state), x)
+
+    _check_scan_rewritten(step, state, MIXTRAL.args(jax.random.key(12))[1])
+
+
 # --------------------------------------------------------------------------- mutants of the backward scan
 
 def _backward_scan_sites(context: str, kind: str, predicate):
