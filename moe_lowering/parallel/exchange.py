@@ -111,6 +111,11 @@ class ExchangeConfig:
     chunks: int = 1  # chunks per round
     backend: str = "auto"
     transport: str = "all_to_all"
+    # Other mesh axes with collectives inside the rounds (the FP8-gathered weights' gradients
+    # reduce-scatter over the FSDP axis in every round's backward, their tangents all-gather in
+    # forward mode): the rounds loop runs the largest trip count over them, else a rank with more
+    # rounds than its FSDP peer waits for it in the collective forever.
+    lockstep_axes: tuple[str, ...] = ()
 
     @property
     def round_rows(self) -> int:
@@ -720,6 +725,8 @@ def _further_rounds(counts, cfg: ExchangeConfig, body, init, num_rows: int):
     if single_round(cfg, num_rows):
         return init
     rounds = num_rounds(counts, cfg)
+    if cfg.lockstep_axes:
+        rounds = jax.lax.pmax(rounds, cfg.lockstep_axes)
     _, state = jax.lax.while_loop(lambda s: s[0] < rounds, lambda s: (s[0] + 1, body(s[0], s[1])),
                                   (jnp.ones((), jnp.int32), init))
     return state

@@ -7,12 +7,18 @@ along K) and ``quantize_blocks`` / ``dequantize_blocks`` are the kernel layer's
 (:mod:`moe_lowering.kernels.fp8_grouped_matmul.quant_format`), since the FP8-weight kernels read them.
 
 Two ways to use the gathered bytes. ``gather_weight`` dequantises them to the weights' dtype
-(a ``custom_vjp``: straight-through backward, the gathered-weight gradient reduce-scattered in
-the weights' own dtype). ``gather_weight_fp8`` keeps them as a :class:`GatheredFp8Weight`, which
-the grouped GEMMs read as is (``GatheredFp8Weight.grouped_matmul``): on a GPU the FP8-weight
-Triton kernel never writes a dequantised copy where it is the faster choice
-(:func:`use_fp8_kernel`); the same straight-through gradient is formed by that product's
-backward.
+(straight-through derivative: the gathered-weight gradient reduce-scattered in the weights' own
+dtype). ``gather_weight_fp8`` keeps them as a :class:`GatheredFp8Weight`, which the grouped GEMMs
+read as is (``GatheredFp8Weight.grouped_matmul``): on a GPU the FP8-weight Triton kernel never
+writes a dequantised copy where it is the faster choice (:func:`use_fp8_kernel`); the same
+straight-through derivative is that product's.
+
+Straight-through in both autodiff modes: the layer computes with ``Q(W)`` and differentiates as
+if the quantise-dequantise round trip ``Q`` were the identity, which is the derivative of
+``W + stop_gradient(Q(W) - W)``. Both pieces are ``custom_jvp`` functions whose tangent is linear
+in the input tangents (``all_gather`` of the weight's tangent, products with ``Q(W)``), so reverse
+mode transposes it into the backward they always had (the weight gradient reduce-scattered to the
+shard) and forward mode (``jax.jvp``, ``jacfwd``, Hessian-vector products) is its transpose.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from moe_lowering import primitives
 from moe_lowering.kernels import get_backend
 from moe_lowering.kernels.fp8_grouped_matmul.quant_format import FP8_DTYPE, MX_BLOCK, dequantize_blocks, quantize_blocks
 
@@ -57,7 +63,7 @@ def gather_weight(w, axis_name: str, dim: int, quant: str | None):
     return _quantized_gather(w, axis_name, dim, quant)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _quantized_gather(w, axis_name, dim, quant):
     values, scales = quantize_blocks(w, quant)
     # Sent as raw bytes: some backends (XLA:CPU) would widen an f8 all-gather to f16.
@@ -67,15 +73,11 @@ def _quantized_gather(w, axis_name, dim, quant):
     return dequantize_blocks(jax.lax.bitcast_convert_type(wire, FP8_DTYPE), scales, quant, w.dtype)
 
 
-def _quantized_gather_fwd(w, axis_name, dim, quant):
-    return _quantized_gather(w, axis_name, dim, quant), None
-
-
-def _quantized_gather_bwd(axis_name, dim, quant, _, d_full):
-    return (jax.lax.psum_scatter(d_full, axis_name, scatter_dimension=dim, tiled=True),)
-
-
-_quantized_gather.defvjp(_quantized_gather_fwd, _quantized_gather_bwd)
+@_quantized_gather.defjvp
+def _quantized_gather_jvp(axis_name, dim, quant, primals, tangents):
+    """Straight through: the tangent is gathered exactly (its transpose reduce-scatters the gradient)."""
+    (w,), (w_dot,) = primals, tangents
+    return _quantized_gather(w, axis_name, dim, quant), _gathered(w_dot, axis_name, dim)
 
 
 # The FP8-weight kernel against dequantise-then-GEMM on an H200 (results/fp8_gmm_bench_H200_20261122_v2.json):
@@ -112,7 +114,9 @@ class GatheredFp8Weight:
         return jax.lax.bitcast_convert_type(self.values, FP8_DTYPE)
 
     def dequantize(self):
-        return dequantize_blocks(self.fp8_values(), self.scales, self.quant, self.dtype)
+        """``Q(W)``, whose derivative is the gathered shard's (straight through ``Q``)."""
+        return _straight_through_dequantized(self.values, self.scales, self.shard, self.quant, self.axis_name,
+                                             self.dim)
 
     def grouped_matmul(self, lhs, group_sizes, backend, group_offset, preferred_element_type, expected_rows=None):
         """``lhs[r] @ self[group(r)]`` (the protocol :func:`moe_lowering.sparse_moe.expert_matmul` calls)."""
@@ -144,7 +148,7 @@ def use_fp8_kernel(lhs, weight: GatheredFp8Weight, backend: str, expected_rows: 
             and rows_per_expert <= FP8_KERNEL_MAX_ROWS_PER_EXPERT)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
 def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, group_offset, preferred_element_type,
                       expected_rows=None):
     """``lhs[r] @ weight[group(r)]`` with the weight read from its FP8 bytes where that is faster.
@@ -158,23 +162,39 @@ def fp8_weight_matmul(lhs, weight: GatheredFp8Weight, group_sizes, backend, grou
                                     preferred_element_type=preferred_element_type, expected_rows=expected_rows)
 
 
-def _fp8_weight_matmul_fwd(lhs, weight, group_sizes, backend, group_offset, preferred_element_type, expected_rows):
+@fp8_weight_matmul.defjvp
+def _fp8_weight_matmul_jvp(backend, group_offset, preferred_element_type, expected_rows, primals, tangents):
+    """``lhs_dot @ Q(W) + lhs @ all_gather(shard_dot)`` (straight through ``Q``; the bytes and scales
+    carry no derivative). Its transpose is the backward: ``d_out @ Q(W)^T`` on the grouped GEMM and
+    the weight gradient ``tgmm(lhs, d_out)`` reduce-scattered to the shard. ``Q(W)`` is recomputed
+    from the bytes there (``jax.checkpoint``), so reverse mode keeps the FP8 bytes between the
+    passes, never a dequantised copy."""
+    lhs, weight, group_sizes = primals
+    lhs_dot, weight_dot, _ = tangents
     out = fp8_weight_matmul(lhs, weight, group_sizes, backend, group_offset, preferred_element_type, expected_rows)
-    return out, (lhs, weight, group_sizes)
-
-
-def _fp8_weight_matmul_bwd(backend, group_offset, preferred_element_type, expected_rows, residuals, d_out):
-    lhs, weight, group_sizes = residuals
     kernels = get_backend(backend)
-    dequantized = weight.dequantize()
-    d_lhs = kernels.gmm(d_out, dequantized, group_sizes, group_offset=group_offset, transpose_rhs=True,
-                        preferred_element_type=lhs.dtype, expected_rows=expected_rows)
-    d_gathered = kernels.tgmm(lhs, d_out, group_sizes, num_groups=weight.shape[0], group_offset=group_offset,
-                              preferred_element_type=weight.dtype, expected_rows=expected_rows)
-    d_shard = jax.lax.psum_scatter(d_gathered, weight.axis_name, scatter_dimension=weight.dim, tiled=True)
-    d_weight = GatheredFp8Weight(np.zeros(weight.values.shape, jax.dtypes.float0), jnp.zeros_like(weight.scales),
-                                 d_shard, weight.quant, weight.axis_name, weight.dim)
-    return d_lhs, d_weight, None
+    options = dict(group_offset=group_offset, preferred_element_type=out.dtype, expected_rows=expected_rows)
+
+    @jax.checkpoint
+    def through_rows(lhs_dot, weight, group_sizes):
+        return primitives.gmm(lhs_dot, weight.dequantize(), group_sizes, kernels, **options)
+
+    gathered_dot = _gathered(weight_dot.shard, weight.axis_name, weight.dim)
+    through_weight = primitives.gmm(lhs, gathered_dot, group_sizes, kernels, **options)
+    return out, through_rows(lhs_dot, weight, group_sizes) + through_weight
 
 
-fp8_weight_matmul.defvjp(_fp8_weight_matmul_fwd, _fp8_weight_matmul_bwd)
+def _gathered(shard, axis_name, dim):
+    return jax.lax.all_gather(shard, axis_name, axis=dim, tiled=True)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _straight_through_dequantized(values, scales, shard, quant, axis_name, dim):
+    return dequantize_blocks(jax.lax.bitcast_convert_type(values, FP8_DTYPE), scales, quant, shard.dtype)
+
+
+@_straight_through_dequantized.defjvp
+def _straight_through_dequantized_jvp(quant, axis_name, dim, primals, tangents):
+    """The shard's tangent gathered exactly; none through the bytes or the scales. In every order,
+    so the second derivatives of the layer are those of the dense layer at ``Q(W)``."""
+    return _straight_through_dequantized(*primals, quant, axis_name, dim), _gathered(tangents[2], axis_name, dim)

@@ -180,9 +180,11 @@ class ExchangePlan:
 
 def plan_exchange(layout: Layout, program: ExpertProgram, *, num_tokens: int, top_k: int, num_experts: int,
                   row_bytes: int, exchange_transport: str, backend: str = "auto",
-                  exchange_capacity: int | None = None, exchange_chunks: int | None = None) -> ExchangePlan:
+                  exchange_capacity: int | None = None, exchange_chunks: int | None = None,
+                  weight_gather_quant: str | None = None) -> ExchangePlan:
     """The :class:`ExchangePlan` for ``num_tokens`` tokens of ``row_bytes`` bytes routed to
-    ``top_k`` of ``num_experts`` experts (``exchange_transport`` already resolved)."""
+    ``top_k`` of ``num_experts`` experts (``exchange_transport`` already resolved; ``weight_gather_quant``
+    as the layer runs it, ``None`` where the weights gather exactly)."""
     chunks = EXCHANGE_CHUNKS if exchange_chunks is None else exchange_chunks
     if not isinstance(chunks, int) or chunks <= 0:
         raise ValueError(f"exchange_chunks must be a positive integer, got {exchange_chunks!r}")
@@ -200,7 +202,8 @@ def plan_exchange(layout: Layout, program: ExpertProgram, *, num_tokens: int, to
     if ep > 1:
         config = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
                                  local_experts=layout.local_experts, capacity=-(-rows_per_pair // chunks),
-                                 chunks=chunks, backend=backend, transport=exchange_transport)
+                                 chunks=chunks, backend=backend, transport=exchange_transport,
+                                 lockstep_axes=() if weight_gather_quant is None else (layout.fsdp_axis,))
     deduplicated = (config is not None and deduplication_pays(top_k, layout.padded_experts, ep)
                     and deduplicates(config, local_rows))
     return ExchangePlan(exchange_transport, local_tokens, rows_per_pair, chunks, config, deduplicated)
@@ -304,7 +307,8 @@ def sharded_sparse_moe(tokens, expert_indices, expert_weights, params: Sequence,
     capacity = None if capacity_factor is None else expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
     plan = plan_exchange(layout, program, num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
                          row_bytes=tokens.shape[1] * tokens.dtype.itemsize, exchange_transport=exchange_transport,
-                         backend=backend, exchange_capacity=exchange_capacity, exchange_chunks=exchange_chunks)
+                         backend=backend, exchange_capacity=exchange_capacity, exchange_chunks=exchange_chunks,
+                         weight_gather_quant=weight_gather_quant)
     cfg, deduplicate = plan.config, plan.deduplicated
     log.info("sharded_sparse_moe: %s; %s, expert capacity %s", layout.describe(exchange_transport, backend),
              plan.describe(top_k), capacity)

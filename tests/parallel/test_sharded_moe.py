@@ -139,6 +139,40 @@ def test_fp8_weight_gather(mesh_name, quant, exchange):
         assert rel_err(g, g_exact) < 1e-1
 
 
+def test_fp8_weight_gather_forward_mode_is_the_straight_through_derivative():
+    """Forward mode through FP8-gathered weights (issue 38): the derivative of ``W + stop_gradient(Q(W) - W)``,
+    the same straight-through derivative reverse mode takes, so ``jvp`` is the transpose of ``vjp``;
+    and the Hessian-vector product of the fake-quantised dense layer. 32 tokens: the exchange takes
+    two rounds on one FSDP row and one on the other, and each round's weight gradient
+    reduce-scatters over the FSDP axis, so the rounds run in lockstep over it (the gradient hung)."""
+    quant = "fp8_e4m3"
+    layout = make_layout("fsdp2_expert4")
+    tokens, indices, weights, params, cotangent = case(2, num_tokens=32, expert_bias=False, token_scale=False)
+    moe = sharded(layout, indices, swiglu_program(), weight_gather_quant=quant)
+
+    def fake_quant_dense(t, w, p):
+        p = [fake_quantized(x, quant, layout.fsdp_dim(i), layout.fsdp_size) for i, x in enumerate(p)]
+        return dense_reference(t, indices, w, p, num_experts=E)
+
+    rng = np.random.default_rng(3)
+    primals = (tokens, weights, params)
+    tangents = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), primals)
+    hvp = lambda f: jax.jvp(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)), primals, tangents)[1]
+
+    def derivatives(f):
+        out, tangent = jax.jvp(f, primals, tangents)
+        _, vjp = jax.vjp(f, *primals)
+        adjoint = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(vjp(cotangent)), jax.tree.leaves(tangents)))
+        return out, tangent, hvp(f), jnp.vdot(cotangent, tangent), adjoint
+
+    out, tangent, got_hvp, forward, reverse = jax.jit(lambda: derivatives(moe))()
+    want_out, want_tangent, want_hvp, *_ = derivatives(fake_quant_dense)
+    assert rel_err(out, want_out) < 1e-5 and rel_err(tangent, want_tangent) < 1e-5
+    for got, want in zip(jax.tree.leaves(got_hvp), jax.tree.leaves(want_hvp), strict=True):
+        assert rel_err(got, want) < 1e-5
+    assert abs(float(forward - reverse)) < 1e-5 * abs(float(reverse))  # <v, J u> = <J^T v, u>
+
+
 @pytest.mark.parametrize("quant", ["fp8_e4m3", "mxfp8"])
 def test_block_quantization_bounds(quant):
     w = jnp.asarray(np.random.default_rng(3).standard_normal((2, 64, 48)) * np.logspace(-3, 2, 48), jnp.float32)
