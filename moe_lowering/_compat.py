@@ -109,6 +109,18 @@ def scan_roles(params, operands) -> tuple[list, list, list]:
     return operands[:consts], operands[consts:consts + carry], operands[consts + carry:]
 
 
+def approx_top_k_candidates(input_size: int, rank: int, k: int, recall_target: float, override: int) -> int | None:
+    """How many candidates a TPU's ``ApproxTopK`` keeps along the reduction axis before its exact top-k of
+    them (jaxlib's ``approx_top_k_reduction_output_size``, what ``aggregate_to_topk=False`` returns); None
+    where this jaxlib does not say."""
+    try:
+        from jax._src.lib import _jax
+
+        return int(_jax.approx_top_k_reduction_output_size(input_size, rank, k, recall_target, False, override)[0])
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+
+
 def is_jitted(fn) -> bool:
     return hasattr(fn, "_jit_info") and hasattr(fn, "lower") and hasattr(fn, "__wrapped__")
 

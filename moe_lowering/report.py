@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from moe_lowering import _compat
 from moe_lowering.passes.abstract import StackedWeights
-from moe_lowering.passes.assumptions import device_checks
+from moe_lowering.passes.assumptions import SORTED_RANGE_MASK, device_checks
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RegionReport:
             recomputing the layer inside them could be rewritten (remat's memory saving dropped there).
         stacked_weight_bytes: Experts kept as separate weight arrays: the bytes the rewrite copies on
             every call to stack them into ``[E, ...]`` weights (0 where the weights are stacked already).
+        routing: What the routing decision computes where that is not plain: ``lax.approx_max_k``'s
+            exactness by platform (empty for ``top_k`` and ``argmax``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -84,6 +87,7 @@ class RegionReport:
     backward: bool = False  # the layer's own derivative in the program, proven and rewritten with it
     remat_inlined: bool = False  # jax.checkpoint bodies of its scope inlined to rewrite the backward inside them
     stacked_weight_bytes: int = 0  # separate expert weight arrays, stacked by the rewrite on every call
+    routing: str = ""  # approx_max_k: where it is an exact top-k, and what the rewrite assumes of it
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -112,6 +116,7 @@ class RegionReport:
                if self.device_checks else "")
             + (f"\n  separate expert weight arrays, stacked on every call: {_bytes(self.stacked_weight_bytes)} copied "
                "(stack them once, outside the step, to save it)" if self.stacked_weight_bytes else "")
+            + (f"\n  routing: {self.routing}" if self.routing else "")
         )
 
 
@@ -215,7 +220,9 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
     if capacity is None and capacity_factor is not None:
         capacity = max(1, math.ceil(capacity_factor * T * k / E))
     dtype = np.dtype(region.output.dtype)
-    dense_rows = T * k if region.style == "gathered weights" else T * E  # the former gathers T*k weights
+    # gathered weights: T*k weight copies; sorted copies: every expert on each of the T*k copies
+    dense_rows = (T * k if region.style == "gathered weights" else T * k * E if region.style == SORTED_RANGE_MASK
+                  else T * E)
     routed_rows = T * k if region.capacity is None else min(T * k, E * region.capacity)
     per_row_flops = 0
     widest = 0
@@ -250,7 +257,31 @@ def region_report(region, scope: str = "", parallel_layout: str | None = None,
                                  if isinstance(p.source, StackedWeights)),
         backward=region.derivative is not None,
         remat_inlined=remat_inlined,
+        routing=routing_note(region.anchor),
     )
+
+
+def routing_note(anchor) -> str:
+    """``approx_max_k`` / ``approx_min_k``: exact on CPU and GPU, on a TPU exact only where its candidate bins
+    keep every expert; the rewrite reads the op's own indices either way. Empty for other routing."""
+    if anchor.kind != "approx_top_k":
+        return ""
+    params = anchor.eqn.params
+    name = "approx_max_k" if params["is_max_k"] else "approx_min_k"
+    recall = float(params["recall_target"])
+    scores = anchor.eqn.inputs[0]
+    kept = _compat.approx_top_k_candidates(anchor.num_experts, len(scores.shape), anchor.top_k, recall,
+                                           params["reduction_input_size_override"])
+    if kept is not None and kept >= anchor.num_experts:
+        tpu = f"also exact: at E={anchor.num_experts} every expert stays a candidate"
+    elif kept is not None:
+        tpu = (f"approximate: it keeps {kept} of the E={anchor.num_experts} experts as candidates (the best of each "
+               "bin), so a token with two of its true top k in one bin gets another expert for one of them")
+    else:
+        tpu = "approximate, with an expected recall of recall_target"
+    return (f"{name} (recall_target={recall:g}) is an exact top-k on CPU and GPU (JAX lowers it with is_fallback: "
+            f"a sort and a slice); on a TPU it is {tpu}. The rewrite reads its indices, not a top-k of its own, so "
+            "it computes what the dense layer computes on every platform")
 
 
 def _gathered_weight_bytes(region, dtype) -> int:

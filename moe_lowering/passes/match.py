@@ -18,8 +18,9 @@ The parts: ``match_core.py`` holds the records, the rule registry and ``Analysis
 by family in ``rules_routing.py`` (anchors, expert indices, range checks, one-hot), ``rules_gate.py``
 (routing weights), ``rules_rows.py`` (the expert rows' computation, gathers, ``custom_jvp``),
 ``rules_layout.py`` (broadcast, reshape, transpose, slice, reduce), ``rules_dot.py`` (projections,
-dispatch and combine) and ``rules_elementwise.py``; ``canonicalize.py`` is what matching sees
-through (annotations, casts that keep the indices). This file finds the regions and checks them.
+dispatch and combine), ``rules_sort.py`` (copies sorted by expert, a range mask keeping each one's
+own) and ``rules_elementwise.py``; ``canonicalize.py`` is what matching sees through (annotations,
+casts that keep the indices, ``jnp.floor_divide``'s fix-up). This file finds the regions and checks them.
 """
 
 from __future__ import annotations

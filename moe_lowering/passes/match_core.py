@@ -5,8 +5,8 @@ interpretation that runs them (``Analysis``), and small helpers on plain operand
 ``_plain_roles``, ...) and on roles (``_merge_roles``, ``_compatible``, ``_rows_like``).
 
 The rule modules import this one, never the other way round at import time: ``rules_routing``,
-``rules_gate``, ``rules_rows``, ``rules_layout``, ``rules_dot``, ``rules_elementwise`` and
-``canonicalize``. ``match.py`` drives it and assembles the regions.
+``rules_gate``, ``rules_rows``, ``rules_layout``, ``rules_dot``, ``rules_sort``, ``rules_elementwise``
+and ``canonicalize``. ``match.py`` drives it and assembles the regions.
 """
 
 from __future__ import annotations

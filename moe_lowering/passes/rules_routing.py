@@ -85,16 +85,19 @@ def _through_rev(graph: JaxprGraph, value, last: int):
 
 
 def _argsort_anchors(graph: JaxprGraph, sort: Eqn) -> list[RoutingAnchor]:
-    """``jnp.argsort(scores)`` sliced to k entries along the sorted (last) axis: a top-k by another name."""
-    if len(sort.inputs) != 2 or sort.params.get("num_keys") != 1:
+    """``jnp.argsort(scores)`` sliced to k entries along the sorted (last) axis: a top-k by another name. Also
+    the descending sort an XLA dump holds for ``top_k`` / ``approx_max_k`` on CPU and GPU, as the StableHLO
+    importer reads it: ``sort(-scores, scores, iota)`` by the first key."""
+    descending = len(sort.inputs) == 3 and _negation_of(graph, sort.inputs[0], sort.inputs[1])
+    if len(sort.inputs) != 2 + descending or sort.params.get("num_keys") != 1:
         return []
     last = len(sort.inputs[0].shape) - 1
     if sort.params["dimension"] != last or last < 1:
         return []
-    _, iota = _through_rev(graph, sort.inputs[1], last)
-    if iota is None or iota.primitive is not lax.iota_p or iota.params["dimension"] != last:
+    _, iota = _through_rev(graph, sort.inputs[-1], last)
+    if not _iota_along(graph, iota, last):
         return []
-    indices = [sort.outputs[1]]
+    indices = [sort.outputs[-1]]
     for user in graph.users.get(sort.outputs[1], ()):
         if user.primitive is lax.rev_p and tuple(user.params["dimensions"]) == (last,):
             indices.append(user.outputs[0])
@@ -111,6 +114,22 @@ def _argsort_anchors(graph: JaxprGraph, sort: Eqn) -> list[RoutingAnchor]:
                 continue
             anchors.append(RoutingAnchor(user, user.outputs[0], num_experts, out_shape[-1], out_shape[:-1], "argsort"))
     return anchors
+
+
+def _iota_along(graph: JaxprGraph, eqn: Eqn | None, axis: int) -> bool:
+    """``eqn`` makes an iota along ``axis``, itself or by broadcasting one (as an XLA dump writes it)."""
+    if eqn is not None and eqn.primitive is lax.broadcast_in_dim_p:
+        source = graph.producer.get(eqn.inputs[0])
+        dims = eqn.params["broadcast_dimensions"]
+        return (source is not None and source.primitive is lax.iota_p and dims[source.params["dimension"]] == axis
+                and source.outputs[0].shape[source.params["dimension"]] == eqn.outputs[0].shape[axis])
+    return eqn is not None and eqn.primitive is lax.iota_p and eqn.params["dimension"] == axis
+
+
+def _negation_of(graph: JaxprGraph, key, value) -> bool:
+    """``key`` is ``-value`` (or ``~value`` of integers): ascending in ``key`` is descending in ``value``."""
+    eqn = graph.producer.get(key)
+    return eqn is not None and eqn.primitive in (lax.neg_p, lax.not_p) and eqn.inputs[0] is value
 
 
 def _bounds_arith(an: Analysis, eqn: Eqn, abstracts):

@@ -151,7 +151,8 @@ def sorted_arith(an: Analysis, eqn: Eqn, abstracts):
         if a.bound == "end" and not b.bound and a.roles == b.roles:
             return replace(a, bound="start")
         return FailedMatch("expert counts and bounds are subtracted other than as end - counts", eqn, OWN_EXPERT)
-    if prim in (lax.le_p, lax.lt_p, lax.ge_p, lax.gt_p) and (isinstance(a, ExpertCounts) or isinstance(b, ExpertCounts)):
+    counted = isinstance(a, ExpertCounts) or isinstance(b, ExpertCounts)
+    if prim in (lax.le_p, lax.lt_p, lax.ge_p, lax.gt_p) and counted:
         return _range_bound(an, eqn, a, b)
     if prim is lax.and_p and isinstance(a, RangeMask) and isinstance(b, RangeMask):
         roles = _merge_roles(a.roles, b.roles)
@@ -159,7 +160,7 @@ def sorted_arith(an: Analysis, eqn: Eqn, abstracts):
             return FailedMatch("range conditions of the sorted positions are combined that are not one lower and one "
                                "upper bound of the same experts", eqn, OWN_EXPERT)
         return RangeMask(roles, lower=True, upper=True)
-    if isinstance(a, ExpertCounts) or isinstance(b, ExpertCounts):
+    if counted:
         return FailedMatch(f"`{prim}` of the expert counts or bounds: only end = cumsum(counts) and start = end - "
                            "counts bound the experts' ranges of sorted positions", eqn, OWN_EXPERT)
     if (isinstance(a, RangeMask) or isinstance(b, RangeMask)) and prim in (lax.mul_p, lax.select_n_p):
@@ -277,23 +278,27 @@ def _sorted_rows_step(an: Analysis, eqn: Eqn, abstracts, rows):
             return first
         return FailedMatch(f"`{prim}` follows the range mask of the sorted copies; only the sum over the experts (and "
                            "casts) may follow it", eqn, OWN_EXPERT)
-    if masks or (first.space == "dense" and prim in (lax.mul_p, lax.select_n_p) and _meets_sorted_positions(
-            an, eqn, abstracts, first)):
+    per_copy = _per_copy_operand(an, eqn, abstracts, first)
+    if masks or (first.space == "dense" and prim in (lax.mul_p, lax.select_n_p) and per_copy):
         return _masked(an, eqn, abstracts, first, masks)
     if others:
         return FailedMatch(f"`{prim}` combines the expert outputs of the sorted copies with a routing value that is "
                            "not the range mask start_e <= i < end_e", eqn, OWN_EXPERT)
+    if per_copy:
+        return FailedMatch(f"`{prim}` combines the sorted copies' rows with a value along their token rows or sorted "
+                           "positions: not a parameter of one expert program", eqn, OWN_EXPERT)
     return _rows_elementwise(an, eqn, abstracts)
 
 
-def _meets_sorted_positions(an: Analysis, eqn: Eqn, abstracts, rows: Rows) -> bool:
-    """A plain operand with an axis along the rows' sorted positions (a mask the matcher did not follow)."""
+def _per_copy_operand(an: Analysis, eqn: Eqn, abstracts, rows: Rows) -> bool:
+    """A plain operand with an axis along the rows' token rows or sorted positions (a mask the matcher did not
+    follow, a per-token value: the sorted copies are no longer in token order)."""
     from moe_lowering.passes.match_core import _plain_roles
 
     for atom, abstract in zip(eqn.inputs, abstracts):
         if abstract is None and atom.shape:
             _, roles = _plain_roles(an.graph, atom, rows.roles, eqn.outputs[0].shape)
-            if SORTED in roles:
+            if any(r in (SORTED, COPY) or is_token(r) for r in roles):
                 return True
     return False
 
@@ -389,8 +394,8 @@ def sorted_gather(an: Analysis, eqn: Eqn, abstracts):
     if isinstance(operand, Rows):
         return _unsort(an, eqn, operand, index)
     if operand is not None or not isinstance(index, SortOrder):
-        return FailedMatch("a gather in the sort-based dispatch that is neither the tokens at order // k nor the sorted "
-                           "outputs by argsort(order)", eqn, OWN_EXPERT)
+        return FailedMatch("a gather in the sort-based dispatch that is neither the tokens at order // k nor the "
+                           "sorted outputs by argsort(order)", eqn, OWN_EXPERT)
     tiled = tiled_tokens(an, eqn.inputs[0]) if index.divisor is None and not index.inverse else None
     if tiled is not None:  # jnp.repeat(x, k, axis)[order]: copy n of the tiled tokens is token n // k
         roles = _gathered_roles(eqn, tiled[1], index, COPY)
@@ -423,7 +428,8 @@ def _unsort(an: Analysis, eqn: Eqn, rows: Rows, index):
         return FailedMatch("the sorted copies' rows are gathered before each copy's own expert is kept and summed over "
                            "E", eqn, OWN_EXPERT)
     if not (isinstance(index, SortOrder) and index.inverse):
-        by = "the sort order itself" if isinstance(index, SortOrder) else "an index that is not argsort of the sort order"
+        by = ("the sort order itself" if isinstance(index, SortOrder)
+              else "an index that is not argsort of the sort order")
         return FailedMatch(f"the sorted outputs are gathered back by {by}: the un-sort is not the inverse permutation "
                            "of the sort, so copies do not return to their own (token, choice)", eqn, OWN_EXPERT)
     roles = _gathered_roles(eqn, rows.roles, index, SORTED)

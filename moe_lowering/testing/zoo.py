@@ -976,9 +976,9 @@ def build_sorted_range_mask(sizes: Sizes = Sizes()) -> ZooModel:
         name="sorted_range_mask", fn=_sorted_range_mask_fn(sizes.k), make_params=_params_maker(sizes, _mixtral_params),
         make_inputs=_bsd_inputs(sizes), expected_regions=1, style="sorted_range_mask", top_k=sizes.k,
         num_experts=sizes.E, capacity=None, sizes=sizes, builder=build_sorted_range_mask,
-        notes="softmax -> approx_max_k -> renormalise; [B, L*k] copies argsorted by expert, gathered at order // k, SwiGLU experts on every "
-              "sorted copy, start_e <= i < end_e range mask from a cumsum of counts, sum over E, un-sorted by "
-              "argsort(order), 'blkd,blk->bld' combine.",
+        notes="softmax -> approx_max_k -> renormalise; [B, L*k] copies argsorted by expert, gathered at "
+              "order // k, SwiGLU experts on every sorted copy, start_e <= i < end_e range mask from a cumsum of "
+              "counts, sum over E, un-sorted by argsort(order), 'blkd,blk->bld' combine.",
     )
 
 

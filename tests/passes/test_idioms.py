@@ -723,17 +723,20 @@ def test_tokens_tiled_per_choice_are_rewritten(before):
     (dict(first_index=lambda i: (i.reshape(-1) + 1) % 4), "not know as a one-hot of the routing indices flattened"),
     (dict(later_index=lambda i: i[:, ::-1].reshape(-1)), "not know as a one-hot of the routing indices flattened"),
     (dict(tile=lambda x: jnp.tile(x, (2, 1))), "tiled otherwise, as jnp.tile does"),
-    (dict(split=lambda out: out.reshape(2, -1, out.shape[-1]).swapaxes(0, 1)), "merges or splits the axes"),
+    (dict(split=lambda out: out.reshape(2, -1, out.shape[-1]).swapaxes(0, 1)), "not split back in place"),
+    (dict(split=lambda out: (out * np.linspace(0.5, 1.5, 32, dtype=np.float32)[:, None]).reshape(16, 2, -1)),
+     "a tensor with an axis along the copies"),
     (dict(before=jnp.exp), "only steps finite everywhere may come before the selection"),
     (dict(before=lambda v: jnp.log(jnp.abs(v))), "only steps finite everywhere may come before the selection"),
     (dict(before=lambda v: 1.0 / v), "only steps finite everywhere may come before the selection"),
     (dict(before=jax.nn.relu), "not proven finite there"),
 ], ids=["reversed-choices", "shifted-copies", "other-expert", "later-reversed", "tiled-by-jnp-tile", "split-k-outer",
-        "exp-before", "log-before", "reciprocal-before", "custom-jvp-before"])
+        "weighted-per-copy", "exp-before", "log-before", "reciprocal-before", "custom-jvp-before"])
 def test_tokens_tiled_per_choice_that_are_not_the_routed_layer_decline(variant, reason):
     """A copy selected by another copy's index (or another expert), tokens tiled in another order than the
-    indices were flattened, copies split back in another order, or a step that can be inf or NaN on an expert
-    the copy did not choose (0 * inf is NaN in the dense layer only): each declines with why."""
+    indices were flattened, copies split back in another order, a per-copy factor before the split (not read
+    as routing weights), or a step that can be inf or NaN on an expert the copy did not choose (0 * inf is NaN
+    in the dense layer only): each declines with why."""
     params, x = _tiled_args(jax.random.key(51))
     declined_because(_tiled(**variant), params, x, reason)
 
@@ -744,7 +747,7 @@ def test_tokens_tiled_per_choice_weighted_by_values_not_from_the_routing_stay_ex
     assert rewritten_exactly(_tiled(weights_of=lambda w, p: p["other_weights"]), params, x)
 
 
-# --------------------------------------------------------------------------- idiom 4: copies sorted by expert, a range mask
+# --------------------------------------------------------------------------- idiom 4: sorted copies, a range mask
 
 
 def _sort_dispatch(route=lax.approx_max_k, key_of=None, counts_of=None, lower=None, upper=None, unsort_by=None,
@@ -821,3 +824,21 @@ def test_a_range_mask_dispatch_that_does_not_keep_each_copys_own_expert_declines
     """Each breaks one link of the proof (assumption sorted-copy-own-expert) and is declined, naming it."""
     params, x = _bsd_args(52)
     declined_because(layer, params, x, reason)
+
+
+@pytest.mark.parametrize("num_experts, exact_on_tpu", [(8, True), (256, False)])
+def test_explain_says_where_approx_max_k_is_an_exact_top_k(num_experts, exact_on_tpu):
+    """CPU and GPU lower approx_max_k to a sort and a slice; a TPU keeps every expert as a candidate only
+    while its bins are the experts themselves (E <= 128 at k=2, recall 0.95)."""
+    from moe_lowering import _compat
+    from moe_lowering.passes.graph import build_graph
+    from moe_lowering.passes.rules_routing import find_anchors
+    from moe_lowering.report import routing_note
+
+    jaxpr = jax.make_jaxpr(lambda s: lax.approx_max_k(s, 2))(jnp.zeros((4, num_experts)))
+    [anchor] = find_anchors(build_graph(jaxpr))
+    note = routing_note(anchor)
+    assert "exact top-k on CPU and GPU" in note and "reads its indices" in note
+    assert "also exact" not in note or exact_on_tpu
+    if _compat.approx_top_k_candidates(num_experts, 2, 2, 0.95, -1) is not None:  # this jaxlib says how many
+        assert ("also exact" in note) == exact_on_tpu and ("keeps 128 of the E=256" in note) == (not exact_on_tpu)

@@ -54,7 +54,7 @@ def test_outputs_and_gradients_match_float32(name):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "hf_loop", "gather_combine", "switch", "mixtral_bsd",
-                                  "gate_on_tokens"])
+                                  "gate_on_tokens", "sorted_range_mask"])
 def test_outputs_and_gradients_match_bfloat16(name):
     """bf16 against the float32 reference on the same values: within 2e-2, or no worse than dense bf16."""
     model = ZOO[name]
@@ -98,7 +98,8 @@ def _intermediate_shapes(closed):
                     yield from _intermediate_shapes(sub)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss", "gather_combine", "scan_layers", "mixtral_bsd"])
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "gpt_oss", "gather_combine", "scan_layers", "mixtral_bsd",
+                                  "sorted_range_mask"])
 def test_rewritten_program_has_no_dense_expert_intermediate(name):
     model = ZOO[name].sized(E=8)  # E > 2k, so [T, k, 2f] rows stay under [T, E, f]
     params, x = model.args(jax.random.key(4))
