@@ -137,15 +137,19 @@ def step_before_selection(eqn: Eqn, abstracts) -> FailedMatch | None:
         "finite everywhere may come before the selection (apply it after)", eqn, "finite-before-selection")
 
 
-def split_copies(an: Analysis, rows: Rows, in_shape, out_shape) -> Roles | None:
-    """Chosen rows' copy axis reshaped back into (token, k), everything else in place: the roles after."""
+def split_copies(an: Analysis, eqn: Eqn, rows: Rows):
+    """A reshape of chosen rows with a copy axis: the rows with it split back into (token, k) in place,
+    everything else unmoved (copy n = token * k + choice); why not, for any other reshape of them; None
+    for rows without one."""
     if COPY not in rows.roles or rows.space != "choice" or rows.gate is not None:
         return None
     axis = rows.roles.index(COPY)
-    length, k = an.token_shape[-1], an.anchor.top_k
-    if tuple(out_shape) != tuple(in_shape[:axis]) + (length, k) + tuple(in_shape[axis + 1:]):
-        return None
+    in_shape, out_shape = tuple(eqn.inputs[0].shape), tuple(eqn.outputs[0].shape)
+    split = (an.token_shape[-1], an.anchor.top_k)
     last_token = token_roles(len(an.token_shape))[-1]
-    if last_token in rows.roles:
-        return None
-    return rows.roles[:axis] + (last_token, CHOICE) + rows.roles[axis + 1:]
+    if out_shape != in_shape[:axis] + split + in_shape[axis + 1:] or last_token in rows.roles:
+        return FailedMatch(f"the chosen copies {list(in_shape)} are reshaped to {list(out_shape)}, not split back in "
+                           f"place into the {split[0]} tokens and k = {split[1]} choices they were merged from (copy "
+                           "n = token * k + choice)", eqn,
+                           "copy-selects-own-expert" if rows.style == TILED_CHOICES else "sorted-copy-own-expert")
+    return replace(rows, roles=rows.roles[:axis] + (last_token, CHOICE) + rows.roles[axis + 1:])

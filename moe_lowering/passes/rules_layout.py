@@ -67,9 +67,9 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
         return None
     mapping = _unit_reshape(eqn.inputs[0].shape, eqn.outputs[0].shape)
     if mapping is None:
-        copies = split_copies(an, value, eqn.inputs[0].shape, eqn.outputs[0].shape) if isinstance(value, Rows) else None
-        if copies is not None:  # tokens tiled per choice: the chosen copies back as (token, choice)
-            return replace(value, roles=copies)
+        copies = split_copies(an, eqn, value) if isinstance(value, Rows) else None
+        if copies is not None:  # chosen copies back as (token, choice), or why not
+            return copies
         if isinstance(value, Rows) and value.space == "slot" and value.gate is None:
             roles = _slot_reshape_roles(value.roles, eqn.inputs[0].shape, eqn.outputs[0].shape)
             if roles is not None:
