@@ -20,7 +20,7 @@ from dataclasses import replace
 import numpy as np
 from jax import lax
 
-from moe_lowering.expert_program import ExpertMatmul, ParamKind, RowInput
+from moe_lowering.expert_program import ExpertMatmul, RowInput
 from moe_lowering.passes.abstract import (
     BROADCAST,
     CHOICE,
@@ -53,6 +53,7 @@ from moe_lowering.passes.match_core import (
     _broadcast_source,
     _is_zero,
     _merge_roles,
+    expert_weight,
     rule,
 )
 from moe_lowering.passes.rules_copies import tiled_tokens
@@ -370,13 +371,11 @@ def sorted_projection(an: Analysis, eqn: Eqn, abstracts):
             continue
         if len(w.shape) != 3 or xb or wb or len(xc) != 1 or ax.roles[xc[0]] != FEATURE or len(wc) != 1:
             continue
-        free = [d for d in range(3) if d != wc[0] and w.shape[d] == an.num_experts]
-        if not free:
+        found = expert_weight(an, w, wc[0])
+        if found is None:
             continue
-        e_dim = free[an.expert_axis_choice]
-        w_roles = tuple(EXPERT if d == e_dim else ("K" if d == wc[0] else "N") for d in range(3))
-        node = ExpertMatmul(ax.node, an.param(w, ParamKind.EXPERT_WEIGHT, w_roles), eqn.params.get(
-            "preferred_element_type"))
+        index, e_dim = found
+        node = ExpertMatmul(ax.node, index, eqn.params.get("preferred_element_type"))
         roles = _dot_out_roles(ax.roles, tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb,
                                swap)
         return Rows(roles, node, "dense", ax.tokens, style=SORTED_RANGE_MASK)
