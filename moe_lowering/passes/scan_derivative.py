@@ -47,6 +47,7 @@ class ScanPair:
     backward_outputs: tuple  # the backward body's outputs
     crossing: tuple  # (forward value, role, position): what the rewritten backward body reads of the forward's
     derived: tuple  # the joint regions whose sparse VJP crosses from the forward body to the backward
+    shared: tuple  # top-level values the joined bodies read whole (``_hoisted``)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class _Joined:
     carry_outputs: tuple
     kept_ys: tuple
     backward_outputs: tuple
-    hoisted: frozenset  # the prologue's values: top-level values, read there by the rewritten backward scan
+    hoisted: frozenset  # the prologue's values and ``shared``: top-level values, read there by the rewritten scans
+    shared: tuple  # top-level values the backward scan reads whole: inputs of the joined bodies
 
 
 def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) -> _Joined:
@@ -146,7 +148,7 @@ def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) ->
     same_iteration.update({(XS, t): v for t, v in zip(ys, body_ys)})
     tops = _compat.scan_roles(backward.params, backward.inputs)
     inners = _compat.scan_roles(backward.params, b_body.inputs)
-    prologue, substitute = _hoisted(graph, list(zip(f_consts, fb_consts)), list(zip(tops[0], inners[0])))
+    prologue, substitute, shared = _hoisted(graph, list(zip(f_consts, fb_consts)), list(zip(tops[0], inners[0])))
     fresh = []
     for role, top_values, inner_values in zip((CONST, CARRY, XS), tops, inners):
         for position, (top, inner) in enumerate(zip(top_values, inner_values)):
@@ -168,10 +170,10 @@ def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) ->
                  or any(u is not backward for u in graph.users.get(top, ())))
     carry_outputs = tuple(f_body.outputs[:carried])
     backward_outputs = tuple(renamed(a) for a in b_body.outputs)
-    joint = JaxprGraph(tuple(eqns), tuple(f_body.inputs) + tuple(v for v, _, _ in fresh),
+    joint = JaxprGraph(tuple(eqns), tuple(f_body.inputs) + shared + tuple(v for v, _, _ in fresh),
                        carry_outputs + tuple(a for _, a in kept) + backward_outputs,
                        {**f_body.input_shardings, **b_body.input_shardings})
-    forward_values = frozenset(f_body.inputs) | {v for e in prologue + list(f_body.eqns) for v in e.outputs}
+    forward_values = frozenset(f_body.inputs + shared) | {v for e in prologue + list(f_body.eqns) for v in e.outputs}
     forward_count = len(prologue) + len(f_body.eqns)
     if inline_remat:
         merged = merged_recomputation(joint)
@@ -183,32 +185,36 @@ def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) ->
         backward_outputs = tuple(alias.get(a, a) for a in backward_outputs)
         joint = merged
     return _Joined(joint, forward_count, forward_values, tuple(f_body.inputs), tuple(fresh), carry_outputs, kept,
-                   backward_outputs, frozenset(v for e in prologue for v in e.outputs))
+                   backward_outputs, frozenset(shared) | {v for e in prologue for v in e.outputs}, shared)
 
 
-_HOISTED_EQNS = 16
+_HOISTED_EQNS = 64
 
 
-def _hoisted(graph: JaxprGraph, forward_consts, backward_consts) -> tuple[list, dict]:
-    """Loop-invariant values autodiff hoisted out of the scans (the one-hot's iota; a transpose of a weight
-    both scans share): the top-level eqns computing a forward const from constants alone, or a backward
-    const from constants and the forward's consts, as a prologue of the joined bodies; and the scans'
-    inputs they stand for (``{body input: the prologue's value}``), the forward's consts read by the
-    prologue as the forward body's own."""
+def _hoisted(graph: JaxprGraph, forward_consts, backward_consts) -> tuple[list, dict, tuple]:
+    """Loop-invariant values autodiff hoisted out of the scans (the one-hot's iota, rotary tables, an
+    attention mask: a remat'd backward body recomputes them from what they were computed from): the
+    top-level eqns computing a scan's const from constants, the forward's consts and the values the
+    backward scan reads whole, as a prologue of the joined bodies, so that the recomputation merges with
+    them. Returns the prologue, ``{scan body input or top-level leaf: its value in the joined graph}``
+    and the values the backward scan reads whole (``shared``, inputs of the joined graph)."""
     inner_of = {top: inner for top, inner in forward_consts if isinstance(top, Value)}
+    shared = tuple(dict.fromkeys(t for t, _ in backward_consts if isinstance(t, Value) and t not in inner_of))
     chains: dict = {}
     substitute: dict = {}
-    for consts, leaves in ((forward_consts, set()), (backward_consts, set(inner_of))):
-        for top, inner in consts:
-            chain = _invariant_chain(graph, top, leaves | set(chains)) if isinstance(top, Value) else None
-            if chain:
-                chains.update({v: e for e in chain for v in e.outputs})
-                substitute[inner] = top
+    for top, inner in forward_consts + backward_consts:
+        if not isinstance(top, Value) or (top in inner_of and inner is not inner_of[top]):
+            continue  # a const of both scans: the forward body's own (``same_iteration``)
+        chain = _invariant_chain(graph, top, (set(inner_of) | set(shared) | set(chains)) - {top})
+        if chain:
+            chains.update({v: e for e in chain for v in e.outputs})
+        if chain or top in shared:
+            substitute[inner] = top
     for top, inner in forward_consts:
         if isinstance(top, Value) and top not in chains:
             substitute[top] = inner  # the prologue reads the forward body's const
     prologue = sorted({id(e): e for e in chains.values()}.values(), key=lambda e: e.index)
-    return prologue, substitute
+    return prologue, substitute, shared
 
 
 def _invariant_chain(graph: JaxprGraph, value: Value, leaves: set) -> list | None:
@@ -282,7 +288,7 @@ def _plan(joined: _Joined, scope, forward: Eqn, backward: Eqn) -> ScanPair | Fai
             seen.add(atom)
             crossing.append((atom,) + roles.get(atom, (STACKED, None)))
     return ScanPair(forward, backward, scope, boundary, joined.forward_inputs, joined.fresh, joined.carry_outputs,
-                    joined.kept_ys, joined.backward_outputs, tuple(crossing), derived)
+                    joined.kept_ys, joined.backward_outputs, tuple(crossing), derived, joined.shared)
 
 
 def _forward_roles(forward: Eqn, forward_inputs) -> dict:
@@ -309,11 +315,13 @@ def emit_forward(pair: ScanPair, read, run: Callable, emitted: dict) -> list:
     backward needs goes into ``emitted``. ``run(scope, env, eqns, pullbacks)`` interprets joint eqns."""
     eqn, joint = pair.forward, pair.joint
     consts, carry, xs = _compat.scan_roles(eqn.params, [read(a) for a in eqn.inputs])
+    shared = [(v, read(v)) for v in pair.shared]
     stacked = [v for v, role, _ in pair.crossing if role == STACKED]
     treedefs: dict = {}
 
     def body(carry_values, xs_values):
         env = dict(zip(pair.forward_inputs, list(consts) + list(carry_values) + list(xs_values)))
+        env.update(shared)
         pullbacks: dict = {}
         value = run(joint, env, joint.graph.eqns[:pair.forward_count], pullbacks)
         leaves = []
