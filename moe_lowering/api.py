@@ -158,7 +158,37 @@ def build_report(scope: ScopeResult, input_shardings=(), capacity_factor=None, e
                  failure.assumption or "")
         for _, anchor, failure in scope.all_near_misses()
     )
+    if not regions and not misses:
+        misses = tuple(_routing_in_unentered_bodies(scope.graph))
     return ExplainReport(tuple(regions), misses, _already_sparse(scope))
+
+
+def _routing_in_unentered_bodies(graph, depth: int = 0) -> list[NearMiss]:
+    """Routing decisions inside a body the pass does not enter (a ``shard_map``, a ``cond`` branch, a
+    ``custom_vjp`` function), each named, so that ``explain`` never says the program has none."""
+    from moe_lowering.passes.graph import build_graph
+    from moe_lowering.passes.rewrite import _scope_primitives
+    from moe_lowering.passes.rules_routing import find_anchors
+
+    found = []
+    for eqn in graph.eqns:
+        if eqn.primitive in _scope_primitives():
+            continue
+        for body in _sub_jaxprs(eqn.params):
+            inner = build_graph(_compat.as_closed(body))
+            found += [NearMiss(anchor.describe(), f"the routing decision is inside the body of `{eqn.primitive}`, which "
+                               "the pass does not enter (it follows jit, scan, while and remat bodies): apply "
+                               "moe_optimize to the function inside it", anchor.eqn.where())
+                      for anchor in find_anchors(inner)]
+            if depth < 4:
+                found += _routing_in_unentered_bodies(inner, depth + 1)
+    return found
+
+
+def _sub_jaxprs(params) -> list:
+    """The jaxprs among an eqn's params (alone or in a tuple, as ``cond`` keeps its branches)."""
+    values = [v for value in params.values() for v in (value if isinstance(value, (tuple, list)) else (value,))]
+    return [v for v in values if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v, "consts"))]
 
 
 def _already_sparse(scope: ScopeResult) -> tuple[str, ...]:

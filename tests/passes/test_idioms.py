@@ -747,6 +747,21 @@ def test_tokens_tiled_per_choice_weighted_by_values_not_from_the_routing_stay_ex
     assert rewritten_exactly(_tiled(weights_of=lambda w, p: p["other_weights"]), params, x)
 
 
+def test_tokens_tiled_per_choice_inside_shard_map():
+    """The pass does not enter a ``shard_map`` body: explain names the routing decision there (not "no
+    routing decision"), and ``moe_optimize`` applied to the function inside rewrites it exactly."""
+    params, x = _tiled_args(jax.random.key(53))
+    mesh = jax.make_mesh((1,), ("data",))
+
+    def mapped(layer):
+        return jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+
+    declined_because(mapped(_tiled()), params, x, "inside the body of `shard_map`")
+    rewritten = mapped(moe_optimize(_tiled(), strict=True))
+    assert "moe_lowering_sparse_moe" in str(jax.make_jaxpr(rewritten)(params, x))
+    np.testing.assert_allclose(rewritten(params, x), _tiled()(params, x), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- idiom 4: sorted copies, a range mask
 
 
