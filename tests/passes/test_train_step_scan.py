@@ -43,8 +43,8 @@ def _scan_step(model, checkpoint=False, policy=None):
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def _check_scan_rewritten(step, params, x):
-    report = _check_rewritten(step, params, x)
+def _check_scan_rewritten(step, *args):
+    report = _check_rewritten(step, *args)
     [region] = report.regions
     assert "scan[" in region.scope and "+scan[" in region.scope, region.scope  # the joined forward and backward
     return report
@@ -92,6 +92,24 @@ def test_checkpoint_inside_the_scan_body(policy):
     params, x = _stacked_args(MIXTRAL, seed=7)
     report = _check_scan_rewritten(_scan_step(MIXTRAL, checkpoint=True, policy=policy), params, x)
     assert report.regions[0].remat_inlined and "jax.checkpoint inlined" in str(report)
+
+
+def test_a_loop_invariant_value_hoisted_out_of_the_forward_scan_and_recomputed_by_the_backward():
+    """MaxText's rotary tables and masks: a value of the scanned block computed from a loop-invariant
+    input only is hoisted out of the forward scan by JAX, while the remat'd backward body recomputes it
+    from that input; joined, the recomputation merges with the hoisted computation (``_hoisted``)."""
+    params, x = _stacked_args(MIXTRAL, seed=13)
+    positions = jnp.arange(x.shape[0], dtype=jnp.float32)
+
+    def loss(params, x, positions):
+        @jax.checkpoint
+        def block(h, p):
+            return h + MIXTRAL.fn(p, h * jnp.cos(positions / 7.0)[:, None]), None
+
+        h, _ = lax.scan(block, x, params)
+        return jnp.mean(jnp.sin(h) ** 2)
+
+    _check_scan_rewritten(jax.value_and_grad(loss, argnums=(0, 1)), params, x, positions)
 
 
 def test_a_forward_program_scan_is_still_rewritten_in_its_body():

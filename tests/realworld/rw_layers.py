@@ -180,13 +180,14 @@ class TrainStep:
 
 
 def maxtext_train_step(case: str = "mixtral-8x7b", *, layers: int = 2, batch: int = 2, seq: int = 16,
-                       d_model: int = 32, d_ff: int = 64, learning_rate: float = 1e-2, steps: int = 20) -> TrainStep:
+                       d_model: int = 32, d_ff: int = 64, learning_rate: float = 1e-2, steps: int = 20,
+                       scan_layers: bool = False) -> TrainStep:
     """``maxtext.trainers.pre_train.train.train_step`` with the state MaxText's own setup builds
     (``train_utils.setup_train_loop`` less its checkpointing and data pipeline: the NNX model,
     ``create_training_optimizer``'s AdamW, ``setup_training_state``), jitted as ``train_loop`` jits it
-    (``get_functional_train_with_signature``), fed ``make_synthetic_batch``. Unscanned layers
-    (``scan_layers=False``): one MoE region per layer. ``head_dim`` 16 keeps the attention's head axis
-    apart from the expert axis (8)."""
+    (``get_functional_train_with_signature``), fed ``make_synthetic_batch``. Unscanned layers by default
+    (``scan_layers=False``): one MoE region per layer; scanned, one region in the scan over layers.
+    ``head_dim`` 16 keeps the attention's head axis apart from the expert axis (8)."""
     import contextlib
 
     from flax import nnx
@@ -196,7 +197,7 @@ def maxtext_train_step(case: str = "mixtral-8x7b", *, layers: int = 2, batch: in
     from maxtext.utils import maxtext_utils, model_creation_utils, sharding, train_utils
 
     cfg = maxtext_config(case, batch=batch, seq=seq, d_model=d_model, d_ff=d_ff, base_num_decoder_layers=layers,
-                         scan_layers=False, head_dim=16, attention="dot_product", dataset_type="synthetic",
+                         scan_layers=scan_layers, head_dim=16, attention="dot_product", dataset_type="synthetic",
                          steps=steps, learning_rate=learning_rate)
     mesh = maxtext_utils.get_mesh_from_config(cfg, jax.devices()[:1])
     create_model, abstract_model = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
@@ -230,7 +231,7 @@ def maxtext_train_step(case: str = "mixtral-8x7b", *, layers: int = 2, batch: in
     info = dict(framework="maxtext", version=MAXTEXT_VERSION, model_name=cfg.model_name, layers=layers,
                 experts=cfg.num_experts, top_k=cfg.num_experts_per_tok, d_model=cfg.emb_dim, d_ff=cfg.moe_mlp_dim,
                 optimizer=cfg.opt_type, learning_rate=learning_rate)
-    return TrainStep(f"maxtext/{case}/train_step", step, jit, context, state,
+    return TrainStep(f"maxtext/{case}/train_step{'/scan_layers' if scan_layers else ''}", step, jit, context, state,
                      lambda seed: train.make_synthetic_batch(cfg, shaped_batch, seed=seed),
                      lambda metrics: metrics["scalar"]["learning/loss"], info)
 

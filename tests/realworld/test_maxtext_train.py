@@ -59,3 +59,15 @@ def test_train_step_20_steps_same_loss_rewritten_forward_and_backward():
                             f"backward, of {LAYERS} MoE layers: {near_miss_reason(report)}")
     assert len(report.regions) == LAYERS, f"{built.name}: expected one region per MoE layer:\n{report}"
     assert "rewritten forward and backward" in str(report)
+
+
+def test_scanned_layers_train_step_20_steps_same_loss_rewritten_forward_and_backward():
+    """``scan_layers=True`` (MaxText's default): the decoder layers, each under MaxText's remat, in one
+    ``lax.scan``; its forward and backward scans are joined (``passes/scan_derivative.py``) and the one
+    region of the scanned body is rewritten forward and backward."""
+    built = maxtext_train_step(layers=LAYERS, steps=STEPS, scan_layers=True)
+    with built.context():
+        [region] = explain(built.step, built.state, built.batch(0)).regions
+    assert region.backward and "+scan[" in region.scope, region.summary()
+    np.testing.assert_allclose(losses(built, moe_optimize(built.step, strict=True)), losses(built, built.step),
+                               rtol=RTOL, err_msg=f"{built.name}: moe_optimize(train_step) losses")
