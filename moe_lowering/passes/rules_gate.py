@@ -33,6 +33,7 @@ from moe_lowering.passes.match_core import (
     rule,
 )
 from moe_lowering.passes.rules_rows import _gated_tokens
+from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_scatter
 
 
 def _gate_arith(an: Analysis, eqn: Eqn, abstracts):
@@ -85,6 +86,8 @@ def _scatter(an: Analysis, eqn: Eqn, abstracts):
     updates (there the masked ``w``, equal to it), so the region reads what the program reads."""
     operand, indices, updates = eqn.inputs[:3]
     packed = abstracts[1]
+    if involves_sorted_dispatch(abstracts):  # jnp.bincount of the copies' expert indices
+        return sorted_scatter(an, eqn, abstracts)
     if not isinstance(packed, PackedIndices):
         return None
     if abstracts[0] is not None or abstracts[2] is not None:

@@ -136,7 +136,9 @@ def sorted_arith(an: Analysis, eqn: Eqn, abstracts):
         return _sorted_rows_step(an, eqn, abstracts, rows)
     if prim is lax.convert_element_type_p:
         return _cast(an, eqn, a)
-    if isinstance(a, SortOrder) or isinstance(b, SortOrder):
+    copies = isinstance(a, CopyIndex) or isinstance(b, CopyIndex)
+    if isinstance(a, SortOrder) or isinstance(b, SortOrder) or (
+            copies and prim in (lax.max_p, lax.lt_p, lax.add_p, lax.select_n_p)):
         return _order_arith(an, eqn, abstracts)
     if prim is lax.eq_p:
         index, other = (a, b) if isinstance(a, CopyIndex) else (b, a)
@@ -192,10 +194,14 @@ def _cast(an: Analysis, eqn: Eqn, value):
 
 
 def _order_arith(an: Analysis, eqn: Eqn, abstracts):
-    """``order // k`` (``div``, and ``jnp.floor_divide``'s correction, a no-op on a non-negative order) and
-    the take_along_axis normalisation of negative indices; other steps leave the order."""
+    """``order // k`` (``div``, and ``jnp.floor_divide``'s correction, a no-op on a non-negative order), the
+    normalisation of negative indices of a gather or scatter, and ``max(idx, 0)`` (``jnp.bincount``'s clip) of
+    the copies' indices, none of which changes these non-negative values; other steps leave them."""
     prim = eqn.primitive
     a, b = (list(abstracts) + [None])[:2]
+    if prim is lax.max_p and isinstance(a, CopyIndex) != isinstance(b, CopyIndex):
+        floor = scalar_constant(an.graph, eqn.inputs[1 if isinstance(a, CopyIndex) else 0])
+        return (a or b) if floor is not None and floor <= 0 else None
     if prim is lax.div_p and isinstance(a, SortOrder) and not a.inverse and a.divisor is None and b is None:
         divisor = scalar_constant(an.graph, eqn.inputs[1])
         return replace(a, divisor=int(divisor)) if divisor is not None and divisor > 0 else None
@@ -209,11 +215,11 @@ def _order_arith(an: Analysis, eqn: Eqn, abstracts):
         if fixup is not None and isinstance(an.abstract(fixup[1]), SortOrder):
             return abstracts[1]  # the order counts copies from 0: floor division is truncating division
         return None
-    if prim is lax.lt_p and isinstance(a, SortOrder) and _is_zero(an.graph, eqn.inputs[1]):
+    if prim is lax.lt_p and isinstance(a, (SortOrder, CopyIndex)) and _is_zero(an.graph, eqn.inputs[1]):
         return NegativeIndexCheck(eqn.inputs[0])
     if prim in (lax.ge_p, lax.gt_p, lax.le_p, lax.lt_p) and isinstance(a, SortOrder) and b is None:
         return _order_in_bounds(an, eqn, a)
-    if prim is lax.add_p and isinstance(a, SortOrder) and b is None:
+    if prim is lax.add_p and isinstance(a, (SortOrder, CopyIndex)) and b is None:
         return ShiftedIndex(eqn.inputs[0])
     return None
 
@@ -462,3 +468,20 @@ def _gathered_roles(eqn: Eqn, operand_roles, index: SortOrder, along: str):
     for d in range(len(eqn.outputs[0].shape)):
         roles.append(operand_roles[next(offset)] if d in tuple(dnums.offset_dims) else next(batch))
     return tuple(roles)
+
+
+def sorted_scatter(an: Analysis, eqn: Eqn, abstracts):
+    """``jnp.bincount(flat, length=E)`` of the copies' indices (one sorted row: no token axis left): a
+    scatter-add of ones at each copy's expert into zeros, the per-expert counts."""
+    operand, _, updates = eqn.inputs[:3]
+    index = abstracts[1]
+    dnums = eqn.params["dimension_numbers"]
+    if (eqn.primitive is lax.scatter_add_p and isinstance(index, CopyIndex) and index.roles == (COPY, ONE)
+            and abstracts[0] is None and abstracts[2] is None and tuple(operand.shape) == (an.num_experts,)
+            and _is_zero(an.graph, operand) and scalar_constant(an.graph, updates) == 1
+            and not tuple(dnums.update_window_dims) and tuple(dnums.inserted_window_dims) == (0,)
+            and tuple(dnums.scatter_dims_to_operand_dims) == (0,)):
+        return ExpertCounts((EXPERT,))
+    return FailedMatch("a scatter in the sort-based dispatch that is not a bincount (ones added into zeros of E "
+                       "experts at the copies' indices), so its values are not the counts of the sorted copies", eqn,
+                       OWN_EXPERT)

@@ -7,6 +7,7 @@ so which axis of a weight counts experts must follow from the data flow, not fro
 
 from __future__ import annotations
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -611,14 +612,14 @@ def test_approx_max_k_routing_is_read_like_top_k():
     assert explain(layer, params, x).regions[0].location
 
 
-def _sorted_range_mask(params, x):
+def _sorted_range_mask(params, x, count=lambda flat: jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0)):
     """approx_max_k routing, copies of the tokens tiled per choice argsorted by expert, every expert on
     every sorted copy, each copy's own expert kept by ``start_e <= i < end_e``, un-sorted."""
     weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
     flat = index.reshape(-1)
     order = jnp.argsort(flat)
     copies = jnp.repeat(x, 2, axis=0)[order]
-    counts = jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0)
+    counts = count(flat)
     end = jnp.cumsum(counts)
     position = jnp.arange(flat.shape[0])
     in_range = ((end - counts)[:, None] <= position) & (position < end[:, None])  # [E, T*k]
@@ -809,14 +810,17 @@ def _bsd_args(seed):
     return _params(jax.random.key(seed)), jax.random.normal(jax.random.key(seed + 1), (2, 4, 8))
 
 
+_BINCOUNT = functools.partial(_sorted_range_mask, count=lambda flat: jnp.bincount(flat, length=4))
+
+
 @pytest.mark.parametrize("layer", [
     _sort_dispatch(), _sort_dispatch(route=lax.top_k, mask_with="where", stable=False),
-    _sort_dispatch(lower=lambda s, i: i >= s, upper=lambda i, e: e > i), _sorted_range_mask,
-], ids=["approx_max_k", "top_k-where-unstable", "flipped-comparisons", "tiled-tokens-1d"])
+    _sort_dispatch(lower=lambda s, i: i >= s, upper=lambda i, e: e > i), _sorted_range_mask, _BINCOUNT,
+], ids=["approx_max_k", "top_k-where-unstable", "flipped-comparisons", "tiled-tokens-1d", "bincount-1d"])
 def test_a_sort_based_range_mask_dispatch_is_rewritten(layer):
     """Issue 35, idiom 4: the range mask keeps each sorted copy's own expert, so the layer is the chosen
     experts' rows; rewritten exactly (outputs and gradients) whichever way the mask is written."""
-    params, x = _bsd_args(50) if layer is not _sorted_range_mask else (
+    params, x = _bsd_args(50) if layer not in (_sorted_range_mask, _BINCOUNT) else (
         _params(jax.random.key(50)), jax.random.normal(jax.random.key(51), (16, 8)))
     assert rewritten_exactly(layer, params, x)
     assert explain(layer, params, x).regions[0].style == "sorted range mask"
