@@ -105,12 +105,13 @@ ASSUMPTIONS = (
         PROVEN,
         "the copies' expert indices are the routing's indices with the last token axis and k merged (copy n = "
         "token * k + choice); the copies are sorted ascending by exactly those indices along that axis (stable or "
-        "not: the mask reads only the sorted keys), and gathered from the tokens at order // k; the counts are a "
-        "one-hot of those same indices summed over that axis, per sorted row; end = cumsum(counts) over E, start = "
-        "end - counts; the mask is start_e <= i and i < end_e against an iota over the sorted positions (indices in "
-        "[0, E), so positions start_e..end_e - 1 hold the copies of expert e and no other); only the E sum and "
-        "casts follow the mask; the un-sort gathers by argsort of the sort order, its inverse permutation. As with a "
-        "one-hot gate, an expert's non-finite output on a copy it did not get (0 * inf) reaches the reference only"),
+        "not: the mask reads only the sorted keys), and gathered from the tokens at order // k (or from the "
+        "tokens tiled per choice at order); the counts are a one-hot of those same indices summed over that axis, "
+        "per sorted row (or their bincount, for one row); end = cumsum(counts) over E, start = end - counts; the "
+        "mask is start_e <= i and i < end_e against an iota over the sorted positions (indices in [0, E), so "
+        "positions start_e..end_e - 1 hold the copies of expert e and no other); only the E sum and casts follow "
+        "the mask; the un-sort gathers by argsort of the sort order, its inverse permutation. As with a one-hot "
+        "gate, an expert's non-finite output on a copy it did not get (0 * inf) reaches the reference only"),
     Assumption(
         "copy-selects-own-expert", (TILED_CHOICES,),
         "each copy of a token keeps the output of the expert the routing chose for that same (token, choice), "
