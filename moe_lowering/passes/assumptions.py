@@ -130,7 +130,8 @@ ASSUMPTIONS = (
         "NaN into the reference that the sparse layer does not compute)",
         PROVEN,
         "only add, sub, mul, neg, max, min, abs, select, tanh, logistic, erf, sin, cos, integer powers >= 0 "
-        "and casts (of a per-expert bias or constants too) may precede the selection; anything else declines. "
+        "and casts to a type that holds every value of the input's (not float32 to float16), of a per-expert "
+        "bias or constants too, may precede the selection; anything else declines. "
         "After the selection the body is on the chosen rows only: an activation after a one-hot selection "
         "is the selection of the activation"),
     Assumption(

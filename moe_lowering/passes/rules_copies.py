@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import jax.numpy as jnp
 from jax import lax
 
 from moe_lowering.expert_program import ExpertMatmul
@@ -31,7 +32,7 @@ from moe_lowering.passes.match_core import Analysis, FailedMatch, expert_weight
 # finite weights are assumed not to): what may run on every expert's values before the selection
 _TOTAL = frozenset(getattr(lax, f"{name}_p") for name in (
     "add sub mul neg max min abs select_n tanh logistic erf erfc sin cos square sign floor ceil round clamp "
-    "convert_element_type copy reduce_precision").split() if hasattr(lax, f"{name}_p"))
+    "copy").split() if hasattr(lax, f"{name}_p"))
 
 
 def tiled_tokens(an: Analysis, atom) -> tuple[Value, Roles] | None:
@@ -128,13 +129,29 @@ def step_before_selection(eqn: Eqn, abstracts) -> FailedMatch | None:
     if not any(before_selection(a) for a in abstracts):
         return None
     prim = eqn.primitive
-    if prim in _TOTAL or (prim is lax.integer_pow_p and eqn.params["y"] >= 0):
+    if prim in _TOTAL or (prim is lax.integer_pow_p and eqn.params["y"] >= 0) or _holds_every_value(eqn):
         return None
     return FailedMatch(
         f"`{prim}` runs on every expert's output for every tiled copy before each copy's own expert is selected: "
         "the one-hot multiplies the other experts' values by 0, and where this step is not finite (inf or NaN, "
         "or an infinite derivative) 0 * inf is NaN in the dense layer but not in the sparse one; only steps "
         "finite everywhere may come before the selection (apply it after)", eqn, "finite-before-selection")
+
+
+def _holds_every_value(eqn: Eqn) -> bool:
+    """A cast whose type holds every finite value of its input's, so no finite input becomes inf (float16
+    does not hold a float32's 1e5); ``reduce_precision`` likewise, where it keeps the exponent."""
+    source = jnp.dtype(eqn.inputs[0].dtype)
+    if eqn.primitive is lax.reduce_precision_p:
+        return eqn.params["exponent_bits"] >= jnp.finfo(source).nexp
+    if eqn.primitive is not lax.convert_element_type_p:
+        return False
+    target = jnp.dtype(eqn.params["new_dtype"])
+    if not jnp.issubdtype(target, jnp.floating):
+        return True  # integers and booleans are finite
+    if jnp.issubdtype(source, jnp.floating):
+        return jnp.finfo(target).max >= jnp.finfo(source).max
+    return not jnp.issubdtype(source, jnp.integer) or jnp.finfo(target).max >= jnp.iinfo(source).max
 
 
 def split_copies(an: Analysis, eqn: Eqn, rows: Rows):

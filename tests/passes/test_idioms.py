@@ -730,9 +730,11 @@ def test_tokens_tiled_per_choice_are_rewritten(before):
     (dict(before=jnp.exp), "only steps finite everywhere may come before the selection"),
     (dict(before=lambda v: jnp.log(jnp.abs(v))), "only steps finite everywhere may come before the selection"),
     (dict(before=lambda v: 1.0 / v), "only steps finite everywhere may come before the selection"),
+    (dict(before=lambda v: v.astype(jnp.float16)), "only steps finite everywhere may come before the selection"),
     (dict(before=jax.nn.relu), "not proven finite there"),
 ], ids=["reversed-choices", "shifted-copies", "other-expert", "later-reversed", "tiled-by-jnp-tile", "split-k-outer",
-        "weighted-per-copy", "exp-before", "log-before", "reciprocal-before", "custom-jvp-before"])
+        "weighted-per-copy", "exp-before", "log-before", "reciprocal-before", "float16-before",
+        "custom-jvp-before"])
 def test_tokens_tiled_per_choice_that_are_not_the_routed_layer_decline(variant, reason):
     """A copy selected by another copy's index (or another expert), tokens tiled in another order than the
     indices were flattened, copies split back in another order, a per-copy factor before the split (not read
