@@ -110,8 +110,9 @@ ASSUMPTIONS = (
         "per sorted row (or their bincount, for one row); end = cumsum(counts) over E, start = end - counts; the "
         "mask is start_e <= i and i < end_e against an iota over the sorted positions (indices in [0, E), so "
         "positions start_e..end_e - 1 hold the copies of expert e and no other); only the E sum and casts follow "
-        "the mask; the un-sort gathers by argsort of the sort order, its inverse permutation. As with a one-hot "
-        "gate, an expert's non-finite output on a copy it did not get (0 * inf) reaches the reference only"),
+        "the mask; the un-sort gathers by argsort of the sort order, its inverse permutation (or, for one row, "
+        "sets each sorted output into zeros at the order). As with a one-hot gate, an expert's non-finite output "
+        "on a copy it did not get (0 * inf) reaches the reference only"),
     Assumption(
         "copy-selects-own-expert", (TILED_CHOICES,),
         "each copy of a token keeps the output of the expert the routing chose for that same (token, choice), "

@@ -472,10 +472,13 @@ def _gathered_roles(eqn: Eqn, operand_roles, index: SortOrder, along: str):
 
 def sorted_scatter(an: Analysis, eqn: Eqn, abstracts):
     """``jnp.bincount(flat, length=E)`` of the copies' indices (one sorted row: no token axis left): a
-    scatter-add of ones at each copy's expert into zeros, the per-expert counts."""
+    scatter-add of ones at each copy's expert into zeros, the per-expert counts. ``zeros.at[order].set(out)``:
+    the sorted outputs un-sorted by writing each back where its copy came from."""
     operand, _, updates = eqn.inputs[:3]
     index = abstracts[1]
     dnums = eqn.params["dimension_numbers"]
+    if isinstance(abstracts[2], Rows):
+        return _unsort_by_scatter(an, eqn, abstracts[2], index)
     if (eqn.primitive is lax.scatter_add_p and isinstance(index, CopyIndex) and index.roles == (COPY, ONE)
             and abstracts[0] is None and abstracts[2] is None and tuple(operand.shape) == (an.num_experts,)
             and _is_zero(an.graph, operand) and scalar_constant(an.graph, updates) == 1
@@ -485,3 +488,22 @@ def sorted_scatter(an: Analysis, eqn: Eqn, abstracts):
     return FailedMatch("a scatter in the sort-based dispatch that is not a bincount (ones added into zeros of E "
                        "experts at the copies' indices), so its values are not the counts of the sorted copies", eqn,
                        OWN_EXPERT)
+
+
+def _unsort_by_scatter(an: Analysis, eqn: Eqn, rows: Rows, index):
+    """``zeros[n, F].at[order].set(out[s, F])``: row ``s`` written at ``order[s]``, every position once (a
+    permutation), so copy ``n`` gets the output sorted to ``inverse[n]``: the gather by ``argsort(order)``.
+    One sorted row (no token axis), whole rows written into zeros."""
+    dnums = eqn.params["dimension_numbers"]
+    summed = rows.space == "sorted" and EXPERT not in rows.roles and rows.roles == (SORTED, FEATURE)
+    if not (summed and isinstance(index, SortOrder) and not index.inverse and index.divisor is None):
+        return FailedMatch("the sorted outputs are written back by a scatter at an index that is not the sort order, "
+                           "or before each copy's own expert is kept and summed over E: the un-sort is not the "
+                           "inverse permutation of the sort", eqn, OWN_EXPERT)
+    whole_rows = (eqn.primitive is lax.scatter_p and tuple(dnums.update_window_dims) == (1,)
+                  and tuple(dnums.inserted_window_dims) == (0,) and tuple(dnums.scatter_dims_to_operand_dims) == (0,)
+                  and index.roles == (SORTED, ONE) and _is_zero(an.graph, eqn.inputs[0]))
+    if not whole_rows:
+        return FailedMatch("the sorted outputs are scattered other than as whole rows set into zeros at the sort "
+                           "order", eqn, OWN_EXPERT)
+    return replace(rows, roles=(COPY, FEATURE), space="choice")

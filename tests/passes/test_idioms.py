@@ -612,7 +612,8 @@ def test_approx_max_k_routing_is_read_like_top_k():
     assert explain(layer, params, x).regions[0].location
 
 
-def _sorted_range_mask(params, x, count=lambda flat: jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0)):
+def _sorted_range_mask(params, x, count=lambda flat: jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0),
+                       unsort=lambda out, order: out[jnp.argsort(order)]):
     """approx_max_k routing, copies of the tokens tiled per choice argsorted by expert, every expert on
     every sorted copy, each copy's own expert kept by ``start_e <= i < end_e``, un-sorted."""
     weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
@@ -624,7 +625,7 @@ def _sorted_range_mask(params, x, count=lambda flat: jnp.sum(jax.nn.one_hot(flat
     position = jnp.arange(flat.shape[0])
     in_range = ((end - counts)[:, None] <= position) & (position < end[:, None])  # [E, T*k]
     out = jnp.einsum("enf,efd->end", jax.nn.gelu(jnp.einsum("nd,edf->enf", copies, params["w_up"])), params["w_down"])
-    out = jnp.sum(out * in_range[..., None], axis=0)[jnp.argsort(order)].reshape(16, 2, -1)
+    out = unsort(jnp.sum(out * in_range[..., None], axis=0), order).reshape(16, 2, -1)
     return jnp.einsum("lkd,lk->ld", out, weights)
 
 
@@ -808,22 +809,24 @@ def _other_router_indices(params, x, flat):
     return lax.top_k(x @ params["router"][:, ::-1], 2)[1].reshape(flat.shape)
 
 
-def _bsd_args(seed):
-    return _params(jax.random.key(seed)), jax.random.normal(jax.random.key(seed + 1), (2, 4, 8))
+def _args_of(layer, seed):
+    """``[T=16, d]`` tokens for the 1-D ``_sorted_range_mask`` variants, ``[B=2, L=4, d]`` for the others."""
+    shape = (16, 8) if getattr(layer, "func", layer) is _sorted_range_mask else (2, 4, 8)
+    return _params(jax.random.key(seed)), jax.random.normal(jax.random.key(seed + 1), shape)
 
 
-_BINCOUNT = functools.partial(_sorted_range_mask, count=lambda flat: jnp.bincount(flat, length=4))
+_BINCOUNT = functools.partial(_sorted_range_mask, count=lambda flat: jnp.bincount(flat, length=4),
+                              unsort=lambda out, order: jnp.zeros_like(out).at[order].set(out))
 
 
 @pytest.mark.parametrize("layer", [
     _sort_dispatch(), _sort_dispatch(route=lax.top_k, mask_with="where", stable=False),
     _sort_dispatch(lower=lambda s, i: i >= s, upper=lambda i, e: e > i), _sorted_range_mask, _BINCOUNT,
-], ids=["approx_max_k", "top_k-where-unstable", "flipped-comparisons", "tiled-tokens-1d", "bincount-1d"])
+], ids=["approx_max_k", "top_k-where-unstable", "flipped-comparisons", "tiled-tokens-1d", "bincount-scatter-1d"])
 def test_a_sort_based_range_mask_dispatch_is_rewritten(layer):
     """Issue 35, idiom 4: the range mask keeps each sorted copy's own expert, so the layer is the chosen
     experts' rows; rewritten exactly (outputs and gradients) whichever way the mask is written."""
-    params, x = _bsd_args(50) if layer not in (_sorted_range_mask, _BINCOUNT) else (
-        _params(jax.random.key(50)), jax.random.normal(jax.random.key(51), (16, 8)))
+    params, x = _args_of(layer, 50)
     assert rewritten_exactly(layer, params, x)
     assert explain(layer, params, x).regions[0].style == "sorted range mask"
 
@@ -839,11 +842,14 @@ def test_a_sort_based_range_mask_dispatch_is_rewritten(layer):
      "the un-sort is not the inverse permutation"),
     (_sort_dispatch(key_of=lambda params, x, flat: -flat), "sorted by a key that is not the routing's"),
     (_sort_dispatch(key_of=_other_router_indices), "(sorted by another key, or gathered otherwise)"),
+    (functools.partial(_sorted_range_mask, unsort=lambda out, order: jnp.zeros_like(out).at[order[::-1]].set(out)),
+     "the un-sort is not the inverse permutation"),
 ], ids=["lower-off-by-one", "upper-off-by-one", "shifted-iota", "counts-of-another-index", "counts-over-the-batch",
-        "unsorted-by-the-order", "unsorted-by-another-permutation", "sorted-descending", "sorted-by-another-index"])
+        "unsorted-by-the-order", "unsorted-by-another-permutation", "sorted-descending", "sorted-by-another-index",
+        "scattered-at-another-permutation"])
 def test_a_range_mask_dispatch_that_does_not_keep_each_copys_own_expert_declines(layer, reason):
     """Each breaks one link of the proof (assumption sorted-copy-own-expert) and is declined, naming it."""
-    params, x = _bsd_args(52)
+    params, x = _args_of(layer, 52)
     declined_because(layer, params, x, reason)
 
 
