@@ -280,6 +280,11 @@ def _plan(joined: _Joined, scope, forward: Eqn, backward: Eqn) -> ScanPair | Fai
     for eqn in graph.eqns[boundary:]:
         if eqn.index not in replaced:
             reads += eqn.inputs
+    unevaluated = {v for i in replaced if i < boundary for v in graph.eqns[i].outputs} - {
+        r.output for r in scope.regions}
+    if any(isinstance(a, Value) and a in unevaluated for a in reads):
+        return FailedMatch("the backward scan's body reads a value of the forward's that the rewrite removes",
+                           None, "private-interior")
     roles = _forward_roles(forward, joined.forward_inputs)
     roles.update({v: (TOP, None) for v in joined.hoisted})
     crossing, seen = [], set()
