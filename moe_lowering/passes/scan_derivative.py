@@ -114,9 +114,9 @@ def _attempt(graph, forward, backward, where, analyse_graph, inline_remat: bool)
     misses = tuple(scope.all_near_misses())
     if scope.regions:  # regions found, but the pair cannot be split back into two scans
         misses += tuple((where, r.anchor, plan) for r in scope.regions)
-    hidden = _indirect_residuals(graph, forward, backward)
-    if hidden is not None:
-        misses = tuple((p, a, FailedMatch(f"{f.reason} ({hidden})", f.eqn, f.assumption)) for p, a, f in misses)
+    for note in (_indirect_residuals(graph, forward, backward), _rule_applied(forward)):
+        if note is not None:
+            misses = tuple((p, a, FailedMatch(f"{f.reason} ({note})", f.eqn, f.assumption)) for p, a, f in misses)
     return PairAttempt(forward.index, backward.index, None, tuple((a, f) for _, a, f in misses))
 
 
@@ -243,6 +243,29 @@ def _indirect_residuals(graph: JaxprGraph, forward: Eqn, backward: Eqn) -> str |
             return (f"the backward scan reads the forward scan's outputs through `{eqn.primitive}` at {eqn.where()}, "
                     "which the join of the two scan bodies does not follow")
     return None
+
+
+def _rule_applied(forward: Eqn) -> str | None:
+    """Names a ``jax.nn`` function with its own derivative rule (``relu``: a ``custom_jvp``) that the forward
+    scan's body calls: autodiff applied the rule when it split the scan, leaving the body only its primal."""
+    rules = {name for name, value in vars(jax.nn).items() if isinstance(value, jax.custom_jvp)}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is _compat.jit_p and eqn.params.get("name") in rules:
+                return eqn.params["name"]
+            for param in eqn.params.values():
+                inner = _compat.open_jaxpr(param)
+                found = walk(inner) if hasattr(inner, "eqns") else None
+                if found:
+                    return found
+        return None
+
+    name = walk(_compat.open_jaxpr(forward.params["jaxpr"]))
+    return None if name is None else (
+        f"the scanned layer calls `jax.nn.{name}`, a function with its own derivative rule (custom_jvp): autodiff "
+        "applied the rule when it split the scan, so the forward body holds only its primal, whose derivative "
+        "the proof compares with the rule's")
 
 
 def _plan(joined: _Joined, scope, forward: Eqn, backward: Eqn) -> ScanPair | FailedMatch:

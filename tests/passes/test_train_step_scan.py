@@ -176,6 +176,18 @@ def test_nnx_scan_over_a_vmapped_stack_of_blocks():
     _check_scan_rewritten(step, state, MIXTRAL.args(jax.random.key(12))[1])
 
 
+def test_a_scanned_relu_layer_declines_naming_the_derivative_rule():
+    """jax.nn.relu's custom_jvp rule is applied when autodiff splits the scan: the forward body holds
+    max(x, 0), whose derivative (0.5 at 0) is not the rule's the backward body computes."""
+    model = _model("mlp_relu_bias")
+    params, x = _stacked_args(model)
+    step = _scan_step(model)
+    report = explain(step, params, x)
+    assert not any(r.backward for r in report.regions)
+    assert any("jax.nn.relu" in m.reason and "derivative rule" in m.reason for m in report.near_misses), str(report)
+    _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
+
+
 # --------------------------------------------------------------------------- mutants of the backward scan
 
 def _backward_scan_sites(context: str, kind: str, predicate):
