@@ -75,18 +75,18 @@ def analyse_scan_pairs(graph: JaxprGraph, path: str, analyse_graph: Callable) ->
     return attempts
 
 
-def _has_remat(*eqns) -> bool:
-    def walk(jaxpr) -> bool:
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is _compat.remat_p:
-                return True
-            for param in eqn.params.values():
-                inner = _compat.open_jaxpr(param)
-                if hasattr(inner, "eqns") and walk(inner):
-                    return True
-        return False
+def _has_remat(*scans) -> bool:
+    """Whether a scan's body holds a ``jax.checkpoint`` (the backward then recomputes the layer)."""
+    return any(e.primitive is _compat.remat_p for scan in scans for e in _body_eqns(scan))
 
-    return any(walk(_compat.open_jaxpr(e.params["jaxpr"])) for e in eqns)
+
+def _body_eqns(scan: Eqn):
+    """Every eqn of ``scan``'s body, those of its sub-jaxprs included."""
+    stack = [_compat.open_jaxpr(scan.params["jaxpr"])]
+    while stack:
+        for eqn in stack.pop().eqns:
+            yield eqn
+            stack.extend(inner for inner in map(_compat.open_jaxpr, eqn.params.values()) if hasattr(inner, "eqns"))
 
 
 def _candidate_pairs(graph: JaxprGraph):
@@ -249,19 +249,8 @@ def _rule_applied(forward: Eqn) -> str | None:
     """Names a ``jax.nn`` function with its own derivative rule (``relu``: a ``custom_jvp``) that the forward
     scan's body calls: autodiff applied the rule when it split the scan, leaving the body only its primal."""
     rules = {name for name, value in vars(jax.nn).items() if isinstance(value, jax.custom_jvp)}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is _compat.jit_p and eqn.params.get("name") in rules:
-                return eqn.params["name"]
-            for param in eqn.params.values():
-                inner = _compat.open_jaxpr(param)
-                found = walk(inner) if hasattr(inner, "eqns") else None
-                if found:
-                    return found
-        return None
-
-    name = walk(_compat.open_jaxpr(forward.params["jaxpr"]))
+    name = next((e.params["name"] for e in _body_eqns(forward)
+                 if e.primitive is _compat.jit_p and e.params.get("name") in rules), None)
     return None if name is None else (
         f"the scanned layer calls `jax.nn.{name}`, a function with its own derivative rule (custom_jvp): autodiff "
         "applied the rule when it split the scan, so the forward body holds only its primal, whose derivative "

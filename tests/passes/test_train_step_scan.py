@@ -191,7 +191,7 @@ def test_a_scanned_relu_layer_declines_naming_the_derivative_rule():
 # --------------------------------------------------------------------------- mutants of the backward scan
 
 def _backward_scan_sites(context: str, kind: str, predicate):
-    """Mutants of ``kind`` inside the backward scan's body of ``train-<model>`` that satisfy ``predicate(site, what)``."""
+    """Mutants of ``kind`` in the backward scan's body of ``train-<model>`` with ``predicate(site, what)``."""
     ctx = mutate.model_context(context)
     backward = next(e.index for e in ctx.graph.eqns if str(e.primitive) == "scan" and e.params["reverse"])
     sites = {s.path: s for s in ctx.sites}
