@@ -112,6 +112,27 @@ def test_a_loop_invariant_value_hoisted_out_of_the_forward_scan_and_recomputed_b
     _check_scan_rewritten(jax.value_and_grad(loss, argnums=(0, 1)), params, x, positions)
 
 
+def test_gradient_accumulation_over_microbatches_in_an_outer_scan():
+    """MaxText's gradient accumulation: the step's scans over layers inside a scan over microbatches;
+    the pair is found in the outer scan's body."""
+    params, x = _stacked_args(MIXTRAL, seed=21)
+    microbatches = jnp.stack([x, x[::-1] * 0.5])
+    step = _scan_step(MIXTRAL)
+
+    def accumulate(params, microbatches):
+        def add_microbatch(total, x):
+            return jax.tree.map(jnp.add, total, step(params, x)), None
+
+        zero = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), (params, x)))
+        return lax.scan(add_microbatch, zero, microbatches)[0]
+
+    [region] = explain(accumulate, params, microbatches).regions
+    assert region.backward and region.scope.count("scan[") == 3, region.scope
+    rewritten = moe_optimize(accumulate, strict=True)
+    _assert_close(accumulate(params, microbatches), rewritten(params, microbatches), 1e-5)
+    assert _largest_value(jax.make_jaxpr(rewritten)(params, microbatches)) < _dense_elements()
+
+
 def test_a_forward_program_scan_is_still_rewritten_in_its_body():
     """Without a backward scan nothing is joined: the layer is rewritten inside the forward scan as before."""
     params, x = _stacked_args(MIXTRAL)
