@@ -15,7 +15,8 @@ from jax import lax
 
 from moe_lowering import explain, moe_optimize
 from moe_lowering.testing import mutate, zoo
-from test_train_step import MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value
+from test_train_step import (MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value,
+                             _relative_error)
 
 LAYERS = 2
 
@@ -131,6 +132,19 @@ def test_gradient_accumulation_over_microbatches_in_an_outer_scan():
     rewritten = moe_optimize(accumulate, strict=True)
     _assert_close(accumulate(params, microbatches), rewritten(params, microbatches), 1e-5)
     assert _largest_value(jax.make_jaxpr(rewritten)(params, microbatches)) < _dense_elements()
+
+
+def test_bfloat16_scan_step_as_close_to_float32_as_the_dense_step():
+    """bf16 against the float32 step on the same values: within 2e-2, or no worse than twice the dense
+    bf16 step's error."""
+    params, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _stacked_args(MIXTRAL, seed=17))
+    step = _scan_step(MIXTRAL)
+    assert explain(step, params, x).regions[0].backward
+    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
+    dense, rewritten = step(params, x), moe_optimize(step, strict=True)(params, x)
+    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
+        assert got.dtype == base.dtype
+        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
 
 
 def test_a_forward_program_scan_is_still_rewritten_in_its_body():
