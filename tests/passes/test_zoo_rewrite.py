@@ -54,7 +54,7 @@ def test_outputs_and_gradients_match_float32(name):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3", "hf_loop", "gather_combine", "switch", "mixtral_bsd",
-                                  "gate_on_tokens", "sorted_range_mask"])
+                                  "gate_on_tokens", "sorted_range_mask", "tiled_per_choice"])
 def test_outputs_and_gradients_match_bfloat16(name):
     """bf16 against the float32 reference on the same values: within 2e-2, or no worse than dense bf16."""
     model = ZOO[name]
