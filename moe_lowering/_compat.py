@@ -41,6 +41,13 @@ def open_jaxpr(jaxpr_like):
     return inner
 
 
+def sub_jaxprs(params) -> list:
+    """The jaxprs an eqn's params hold, alone or in a tuple (as ``cond`` keeps its branches), as stored:
+    ``ClosedJaxpr`` or ``Jaxpr`` (``open_jaxpr`` of each has ``eqns``)."""
+    values = [v for value in params.values() for v in (value if isinstance(value, (tuple, list)) else (value,))]
+    return [v for v in values if hasattr(open_jaxpr(v), "eqns")]
+
+
 def sub_jaxpr_consts(jaxpr_like) -> list:
     return list(getattr(jaxpr_like, "consts", ()))
 

@@ -174,7 +174,7 @@ def _routing_in_unentered_bodies(graph, depth: int = 0) -> list[NearMiss]:
     for eqn in graph.eqns:
         if eqn.primitive in _scope_primitives():
             continue
-        for body in _sub_jaxprs(eqn.params):
+        for body in _compat.sub_jaxprs(eqn.params):
             inner = build_graph(_compat.as_closed(body))
             found += [NearMiss(anchor.describe(), f"the routing decision is inside the body of `{eqn.primitive}`, which "
                                "the pass does not enter (it follows jit, scan, while and remat bodies): apply "
@@ -185,21 +185,13 @@ def _routing_in_unentered_bodies(graph, depth: int = 0) -> list[NearMiss]:
     return found
 
 
-def _sub_jaxprs(params) -> list:
-    """The jaxprs among an eqn's params (alone or in a tuple, as ``cond`` keeps its branches)."""
-    values = [v for value in params.values() for v in (value if isinstance(value, (tuple, list)) else (value,))]
-    return [v for v in values if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v, "consts"))]
-
-
 def _already_sparse(scope: ScopeResult) -> tuple[str, ...]:
     from moe_lowering.passes.match import sparse_moe_ops
 
     found = [f"{e.primitive} at {e.where()}" for e in sparse_moe_ops(scope.graph)]
-    for eqn in scope.graph.eqns:  # scan, while and remat bodies
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                found += [f"{name} inside {eqn.primitive} at {eqn.where()}" for name in _sparse_names(inner)]
+    for eqn in scope.graph.eqns:  # scan, while, cond and remat bodies
+        for inner in map(_compat.open_jaxpr, _compat.sub_jaxprs(eqn.params)):
+            found += [f"{name} inside {eqn.primitive} at {eqn.where()}" for name in _sparse_names(inner)]
     return tuple(found)
 
 
@@ -211,10 +203,8 @@ def _sparse_names(jaxpr) -> list[str]:
         name = str(eqn.primitive)
         if name in SPARSE_MOE_PRIMITIVES or name.startswith("moe_"):
             names.append(name)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                names += _sparse_names(inner)
+        for inner in map(_compat.open_jaxpr, _compat.sub_jaxprs(eqn.params)):
+            names += _sparse_names(inner)
     return names
 
 

@@ -86,7 +86,7 @@ def _body_eqns(scan: Eqn):
     while stack:
         for eqn in stack.pop().eqns:
             yield eqn
-            stack.extend(inner for inner in map(_compat.open_jaxpr, eqn.params.values()) if hasattr(inner, "eqns"))
+            stack.extend(map(_compat.open_jaxpr, _compat.sub_jaxprs(eqn.params)))  # cond branches too
 
 
 def _candidate_pairs(graph: JaxprGraph):
