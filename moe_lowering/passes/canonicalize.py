@@ -32,6 +32,19 @@ def identity_annotations() -> tuple:
     return (_compat.name_p, _compat.sharding_constraint_p)
 
 
+def is_identity_rounding(eqn: Eqn) -> bool:
+    """``reduce_precision`` to its operand's own exponent and mantissa widths: the identity on its values.
+    JAX's remat puts one on each residual it saves (against excess precision, jax PR 22244), between the
+    layer's dense value and the backward that reads it."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    if eqn.primitive is not lax.reduce_precision_p or not jnp.issubdtype(eqn.inputs[0].dtype, jnp.floating):
+        return False
+    info = jnp.finfo(eqn.inputs[0].dtype)
+    return (eqn.params.get("exponent_bits"), eqn.params.get("mantissa_bits")) == (info.nexp, info.nmant)
+
+
 def _params_tuple(eqn: Eqn) -> tuple:
     return tuple(sorted(eqn.params.items()))
 

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from moe_lowering import _compat
+from moe_lowering.passes.canonicalize import is_identity_rounding
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match_core import FailedMatch
 
@@ -181,13 +182,18 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     """``graph`` with each eqn that repeats an earlier one (same primitive and params, the same operand
     values) replaced by the earlier one's outputs. A backward inlined from ``jax.checkpoint``
     recomputes the layer's forward from the same operands; merged, it reads the forward's own
-    interior, as autodiff's backward does without remat. Eqns with effects or state are kept; params
-    that are not plain values (a jaxpr, an array, an unhashable object) must be the same object."""
+    interior, as autodiff's backward does without remat; the residuals a remat policy saves are read
+    through the ``reduce_precision`` remat marks them with (``is_identity_rounding``), which is dropped.
+    Eqns with effects or state are kept; params that are not plain values (a jaxpr, an array, an
+    unhashable object) must be the same object."""
     alias: dict = {}
     first: dict = {}
     eqns: list[Eqn] = []
     for eqn in graph.eqns:
         inputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in eqn.inputs)
+        if is_identity_rounding(eqn):  # remat's mark on a saved residual: the same value
+            alias[eqn.outputs[0]] = inputs[0]
+            continue
         key = None
         if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
             key = (eqn.primitive, _plain_params_key(eqn.params),
