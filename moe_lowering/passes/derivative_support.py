@@ -147,6 +147,30 @@ def derivative_support(graph: JaxprGraph, atom) -> Support | None:
     return support if support.bounded else None
 
 
+def bounded_construction(graph: JaxprGraph, atom) -> tuple[tuple[Eqn, ...], tuple]:
+    """``(eqns, leaves)``: the eqns that build ``atom`` from the values its bound reaches as "anywhere"
+    (``leaves``: the router's probabilities or logits, which carry the derivative), through the eqns
+    :func:`derivative_support` has a rule for. A capacity layer's training step compares its VJP as a
+    function of the leaves: the sparse layer reads combine only at the dispatched slots, so combine's
+    own cotangent differs from the dense layer's, but not the cotangent of what combine is built from."""
+    memo = graph.__dict__.setdefault("_derivative_support", {})
+    eqns: dict = {}
+    leaves: dict = {}
+    stack = [atom]
+    while stack:
+        value = stack.pop()
+        if not isinstance(value, Value) or tangent_free(graph, value) or value in leaves:
+            continue
+        eqn = graph.producer.get(value)
+        if eqn is None or not _support(graph, value, memo).bounded:
+            leaves[value] = None
+            continue
+        if eqn.index not in eqns:
+            eqns[eqn.index] = eqn
+            stack.extend(eqn.inputs)
+    return tuple(eqns[i] for i in sorted(eqns)), tuple(leaves)
+
+
 def _support(graph: JaxprGraph, atom, memo: dict, depth: int = 0) -> Support:
     if tangent_free(graph, atom):
         return Support.nowhere(atom.shape)

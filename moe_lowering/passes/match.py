@@ -58,7 +58,7 @@ from moe_lowering.passes.abstract import (
     token_roles,
 )
 from moe_lowering.passes.derivative_match import RegionDerivative, is_inexact, match_derivative
-from moe_lowering.passes.derivative_support import Support, derivative_support, tangent_free
+from moe_lowering.passes.derivative_support import Support, bounded_construction, derivative_support, tangent_free
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, IndexInBounds, ParamSource, RoutingAnchor, rule, rules
 from moe_lowering.passes.rules_routing import find_anchors
@@ -306,7 +306,7 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
                            "gate-values")
     derivative = None
     if used_outside is not None:
-        derivative = _derivative(an, combined, replaced, output, params, used_outside)
+        derivative = _derivative(an, combined, replaced, output, params)
         if isinstance(derivative, FailedMatch):
             return derivative
     return MoeRegion(
@@ -342,18 +342,18 @@ def _used_outside(graph: JaxprGraph, replaced, output):
     return None
 
 
-def _derivative(an: Analysis, combined: Combined, replaced, output: Value, params, interior_eqn: Eqn):
+def _derivative(an: Analysis, combined: Combined, replaced, output: Value, params):
     """The region's interior is read outside it: only its own backward may read it, proven against
-    ``jax.vjp`` of the dense region (``derivative_match.py``)."""
+    ``jax.vjp`` of the dense region (``derivative_match.py``), the eqns that build its routing weights
+    (dropless) or its combine tensor (capacity) included."""
     graph = an.graph
-    if combined.combine is not None:
-        return FailedMatch(
-            "an interior value of the MoE (the expert activations) is also used outside it, by the layer's "
-            "derivative; a capacity layer's derivative is not rewritten (its dense fallback branch would need "
-            "a backward of its own), so the layer is left dense", interior_eqn, "private-interior")
-    gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
-    reads = {combined.tokens, an.anchor.indices} | {p.source for p in params} | {v.atom for v in combined.gate_values}
-    reads |= {a for e in gate_eqns for a in e.inputs}
+    if combined.combine is not None:  # combine rebuilt from the router's float values (``bounded_construction``)
+        gate_eqns, leaves = bounded_construction(graph, combined.combine[0])
+        reads = {combined.tokens} | {p.source for p in params} | set(leaves)
+    else:
+        gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
+        reads = {combined.tokens, an.anchor.indices} | {p.source for p in params} | {v.atom for v in combined.gate_values}
+        reads |= {a for e in gate_eqns for a in e.inputs}
     prologue = _layout_prologue(graph, [graph.eqns[i] for i in replaced] + list(gate_eqns), reads)
     return match_derivative(graph, frozenset(replaced), output, tuple(sorted(set(gate_eqns) | set(prologue),
                                                                              key=lambda e: e.index)),

@@ -183,7 +183,8 @@ def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backwar
         if eqn.index in replaced:
             region = by_output_eqn.get(eqn.index)
             if region is not None and region.derivative is not None:
-                env[region.output], backward[id(region)] = differentiable_region(region, read, options, sharding_of)
+                env[region.output], backward[id(region)] = differentiable_region(region, read, options, sharding_of,
+                                                                                 graph)
             elif region is not None:
                 env[region.output] = lower_region(region, read, options, sharding_of, graph)
             claims = {}
@@ -238,18 +239,21 @@ def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of
                     lambda: _sparse_region(region, read, options, sharding_of))
 
 
-def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None):
+def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None,
+                          graph: JaxprGraph | None = None):
     """``(output, pullback)``: the sparse layer and its VJP, as a function of the dense region's operands.
 
-    The routing weights are rebuilt from their operands inside (``RegionDerivative.gate_eqns``): the
-    sparse layer equals the dense one as a function of those, so its VJP is the dense region's,
-    which the program's backward was proven to be (``derivative_match.py``).
+    The routing weights (or a capacity layer's combine tensor) are rebuilt from their operands inside
+    (``RegionDerivative.gate_eqns``): the sparse layer equals the dense one as a function of those, so
+    its VJP is the dense region's, which the program's backward was proven to be
+    (``derivative_match.py``). A capacity layer is the forward's on-device ``lax.cond``; its dense
+    branch is under ``jax.checkpoint``, so that the residuals kept for it are its operands alone: no
+    dense expert activations are saved when the sparse branch runs.
     """
     derivative = region.derivative
-
     producers = {out: eqn for eqn in derivative.gate_eqns for out in eqn.outputs}
 
-    def layer(*values):
+    def rebuilt(values):
         local = dict(zip(derivative.inputs, values))
 
         def value(atom):  # the eqns the sparse layer reads are re-bound on demand: not a dense weight copy
@@ -260,7 +264,18 @@ def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sh
                 local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
             return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
 
-        return _sparse_region(region, value, options, sharding_of)
+        return value
+
+    def sparse(*values):
+        return _sparse_region(region, rebuilt(values), options, sharding_of)
+
+    layer = sparse
+    if region.combine is not None:
+        dense = jax.checkpoint(lambda *values: _dense_region(graph, region, rebuilt(values)))
+
+        def layer(*values):  # the check reads combine rebuilt too: the program's may be gone with its backward
+            fails = _capacity_assumptions_fail(region, rebuilt([lax.stop_gradient(v) for v in values]))
+            return lax.cond(fails, dense, sparse, *values)
 
     return jax.vjp(layer, *[read(a) for a in derivative.inputs])
 
