@@ -1,0 +1,186 @@
+"""A persistent, warp-specialised grouped GEMM for Hopper (sm_90) in Gluon: ``out[r] = lhs[r] @ rhs[group(r)]``.
+
+bf16 operands, float32 accumulation, bf16 output; ``lhs [M, K]`` rows sorted by group, ``rhs [E, K, N]``
+read as its ``[E*K, N]`` view, group sizes on the device (any sizes, empty groups included). Needs
+``K % BLOCK_K == 0`` (a weight block never reaches into the next group's rows).
+
+Each program is one CTA per SM, split in two partitions that meet at a ring of ``STAGES`` shared-memory
+stages, each guarded by a ``ready`` and an ``empty`` mbarrier:
+
+* the producer (one warp) walks the program's tiles (``schedule.program_tiles``) and, per K step, waits
+  for a stage to be empty and issues two TMA loads into it: the whole ``[BLOCK_M, BLOCK_K]`` box of
+  ``lhs`` at the tile's first row (rows past the group's end belong to the next group, or past ``M`` are
+  zero-filled; they are never stored) and the ``[BLOCK_K, BLOCK_N]`` box of the ``[E*K, N]`` weights at
+  ``(group * K + k, col0)``;
+* the consumers (the default partition: ``num_warps`` warps, two warp groups of 64 rows at 8) wait for a
+  stage, issue an asynchronous ``wgmma`` on it, keep one in flight and hand the previous stage back; the
+  producer is by then filling stages for the next tile, so the loads of tile ``i + 1`` overlap tile
+  ``i``'s last MMAs and its epilogue. The epilogue writes the tile's rows of the group: a whole tile
+  through shared memory and a TMA store (``TMA_STORE``; the store drains while the next tile's
+  mainloop runs), a partial one (the group's last) by masked stores, which never touch the next
+  group's rows.
+
+Only ``triton`` is imported here; :mod:`.gluon_launch` builds the descriptors and launches it.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M: gl.constexpr, GROUPS_PAD: gl.constexpr):
+    """Work items over all groups: ``schedule.total_tiles``."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    groups = gl.arange(0, GROUPS_PAD, layout=layout)
+    sizes = gl.maximum(gl.load(group_sizes_ptr + groups, mask=groups < E, other=0), 0)
+    return gl.sum((sizes + BLOCK_M - 1) // BLOCK_M, axis=0) * n_tiles
+
+
+@gluon.jit
+def _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               GROUP_M: gl.constexpr):
+    """Walks the group cursor ``(group, its first item, its items, its first row, its size)`` forward to
+    ``tile``'s group and returns ``(cursor, group, row0, row_end, col0)``: ``schedule.program_tiles``."""
+    group, first_tile, group_tiles, group_row, group_size = cursor
+    while tile >= first_tile + group_tiles:
+        first_tile += group_tiles
+        group_row += group_size
+        group += 1
+        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+        group_tiles = (group_size + BLOCK_M - 1) // BLOCK_M * n_tiles
+    m_tiles = (group_size + BLOCK_M - 1) // BLOCK_M
+    local = tile - first_tile
+    band_width = GROUP_M * n_tiles
+    first_row_tile = (local // band_width) * GROUP_M
+    band_rows = gl.minimum(m_tiles - first_row_tile, GROUP_M)
+    within = local % band_width
+    pm = first_row_tile + within % band_rows
+    pn = within // band_rows
+    row0 = group_row + pm * BLOCK_M
+    row_end = gl.minimum(group_row + group_size, M)
+    return (group, first_tile, group_tiles, group_row, group_size), group, row0, row_end, pn * BLOCK_N
+
+
+@gluon.jit
+def _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M: gl.constexpr):
+    size = gl.maximum(gl.load(group_sizes_ptr), 0)
+    return (0, 0, (size + BLOCK_M - 1) // BLOCK_M * n_tiles, 0, size)
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
+              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: TMA loads of every tile's K steps into the ring, a stage at a time as it empties."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
+    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    counter = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
+                                                        BLOCK_N, GROUP_M)
+        weight_row = group * K
+        for k in range(0, K, BLOCK_K):
+            stage = counter % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
+            mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), stage_bytes)
+            tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(stage), a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [weight_row + k, col0], ready.index(stage), b_bufs.index(stage))
+            counter += 1
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
+    """The MMA warp groups: ``wgmma`` over the ring with one MMA in flight, then the tile's epilogue."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
+    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    rows_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    counter = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
+                                                        BLOCK_N, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for k in range(0, K, BLOCK_K):
+            stage = counter % STAGES
+            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # The previous step's MMA has retired in this warp group; the barrier makes it so in all of
+            # them before the one arriving thread hands its stage back to the producer.
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=k > 0)
+            counter += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES))
+
+        tile_out = acc.to(out_ptr.dtype.element_ty)
+        if TMA_STORE and row0 + BLOCK_M <= row_end:
+            tma.store_wait(0)  # the previous tile's store has read the staging buffer
+            gl.thread_barrier()
+            c_smem.store(tile_out)
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
+        else:
+            rows = row0 + rows_in
+            cols = col0 + cols_in
+            offsets = rows_in[:, None] * N + cols_in[None, :]
+            tile_ptr = out_ptr + row0.to(gl.int64) * N + col0
+            gl.store(tile_ptr + offsets, tile_out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                             GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                             TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` for the rows of the groups (rows past ``sum(group_sizes)`` are
+    left unwritten). ``a_desc``: ``lhs [M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``rhs`` as
+    ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes; ``out_desc``: ``out [M, N]`` in ``[BLOCK_M, BLOCK_N]``
+    boxes (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # without TMA_STORE the staging buffer is never used: a token 8 rows
+    C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                     GROUPS_PAD, GROUP_M, TMA_STORE)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
+                     GROUP_M)),
+    ], [1], [PRODUCER_REGS])

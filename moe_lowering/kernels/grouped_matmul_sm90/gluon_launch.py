@@ -1,0 +1,136 @@
+"""Launching the Hopper grouped GEMM (:mod:`.gluon_kernels`): tile configurations, descriptors, and an
+offline ``sm_90`` compile for register / shared-memory checks on a machine without a GPU.
+
+The launch here is Triton's own launcher on torch tensors (the probe ``benchmarks/gluon_gmm_probe.py``);
+no JAX path launches this kernel yet. Descriptors are host-side (``TensorDescriptor``): the launcher
+encodes each into a kernel parameter, so no global scratch is allocated per launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+from triton.experimental.gluon import language as gl
+
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import grouped_gemm_sm90_kernel
+
+SM90 = (90, 128)
+"""(compute capability, warp size x 4 lanes) of ``GPUTarget("cuda", 90, ...)``: Hopper."""
+SHARED_LIMIT = 232448
+"""Shared memory one block may use on an H100 or H200 (227 KB)."""
+REGISTER_FILE = 65536
+
+
+@dataclass(frozen=True)
+class GluonTileConfig:
+    """One launch shape: ``block_m x block_n`` output tiles reduced ``block_k`` at a time through a ring of
+    ``stages``; ``num_warps`` consumer warps (4 per warp group); a one-warp producer held to
+    ``producer_regs`` registers a thread; ``tma_store``: whole tiles leave through shared memory and a
+    TMA store (one ``block_m x block_n`` staging buffer), else every tile by masked stores."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 3
+    tma_store: bool = True
+    group_m: int = 8
+    num_warps: int = 8
+    producer_regs: int = 40
+
+    @property
+    def name(self) -> str:
+        store = "tma" if self.tma_store else "direct"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-s{self.stages}-w{self.num_warps}-{store}"
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread at launch: the register file over all warps (the one-warp producer takes a
+        whole warp group's slots), a multiple of 8; the consumers get what the producer gives up."""
+        warps = self.num_warps + 4
+        return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
+
+    def shared_bytes(self) -> int:
+        """Shared memory the ring, the staging buffer and the barriers take (bf16)."""
+        stage = 2 * self.block_k * (self.block_m + self.block_n)
+        staging = 2 * (self.block_m if self.tma_store else 8) * self.block_n
+        return self.stages * stage + staging + 16 * self.stages
+
+
+CONFIGS = {c.name: c for c in (
+    GluonTileConfig(128, 256, 64, stages=3, tma_store=True),
+    GluonTileConfig(128, 256, 64, stages=4, tma_store=False),
+    GluonTileConfig(128, 128, 64, stages=5, tma_store=True),
+    GluonTileConfig(128, 128, 64, stages=4, tma_store=True, num_warps=4),
+)}
+"""The configurations the probe times; the first is the usual Hopper choice (two 64-row warp groups)."""
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def shared_layouts(config: GluonTileConfig):
+    """NVMMA shared layouts of the ``lhs``, weight and output boxes."""
+    return (gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_n], gl.bfloat16))
+
+
+def constexprs(config: GluonTileConfig, num_groups: int) -> dict:
+    return dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
+                TMA_STORE=config.tma_store, PRODUCER_REGS=config.producer_regs)
+
+
+def check_shapes(k: int, config: GluonTileConfig):
+    if k % config.block_k:
+        raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}: a weight block would read "
+                         "the next group's rows")
+
+
+def compile_offline(config: GluonTileConfig, num_groups: int):
+    """The kernel compiled for ``sm_90`` without a GPU (bf16 descriptors, 16-byte aligned ``int`` sizes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    a_layout, b_layout, c_layout = shared_layouts(config)
+    signature = {
+        "a_desc": f"tensordesc<bf16[{config.block_m}, {config.block_k}],{a_layout!r}>",
+        "b_desc": f"tensordesc<bf16[{config.block_k}, {config.block_n}],{b_layout!r}>",
+        "out_desc": f"tensordesc<bf16[{config.block_m}, {config.block_n}],{c_layout!r}>",
+        "out_ptr": "*bf16", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
+    }
+    fixed = constexprs(config, num_groups)
+    signature.update({name: "constexpr" for name in fixed})
+    names = grouped_gemm_sm90_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
+    source = GluonASTSource(fn=grouped_gemm_sm90_kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", *SM90),
+                          options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
+
+
+def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFIGS))], num_sms: int | None = None,
+        out=None):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` on torch CUDA tensors (``lhs [M, K]`` bf16, ``rhs [E, K, N]`` bf16,
+    ``group_sizes [E]`` int32); rows past ``sum(group_sizes)`` are left as ``out`` had them."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_rows, k = lhs.shape
+    num_groups, _, n = rhs.shape
+    check_shapes(k, config)
+    if out is None:
+        out = torch.empty((num_rows, n), dtype=lhs.dtype, device=lhs.device)
+    if num_rows == 0:
+        return out
+    a_layout, b_layout, c_layout = shared_layouts(config)
+    a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
+    b_desc = TensorDescriptor.from_tensor(rhs.reshape(num_groups * k, n), [config.block_k, config.block_n], b_layout)
+    out_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n], c_layout)
+    num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
+    max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
+    grid = (max(1, min(num_sms, max_tiles)), )
+    grouped_gemm_sm90_kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups,
+                                   **constexprs(config, num_groups), num_warps=config.num_warps,
+                                   maxnreg=config.maxnreg)
+    return out

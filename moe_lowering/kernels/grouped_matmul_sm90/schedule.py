@@ -1,0 +1,66 @@
+"""The persistent tile schedule of the Hopper grouped GEMM, as plain Python the Gluon kernel mirrors.
+
+Work items are (group, row tile, column tile): each group's rows are cut into ``block_m``-row tiles
+starting at the group's first row (a tile never spans two groups; the last one may be partial, and its
+rows past the group's end are loaded but never stored), and each row tile into ``block_n``-column tiles.
+Items are numbered group by group; within a group they go column-fastest in bands of ``group_m`` row
+tiles (programs running at once share their weight block and their row block in L2), as
+``grouped_matmul.triton_kernels._band_swizzle`` orders them. Program ``p`` of ``P`` takes items
+``p, p + P, p + 2P, ...`` and finds each one's group by walking the groups forward from the last one
+it used (its items only ever increase), so neither a tile table nor a search is needed on device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TileWork:
+    """One work item: ``out[row0 : row_end, col0 : col0 + block_n] = lhs[row0 : ...] @ rhs[group][:, col0 : ...]``
+    (``row_end`` the group's end, clamped to the rows there are; the tile's own rows stop at
+    ``min(row0 + block_m, row_end)``)."""
+
+    group: int
+    row0: int
+    row_end: int
+    col0: int
+
+
+def total_tiles(group_sizes, block_m: int, n_tiles: int) -> int:
+    """Work items over all groups (negative sizes count as empty)."""
+    return sum(cdiv(max(int(size), 0), block_m) for size in group_sizes) * n_tiles
+
+
+def band_swizzle(local: int, m_tiles: int, n_tiles: int, group_m: int) -> tuple[int, int]:
+    """(row tile, column tile) of a group's ``local``-th item, column-fastest in bands of ``group_m`` row tiles."""
+    band_width = group_m * n_tiles
+    first_row = (local // band_width) * group_m
+    band_rows = min(m_tiles - first_row, group_m)
+    within = local % band_width
+    return first_row + within % band_rows, within // band_rows
+
+
+def program_tiles(group_sizes, num_rows: int, n: int, block_m: int, block_n: int, group_m: int, program: int,
+                  num_programs: int) -> list[TileWork]:
+    """The items program ``program`` of ``num_programs`` computes, in order, found as the kernel finds them."""
+    n_tiles = cdiv(n, block_n)
+    total = total_tiles(group_sizes, block_m, n_tiles)
+    group, group_first_tile, group_row = 0, 0, 0
+    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
+    group_items = cdiv(group_size, block_m) * n_tiles
+    work = []
+    for tile in range(program, total, num_programs):
+        while tile >= group_first_tile + group_items:  # the kernel's cursor walk
+            group_first_tile += group_items
+            group_row += group_size
+            group += 1
+            group_size = max(int(group_sizes[group]), 0)
+            group_items = cdiv(group_size, block_m) * n_tiles
+        pm, pn = band_swizzle(tile - group_first_tile, cdiv(group_size, block_m), n_tiles, group_m)
+        work.append(TileWork(group, group_row + pm * block_m, min(group_row + group_size, num_rows), pn * block_n))
+    return work
