@@ -181,6 +181,14 @@ def register_lowering(primitive, impl, multiple_results: bool) -> None:
     _mlir.register_lowering(primitive, _mlir.lower_fun(impl, multiple_results=multiple_results), cacheable=False)
 
 
+def distributed_client():
+    """``jax.distributed``'s key-value store client (``key_value_set``, ``blocking_key_value_get``),
+    or ``None`` outside a multi-process job. Private in every supported JAX (same methods)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 
 # --------------------------------------------------------------------------- Flax (NNX and Linen)
 # Flax is optional: NNX objects (Linen modules) can only be among a call's arguments once the caller

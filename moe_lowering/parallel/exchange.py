@@ -27,7 +27,7 @@ direction), ``"ppermute"`` (``ep - 1`` collective permutes, shift ``s`` sending 
 rank ``me + s``; the own block never leaves the device) and ``"ragged"``
 (``jax.lax.ragged_all_to_all``: no padding bytes, but slow on GPU and unimplemented on XLA:CPU),
 and ``"peer"`` (``kernels/peer_store/``: NVLink stores from Triton kernels between the GPUs of
-one process; an all-gather reference elsewhere). With ``"peer"`` the
+one host, of one process or one process each (the peer heap); an all-gather reference elsewhere). With ``"peer"`` the
 sender stores every row over NVLink straight to its final place: its sorted position on the
 receiver for the dispatch, its home row for the return; so nothing is padded on the wire, and the
 receiver's counting-sort gathers and the gather home disappear. On one host, XLA can run the first two on the GPUs' copy engines instead of NCCL
@@ -71,6 +71,7 @@ from moe_lowering.expert_program import (
     topological_nodes,
 )
 from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.peer_store import heap as peer_heap
 from moe_lowering.kernels.peer_store import (
     PeerBuffer,
     allocate_buffer,
@@ -86,7 +87,7 @@ ExchangeTransport = Literal["auto", "all_to_all", "ppermute", "ragged", "peer"]
 """How expert-parallel token rows travel between devices: ``"all_to_all"`` (NCCL/XLA collectives;
 works across processes), ``"ppermute"`` (collective permutes), ``"ragged"``
 (``jax.lax.ragged_all_to_all``; not on XLA:CPU), ``"peer"`` (Triton kernels store rows GPU to GPU;
-every mesh device a GPU of this process), or ``"auto"`` (``"peer"`` where it can run, else
+every mesh device a GPU of this host: all of this process, or one per process), or ``"auto"`` (``"peer"`` where it can run, else
 ``"all_to_all"``; see ``resolve_transport``)."""
 
 TRANSPORT_CHOICES: tuple[ExchangeTransport, ...] = get_args(ExchangeTransport)  # resolve_transport names the one used
@@ -980,17 +981,24 @@ _compat.primitive_batchers[exchange_tangent_p] = _tangent_batch
 
 
 def prepare_peer_transport(devices, backend: str) -> None:
-    """Checks that the ``"peer"`` transport can run on ``devices`` and turns on peer access between them."""
+    """Checks that the ``"peer"`` transport can run on ``devices`` and prepares it: peer access
+    between this process's GPUs, or, for GPUs of one process each on this host, the peer heap
+    (``kernels/peer_store/heap.py``; every process of the mesh must prepare it)."""
     if get_backend(backend).name != "triton":
         return  # the all-gather reference: exact wherever the mesh's collectives run, across processes too
     devices = list(devices)
+    if not devices:  # a mesh whose devices are not known here
+        raise ValueError("exchange_transport='peer' needs the mesh's devices")
     local = set(jax.local_devices())
-    if not devices or any(d not in local for d in devices):  # none: a mesh whose devices are not known here
-        raise ValueError("exchange_transport='peer' needs every mesh device in this process (its stores go "
-                         "from GPU to GPU directly); use 'all_to_all' across processes")
-    from moe_lowering.kernels.peer_store import triton_launch
+    if all(d in local for d in devices):
+        from moe_lowering.kernels.peer_store import triton_launch
 
-    triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
+        triton_launch.enable_peer_access(tuple(sorted(d.local_hardware_id for d in devices)))
+        return
+    obstacle = peer_heap.job_obstacle(devices)
+    if obstacle is not None:
+        raise ValueError(f"exchange_transport='peer' across processes: {obstacle}; use 'all_to_all'")
+    peer_heap.open_heap(devices)
 
 
 def resolve_transport(requested: str, devices, backend: str) -> str:
@@ -998,7 +1006,10 @@ def resolve_transport(requested: str, devices, backend: str) -> str:
     ``"peer"`` where it can run, else ``"all_to_all"``.
 
     Peer stores go from GPU to GPU through the Triton kernels, so they need more than one device,
-    every one a GPU of this process, and the Triton backend; across processes or on CPUs the
+    every one a GPU of this host, and the Triton backend: either every GPU of this process, or
+    one GPU per process with all those processes on this host (the peer heap; finding that out
+    exchanges host names through ``jax.distributed``'s key-value store, so every process of the
+    mesh must resolve it, as every one traces the same layer). Across hosts or on CPUs the
     NCCL/XLA collectives carry the rows.
     """
     if requested != AUTO_TRANSPORT:
@@ -1006,13 +1017,17 @@ def resolve_transport(requested: str, devices, backend: str) -> str:
     from moe_lowering.kernels import BackendUnavailable
 
     devices, local = list(devices), set(jax.local_devices())
-    if len(devices) < 2 or any(d.platform != "gpu" or d not in local for d in devices):
+    if len(devices) < 2 or any(d.platform != "gpu" for d in devices):
         return "all_to_all"
     try:
         triton = get_backend(backend).name == "triton"
     except BackendUnavailable:
         triton = False
-    return "peer" if triton else "all_to_all"
+    if not triton:
+        return "all_to_all"
+    if all(d in local for d in devices) or peer_heap.job_obstacle(devices) is None:
+        return "peer"
+    return "all_to_all"
 
 
 def exchange_config(**kwargs: Any) -> ExchangeConfig:

@@ -2,9 +2,11 @@
 
 ``peer_store`` is the ``"peer"`` exchange transport's one operation: slot ``j`` of every rank holds
 ``values[source_row[j]]`` and names a destination rank and a row there; each rank gets back the
-``[recv_rows, ...]`` rows stored to it. On GPUs of one process (the Triton backend) the sender
-stores the rows itself over NVLink (:mod:`.triton_launch`); elsewhere this module's reference
-all-gathers every rank's slots and scatters the ones addressed here, which is exact and slow.
+``[recv_rows, ...]`` rows stored to it. On GPUs of one host (the Triton backend) the sender
+stores the rows itself over NVLink (:mod:`.triton_launch`): into XLA buffers when every GPU is
+this process's, into regions of the peer heap (:mod:`.heap`) when the GPUs belong to one process
+each; elsewhere this module's reference all-gathers every rank's slots and scatters the ones
+addressed here, which is exact and slow.
 
 A store needs a receive buffer whose address every rank knows. ``peer_store`` makes one and
 all-gathers its address; a caller with several stores ahead can instead make their
@@ -14,6 +16,7 @@ carry the caller's own small int32 payload too), so the layer pays one sync poin
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_lowering.kernels import get_backend
+from moe_lowering.kernels.peer_store import heap as peer_heap
 
 # Programs of the Triton kernels: every push program signals every peer once; the waiting
 # programs spin, so they are kept few enough to leave multiprocessors to NCCL's kernels.
@@ -35,11 +39,16 @@ _allocation_ids = itertools.count()
 @dataclass(frozen=True)
 class PeerBuffer:
     """A receive buffer the other ranks store into, its arrival counters, and address words:
-    this rank's ``[4]`` when made, every rank's ``[ranks, 4]`` once gathered."""
+    this rank's ``[4]`` when made, every rank's ``[ranks, 4]`` once gathered.
 
-    recv: jax.Array
-    arrivals: jax.Array
+    In the peer heap (``heap_zeroed`` set: whether the site needs unstored rows zero) ``recv`` is
+    only the rows' shape and dtype, ``arrivals`` is ``None``, and the words are heap offsets until
+    gathered (:mod:`.heap`)."""
+
+    recv: jax.Array | jax.ShapeDtypeStruct
+    arrivals: jax.Array | None
     addresses: jax.Array
+    heap_zeroed: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def uses_kernels(backend: str) -> bool:
@@ -53,6 +62,12 @@ def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, a
     from moe_lowering.kernels.peer_store import triton_launch as peer
 
     dtype = jnp.int8 if dtype == jnp.bool_ else dtype
+    heap = peer_heap.current_heap()
+    if heap is not None:
+        shape = (recv_rows, math.prod(trailing_shape))
+        region = heap.regions.reserve(math.prod(shape) * jnp.dtype(dtype).itemsize, axis_size)
+        words = jnp.asarray(peer_heap.offset_words(heap.device_id, region), jnp.int32)
+        return PeerBuffer(jax.ShapeDtypeStruct(shape, dtype), None, words, heap_zeroed=bool(zeroed))
     allocation_id = jnp.asarray(next(_allocation_ids) % (2**31), jnp.int32).reshape(1)
     recv, arrivals, address = peer.allocate(recv_rows, math.prod(trailing_shape), dtype, axis_size, allocation_id,
                                             zeroed=zeroed)
@@ -63,8 +78,34 @@ def gather_addresses(buffers, axis_name: str, payload=None):
     """``(buffers with every rank's addresses, payload all-gathered [ranks, n])`` in one all-gather."""
     words = [b.addresses for b in buffers] + ([] if payload is None else [payload.astype(jnp.int32)])
     gathered = jax.lax.all_gather(jnp.concatenate(words), axis_name)
-    out = [PeerBuffer(b.recv, b.arrivals, gathered[:, 4 * i: 4 * i + 4]) for i, b in enumerate(buffers)]
+    out = [dataclasses.replace(b, addresses=_usable_here(b, gathered[:, 4 * i: 4 * i + 4]))
+           for i, b in enumerate(buffers)]
     return out, (None if payload is None else gathered[:, 4 * len(buffers):])
+
+
+def _usable_here(buffer: PeerBuffer, words):
+    """Gathered words as addresses in this process (heap offsets plus the mapped heap bases)."""
+    if buffer.heap_zeroed is None:
+        return words
+    return peer_heap.peer_address_words(words, peer_heap.current_heap().bases)
+
+
+def _push_and_wait(buffer: PeerBuffer, push, recv_rows: int, num_arrived, *, axis_name: str, zero_tail: bool):
+    """``push(addresses, rank) -> (done, signals per peer)`` into ``buffer``, then the wait for
+    the rows stored here (``[recv_rows, d]``); in the heap, ``ready`` goes first."""
+    from moe_lowering.kernels.peer_store import triton_launch as peer
+
+    rank = jax.lax.axis_index(axis_name)
+    addresses = buffer.addresses
+    if buffer.heap_zeroed is not None:
+        addresses = peer.ready(addresses, rank)
+    done, signals = push(addresses, rank)
+    if buffer.heap_zeroed is None:
+        return peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=signals,
+                         num_programs=WAIT_PROGRAMS, zero_tail=zero_tail)
+    return peer.heap_wait(addresses, rank, num_arrived, done, (recv_rows, buffer.recv.shape[1]), buffer.recv.dtype,
+                          signals_per_peer=signals, num_programs=WAIT_PROGRAMS, zeroed=buffer.heap_zeroed,
+                          zero_tail=zero_tail)
 
 
 def peer_store_reference(values, source_row, dest_device, dest_row, recv_rows: int, num_arrived, *,
@@ -101,10 +142,12 @@ def peer_store(values, source_row, dest_device, dest_row, recv_rows: int, num_ar
         raise ValueError(f"peer store: buffer of {buffer.recv.shape[0]} rows for {recv_rows}")
     flat = values.reshape(values.shape[0], -1)
     flat = flat.astype(jnp.int8) if flat.dtype == jnp.bool_ else flat
-    done = peer.push(flat, source_row, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
-                     num_programs=PUSH_PROGRAMS)
-    out = peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=PUSH_PROGRAMS,
-                    num_programs=WAIT_PROGRAMS, zero_tail=zero_tail)
+
+    def push(addresses, rank):
+        return peer.push(flat, source_row, dest_device, dest_row, addresses, rank,
+                         num_programs=PUSH_PROGRAMS), PUSH_PROGRAMS
+
+    out = _push_and_wait(buffer, push, recv_rows, num_arrived, axis_name=axis_name, zero_tail=zero_tail)
     return out.reshape((recv_rows,) + values.shape[1:]).astype(values.dtype)
 
 
@@ -140,7 +183,6 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
     stored_by_gemm = False
     if uses_kernels(backend):
         from moe_lowering.kernels.grouped_matmul import triton_launch as triton_grouped_matmul
-        from moe_lowering.kernels.peer_store import triton_launch as peer
 
         stored_by_gemm = triton_grouped_matmul.has_kernel(lhs.dtype, rhs.dtype, product_dtype)
     if not stored_by_gemm:
@@ -156,9 +198,11 @@ def grouped_matmul_store(lhs, rhs, group_sizes, dest_device, dest_row, recv_rows
     if buffer.recv.shape != (recv_rows, rhs.shape[2]) or buffer.recv.dtype != product_dtype:
         raise ValueError(f"grouped_matmul_store: buffer {buffer.recv.shape} {buffer.recv.dtype} for "
                          f"[{recv_rows}, {rhs.shape[2]}] {product_dtype}")
-    done, signalling_programs = triton_grouped_matmul.gmm_push(
-        lhs, rhs, group_sizes, dest_device, dest_row, buffer.addresses, jax.lax.axis_index(axis_name),
-        group_offset=group_offset, preferred_element_type=preferred_element_type, expected_rows=expected_rows)
-    return peer.wait(buffer.recv, buffer.arrivals, num_arrived, done, signals_per_peer=signalling_programs,
-                     num_programs=WAIT_PROGRAMS)
+
+    def push(addresses, rank):
+        return triton_grouped_matmul.gmm_push(lhs, rhs, group_sizes, dest_device, dest_row, addresses, rank,
+                                              group_offset=group_offset, preferred_element_type=preferred_element_type,
+                                              expected_rows=expected_rows)
+
+    return _push_and_wait(buffer, push, recv_rows, num_arrived, axis_name=axis_name, zero_tail=True)
 

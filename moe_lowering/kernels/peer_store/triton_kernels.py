@@ -1,5 +1,6 @@
 """The Triton kernels of the peer store, launched by :mod:`.triton_launch`: ``allocate``,
-``push`` and ``wait`` (the row stores between GPUs, their protocol described there), and
+``push`` and ``wait`` (the row stores between GPUs, their protocol described there), ``ready``
+and ``heap_wait`` (the same between processes, through the peer heap: :mod:`.heap`), and
 ``expand_rows`` (a receiver's tokens expanded into its sorted rows). Only ``triton`` is imported
 here, so Triton's interpreter can run them on a CPU.
 """
@@ -7,7 +8,7 @@ here, so Triton's interpreter can run them on a CPU.
 import triton
 import triton.language as tl
 
-from moe_lowering.kernels.peer_address.triton_kernels import peer_row_pointers, signal_peers, split_address
+from moe_lowering.kernels.peer_address.triton_kernels import join_address, peer_row_pointers, signal_peers, split_address
 
 
 @triton.jit
@@ -74,6 +75,74 @@ def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROW
             for d0 in range(0, D, BLOCK_D):
                 cols = d0 + in_d
                 tl.store(out_ptr + offsets + cols[None, :], zeros, mask=tail[:, None] & (cols < D)[None, :])
+
+
+@triton.jit
+def _control_block(address_ptr, rank):
+    """This rank's region control words (int32): arrivals, consumed, epoch, grid counter."""
+    return join_address(address_ptr + rank * 4 + 2).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def ready_kernel(address_ptr, rank_ptr, out_ptr, NUM_PEERS: tl.constexpr):
+    """Waits until every peer has read this rank's rows of the region's previous use (its
+    ``consumed`` word here reached the epoch). ``out`` is ``address`` (aliased): the push that
+    takes it as its address operand starts after this kernel."""
+    rank = tl.load(rank_ptr)
+    control = _control_block(address_ptr, rank)
+    epoch = tl.load(control + 2 * NUM_PEERS, volatile=True)
+    for peer in range(NUM_PEERS):
+        while tl.atomic_add(control + NUM_PEERS + peer, 0, sem="acquire", scope="sys") - epoch < 0:
+            pass
+
+
+@triton.jit
+def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROWS: tl.constexpr,
+                     D: tl.constexpr, NUM_PEERS: tl.constexpr, SIGNALS_PER_PEER: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+                     ZEROED: tl.constexpr, ZERO_TAIL: tl.constexpr):
+    """Waits for every peer's push of this use, copies rows ``[0, num_rows)`` of this rank's heap
+    region into ``out`` (zeros after them with ``ZERO_TAIL``, else those rows are not written),
+    zeroing the region's rows again with ``ZEROED``; the last program to finish then tells every
+    peer the rows are consumed and advances the region's epoch (see :mod:`.heap`)."""
+    pid = tl.program_id(0)
+    rank = tl.load(rank_ptr)
+    region = join_address(address_ptr + rank * 4).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    control = _control_block(address_ptr, rank)
+    epoch = tl.load(control + 2 * NUM_PEERS, volatile=True)
+    target = (epoch + 1) * SIGNALS_PER_PEER
+    for peer in range(NUM_PEERS):
+        while tl.atomic_add(control + peer, 0, sem="acquire", scope="sys") - target < 0:
+            pass
+    tl.debug_barrier()  # the acquiring thread's view, for every thread of the program
+    num_rows = tl.minimum(tl.maximum(tl.load(num_rows_ptr), 0), NUM_ROWS)
+    if ZERO_TAIL:
+        last_tile = tl.cdiv(NUM_ROWS, BLOCK_ROWS)
+    else:
+        last_tile = tl.cdiv(num_rows, BLOCK_ROWS)
+    in_rows = tl.arange(0, BLOCK_ROWS)
+    in_d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
+    for tile in range(pid, last_tile, NUM_PROGRAMS):
+        rows = tile * BLOCK_ROWS + in_rows
+        arrived = rows < num_rows
+        offsets = rows.to(tl.int64)[:, None] * D
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + in_d
+            in_cols = (cols < D)[None, :]
+            values = tl.load(region + offsets + cols[None, :], mask=arrived[:, None] & in_cols, other=0,
+                             volatile=True)
+            tl.store(out_ptr + offsets + cols[None, :], values, mask=(rows < NUM_ROWS)[:, None] & in_cols)
+            if ZEROED:
+                tl.store(region + offsets + cols[None, :], zeros, mask=arrived[:, None] & in_cols)
+    tl.debug_barrier()
+    finished = tl.atomic_add(control + 2 * NUM_PEERS + 1, 1, sem="acq_rel", scope="gpu")
+    if finished == NUM_PROGRAMS - 1:  # every program has read (and re-zeroed) its rows
+        tl.atomic_xchg(control + 2 * NUM_PEERS + 1, 0, sem="relaxed", scope="gpu")
+        for peer in range(NUM_PEERS):
+            consumed = _control_block(address_ptr, peer) + NUM_PEERS + rank
+            tl.atomic_add(consumed, 1, sem="release", scope="sys")
+        tl.store(control + 2 * NUM_PEERS, epoch + 1)
 
 
 @triton.jit

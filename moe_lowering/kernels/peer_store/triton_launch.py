@@ -21,15 +21,17 @@ The receive buffers are ordinary XLA buffers. Each exchange runs as three custom
    the arrived ones; its output is the receive buffer itself (aliased), so nothing is copied.
 
 Peer stores need CUDA peer access between the devices, which ``enable_peer_access`` turns on.
+
+Between processes (one GPU each) the receive buffers are regions of the peer heap instead
+(:mod:`.heap`, which describes that protocol): ``ready`` before the push, ``heap_wait`` instead of
+``wait``; ``push`` is the same kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,39 +39,23 @@ import jax_triton
 import triton
 
 from moe_lowering.kernels.peer_address.triton_kernels import ADDRESS_WORDS
+from moe_lowering.kernels.peer_store import heap
 from moe_lowering.kernels.peer_store.triton_kernels import (
     allocate_kernel,
     expand_rows_kernel,
+    heap_wait_kernel,
     push_kernel,
+    ready_kernel,
     wait_kernel,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def _cudart():
-    """``libcudart`` from the CUDA runtime wheel JAX's CUDA plugin depends on, else the system's."""
-    candidates = []
-    try:
-        import nvidia.cuda_runtime as runtime_pkg
-
-        for root in runtime_pkg.__path__:
-            candidates += sorted(glob.glob(os.path.join(root, "lib", "libcudart.so*")))
-    except ImportError:
-        pass
-    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-    for name in candidates:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise RuntimeError("peer exchange: libcudart not found (install the nvidia-cuda-runtime wheel)")
-
-
 @functools.cache
 def enable_peer_access(device_ids: tuple[int, ...]) -> None:
     """Turns on CUDA peer access between every pair of ``device_ids`` (local CUDA ordinals)."""
-    cudart = _cudart()
+    cudart = heap.cudart()
     already_enabled = 704  # cudaErrorPeerAccessAlreadyEnabled
     current = ctypes.c_int(0)
     cudart.cudaGetDevice(ctypes.byref(current))  # restored below: the calling thread's device is not ours
@@ -166,6 +152,48 @@ def wait(recv, arrivals, num_rows, done, *, signals_per_peer: int, num_programs:
         BLOCK_ROWS=block_rows,
         BLOCK_D=min(block_d, triton.next_power_of_2(d)),
         NUM_PROGRAMS=num_programs,
+        ZERO_TAIL=bool(zero_tail),
+    )
+
+
+def ready(peer_addresses, rank):
+    """``peer_addresses`` once every peer has read this rank's rows of the heap region's previous
+    use; pass the result to ``push``/``gmm_push`` so that they start after it."""
+    return jax_triton.triton_call(
+        peer_addresses,
+        jnp.reshape(rank, (1,)).astype(jnp.int32),
+        kernel=ready_kernel,
+        out_shape=jax.ShapeDtypeStruct(peer_addresses.shape, peer_addresses.dtype),
+        input_output_aliases={0: 0},
+        grid=(1,),
+        num_warps=1,
+        NUM_PEERS=peer_addresses.shape[0],
+    )
+
+
+def heap_wait(peer_addresses, rank, num_rows, done, shape: tuple[int, int], dtype, *, signals_per_peer: int,
+              num_programs: int, zeroed: bool, zero_tail: bool = True, block_rows: int = 8, block_d: int = 1024,
+              num_warps: int = 4):
+    """``[rows, d]``: the heap region's first ``num_rows`` rows once every peer has pushed, zeros
+    after them (not written without ``zero_tail``); the region is then free for the next use."""
+    total, d = shape
+    return jax_triton.triton_call(
+        peer_addresses.reshape(-1),
+        jnp.reshape(rank, (1,)).astype(jnp.int32),
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32),
+        done,
+        kernel=heap_wait_kernel,
+        out_shape=jax.ShapeDtypeStruct((total, d), dtype),
+        grid=(num_programs,),
+        num_warps=num_warps,
+        NUM_ROWS=total,
+        D=d,
+        NUM_PEERS=peer_addresses.shape[0],
+        SIGNALS_PER_PEER=signals_per_peer,
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=min(block_d, triton.next_power_of_2(d)),
+        NUM_PROGRAMS=num_programs,
+        ZEROED=bool(zeroed),
         ZERO_TAIL=bool(zero_tail),
     )
 
