@@ -41,6 +41,7 @@ from jax._src.interpreters import mlir as jax_mlir_internal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
+from moe_lowering.hlo import scan_loops
 from moe_lowering.hlo.locations import Locations
 
 log = logging.getLogger(__name__)
@@ -429,6 +430,13 @@ def _returned_argument(region) -> int | None:
     return None
 
 
+def _written_row(out: scan_loops.StackedOutput, env):
+    """The row a scanned loop's body writes into its stacked buffer ``out`` (a ``ys`` slice)."""
+    if out.row is not None:
+        return _materialize(env[out.row])
+    return lax.reshape(_materialize(env[out.unit]), _tensor_type(out.written.type)[0][1:])
+
+
 def _is_concrete(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic))
 
@@ -472,6 +480,12 @@ class _Interpreter:
 
     def run_block(self, block, args, parent: "_Env | None" = None) -> list:
         """Evaluate ``block``; ``parent`` holds the values its region may capture from above."""
+        env, returned = self.block_env(block, args, parent)
+        return [_materialize(env[v]) for v in returned]
+
+    def block_env(self, block, args, parent: "_Env | None" = None, given: dict | None = None):
+        """``(env, returned values)`` of ``block`` evaluated; ``given`` maps results to ``fn(env)``
+        computing them instead of their op (the op is not evaluated: every result of it is given)."""
         if len(args) != len(block.arguments):
             raise UnsupportedModuleError("block argument count mismatch")
         env = _Env(parent)
@@ -481,7 +495,10 @@ class _Interpreter:
         for op in block.operations:
             op = op.operation
             if op.name in ("func.return", "stablehlo.return", "mhlo.return"):
-                return [_materialize(env[v]) for v in op.operands]
+                return env, list(op.operands)
+            if given and len(op.results) and op.results[0] in given:
+                env.update((result, given[result](env)) for result in op.results)
+                continue
             if len(op.results) == 1 and op.results[0] in deferred:
                 continue
             with self.locations.context(op):  # the eqns it traces name the op's source location
@@ -868,6 +885,12 @@ class _Interpreter:
     # -- control flow ------------------------------------------------------------------------------------
 
     def op_while(self, op, operands, env):
+        loop = scan_loops.recognise(op, operands, outer=functools.partial(self._concrete_outer, env),
+                                    fold=self._fold_scalars, functions=self.functions)
+        if loop:
+            log.info("a while loop is lax.scan of length %d%s", loop.length, " (reverse)" if loop.reverse else "")
+            return self._scan(op, loop, operands, env)
+        log.debug("a while loop stays a while loop: %s", loop.reason)
         cond_block = op.regions[0].blocks[0]
         body_block = op.regions[1].blocks[0]
 
@@ -878,6 +901,63 @@ class _Interpreter:
             return tuple(self.run_block(body_block, carry, env))
 
         return list(lax.while_loop(cond_fun, body_fun, tuple(operands)))
+
+    def _scan(self, op, loop: scan_loops.ScanLoop, operands, env) -> list:
+        """``lax.scan`` of the loop's body: each row read is the scan's slice of its array, each stacked
+        buffer's written row a ``ys`` output; the counter and the row indices are not evaluated."""
+        block = op.regions[1].blocks[0]
+        arrays = list(dict.fromkeys(read.array for read in loop.reads))
+        position = {arg: k for k, arg in enumerate(block.arguments)}
+        xs = [_materialize(operands[position[a]] if a in position else env[a]) for a in arrays]
+        init = [_materialize(operands[k]) for k in loop.carries]
+        dropped = {loop.counter} | {out.position for out in loop.stacked}  # never read by what is evaluated
+
+        def body(carry, slices):
+            args = [None if k in dropped else value for k, value in enumerate(operands)]
+            for k, value in zip(loop.carries, carry):
+                args[k] = value
+            row = dict(zip(arrays, slices))
+            given = dict.fromkeys(loop.skipped, lambda _: None)
+            for read in loop.reads:
+                value = lax.reshape(row[read.array], _tensor_type(read.value.type)[0])
+                given[read.value] = lambda _, value=value: value
+            for out in loop.stacked:
+                given[out.written] = functools.partial(_written_row, out)
+            inner, returned = self.block_env(block, args, env, given)
+            return ([_materialize(inner[returned[k]]) for k in loop.carries],
+                    [inner[returned[out.position]] for out in loop.stacked])
+
+        carry, stacked = lax.scan(body, init, xs, length=loop.length, reverse=loop.reverse)
+        results = list(operands)
+        results[loop.counter] = loop.final_counter
+        for k, value in zip(loop.carries, carry):
+            results[k] = value
+        for out, value in zip(loop.stacked, stacked):
+            results[out.position] = value
+        return results
+
+    def _concrete_outer(self, env, value):
+        """A value from above a loop, when concrete (a constant); else None."""
+        try:
+            found = env[value]
+        except KeyError:
+            return None
+        if isinstance(found, _Broadcast):
+            return np.broadcast_to(found.value, found.shape) if _is_concrete(found.value) else None
+        return found if _is_concrete(found) else None
+
+    def _fold_scalars(self, op, operands) -> list | None:
+        """``op``'s results on concrete operands when they are scalars of an op folded as constants are."""
+        name = _short_name(op.name)
+        if len(op.regions) or not (name in _UNARY or name in _BINARY or name in _FOLDABLE or name == "constant"):
+            return None
+        if any(math.prod(_tensor_type(r.type)[0]) != 1 for r in op.results):
+            return None
+        env = _Env()
+        env.update(zip(op.operands, operands))
+        with jax.ensure_compile_time_eval():
+            results = self._dispatch(op, name, list(operands), env)
+        return [np.broadcast_to(r.value, r.shape) if isinstance(r, _Broadcast) else np.asarray(r) for r in results]
 
     def op_case(self, op, operands, env):
         (index,) = operands

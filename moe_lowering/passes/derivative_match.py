@@ -393,7 +393,7 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
     for eqn in graph.eqns:
         if eqn.index in interior or not any(isinstance(a, Value) and a in derived for a in eqn.inputs):
             continue
-        if str(eqn.primitive) == _ADD_ANY or all(keyed.get(v) in known for v in eqn.outputs):
+        if _is_sum(eqn, keyed, keys) or all(keyed.get(v) in known for v in eqn.outputs):
             uses.append(eqn)
             derived.update(eqn.outputs)
         elif any(isinstance(a, Value) and a in interior_values for a in eqn.inputs):
@@ -410,7 +410,7 @@ def _prove(graph, reference: _Reference, inputs, cotangent, interior_values, int
             users = graph.users.get(value, ())
             if value in graph.output_set or any(u.index not in use_ids for u in users):
                 leaving.append(value)
-            elif value in mixed_sums and any(str(u.primitive) != _ADD_ANY for u in users):
+            elif value in mixed_sums and any(not _is_sum(u, keyed, keys) for u in users):
                 return FailedMatch(f"a sum of the layer's derivative and other terms is used by "
                                    f"{_describe(users[0])} before it is complete", users[0], "private-interior"), len(uses)
     outputs = []
@@ -441,19 +441,25 @@ def _cotangents_of_the_output_alone(graph, reference: _Reference, keyed, inputs,
     return extra
 
 
-def _terms(graph: JaxprGraph, value) -> list:
+def _is_sum(eqn: Eqn, keyed: dict, keys: _Keys) -> bool:
+    """``add_any``, or an ``add`` of two cotangents: a StableHLO module's spelling of it (``_Keys.eqn_outputs``),
+    as where a residual connection adds the layer's input cotangent to the output's."""
+    return str(eqn.primitive) == _ADD_ANY or (str(eqn.primitive) == "add" and keyed.get(eqn.outputs[0]) in keys.terms)
+
+
+def _terms(graph: JaxprGraph, value, keyed: dict, keys: _Keys) -> list:
     """The terms of the ``add_any`` tree ending at ``value``: the same leaves for every region whose
     cotangents it sums (two layers sharing their weights), so that the rewrite can share them out."""
     eqn = graph.producer.get(value)
-    if eqn is None or str(eqn.primitive) != _ADD_ANY:
+    if eqn is None or not _is_sum(eqn, keyed, keys):
         return [value]
-    return [t for a in eqn.inputs for t in _terms(graph, a)]
+    return [t for a in eqn.inputs for t in _terms(graph, a, keyed, keys)]
 
 
 def _match_output(graph, reference: _Reference, keyed, value, derived, inputs, sparse_reads):
     """``value`` as the cotangent of one region operand plus terms that are not the region's."""
     keys = reference.keys
-    terms = _terms(graph, value)
+    terms = _terms(graph, value, keyed, keys)
     available = collections.Counter()
     for term in terms:
         key = term if isinstance(term, Const) else keyed.get(term)
