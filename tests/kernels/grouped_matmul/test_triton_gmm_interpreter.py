@@ -22,6 +22,19 @@ BLOCK = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
 NUM_PROGRAMS = 3
 
 
+def covering(grid, classes_of):
+    """The variants of ``grid`` that run: a few that together reach every class some variant of the
+    grid reaches (greedy: the variant adding the most classes not yet reached, the first of equals).
+    The interpreter takes seconds a case, and the full grids reach each class many times over."""
+    classes = {name: frozenset(classes_of(*variant)) for name, variant in grid.items()}
+    left, chosen = set().union(*classes.values()), []
+    while left:
+        name = max(grid, key=lambda name: len(classes[name] & left))
+        chosen.append(name)
+        left -= classes[name]
+    return {name: grid[name] for name in grid if name in chosen}
+
+
 def _tgmm_reference(lhs, grad, group_sizes, group_offset, num_groups):
     out = np.zeros((num_groups, lhs.shape[1], grad.shape[1]))
     group_of_row = harness.row_groups(group_sizes, lhs.shape[0])
@@ -33,6 +46,11 @@ def _tgmm_reference(lhs, grad, group_sizes, group_offset, num_groups):
 
 GMM_VARIANTS = {f"{case}-k{k}-{'rhsT' if t else 'rhs'}": (case, k, t)
                 for case in CASES for k in (24, 32) for t in (False, True)}
+
+
+# Each group pattern with each weight layout; each layout with and without a K remainder.
+GMM_RUN = covering(GMM_VARIANTS, lambda case, k, transpose_rhs: {("groups", case, transpose_rhs),
+                                                                 ("k", transpose_rhs, k % BLOCK["BLOCK_K"])})
 
 
 def _run_gmm(kernels, case, k, transpose_rhs):
@@ -60,6 +78,9 @@ TGMM_CASES = {**CASES, "groups-past-rows": ([6, 10, 9], 20, 0, 3), "several-step
               "resident-blocks": ([16, 24, 17, 25, 8], 90, 0, 5)}
 TGMM_VARIANTS = {f"{kernel}-{case}-p{programs}": (kernel, case, programs)
                  for kernel in ("tgmm_kernel", "tgmm_resident_kernel") for case in TGMM_CASES for programs in (3, 5)}
+
+# Each kernel with each group pattern and each program count.
+TGMM_RUN = covering(TGMM_VARIANTS, lambda kernel, case, programs: {(kernel, case), (kernel, programs)})
 
 
 def _run_tgmm(kernels, kernel, case, programs):
@@ -173,21 +194,52 @@ def expected_pair_counters(case, k, programs, block):
     return [pieces] * counted + [0] * (programs - counted)
 
 
+def variant_tail_kinds(case, k, transpose_rhs, programs, block):
+    """What the tail of one variant exercises, from the sizes (nothing where the main kernel keeps it)."""
+    units, pieces = tail_units(case, k, programs, block)
+    if not units:
+        return frozenset()
+    kinds = {f"pieces-{pieces}"}
+    if _unit_rows(block) < block["BLOCK_M"]:
+        halves = [sum(unit[0] == tile for unit in units) for tile in {unit[0] for unit in units}]
+        kinds.update({"one-half" if count == 1 else "two-halves" for count in halves})
+    kinds.update({"over-groups"} if len({unit[1] for unit in units}) > 1 else set())
+    kinds.update({"k-remainder"} if k % block["BLOCK_K"] else {"k-whole"})
+    kinds.update({"rhsT"} if transpose_rhs else set())
+    return frozenset(kinds)
+
+
 def tail_kinds(variants):
     """What the tails of ``variants`` exercise, from the sizes."""
-    kinds = set()
-    for case, k, transpose_rhs, programs, block in variants.values():
-        units, pieces = tail_units(case, k, programs, block)
-        if not units:
-            continue
-        kinds.add(f"pieces-{pieces}")
-        if _unit_rows(block) < block["BLOCK_M"]:
-            halves = [sum(unit[0] == tile for unit in units) for tile in {unit[0] for unit in units}]
-            kinds.update({"one-half" if count == 1 else "two-halves" for count in halves})
-        kinds.update({"over-groups"} if len({unit[1] for unit in units}) > 1 else set())
-        kinds.update({"k-remainder"} if k % block["BLOCK_K"] else {"k-whole"})
-        kinds.update({"rhsT"} if transpose_rhs else set())
-    return kinds
+    return set().union(*(variant_tail_kinds(*variant) for variant in variants.values()))
+
+
+def pair_kinds(case, k, programs, block):
+    """What the pair's tail of one variant exercises: its cut, and a program doing two units."""
+    units, pieces = pair_units(case, k, programs, block)
+    if not units:
+        return frozenset()
+    return frozenset({f"pieces-{pieces}"} | ({"more-units-than-programs"} if len(units) > programs else set()))
+
+
+def _tail_classes(case, k, transpose_rhs, programs, block):
+    """Each group pattern with a tail kernel's share and without one; each tail schedule (cut,
+    halves, units over two groups) at each tile height, weight layout and K kind."""
+    kinds = variant_tail_kinds(case, k, transpose_rhs, programs, block)
+    return {("groups", case, bool(kinds)),
+            ("schedule", block["BLOCK_M"], transpose_rhs, bool(k % block["BLOCK_K"]), kinds)}
+
+
+def _pair_classes(case, k, transpose_rhs, programs, block):
+    """As ``_tail_classes``, with the pair's own cut (its units are both products')."""
+    kinds = pair_kinds(case, k, programs, block) | {
+        kind for kind in variant_tail_kinds(case, k, transpose_rhs, programs, block) if not kind.startswith("pieces-")}
+    return {("groups", case, bool(kinds)), ("schedule", block["BLOCK_M"], bool(k % block["BLOCK_K"]), kinds)}
+
+
+TAIL_RUN = covering({**TAIL_VARIANTS, **HALF_VARIANTS}, _tail_classes)
+PUSH_RUN = covering(PUSH_VARIANTS, _tail_classes)
+PAIR_RUN = covering(PAIR_VARIANTS, _pair_classes)
 
 
 def _tail_launch(programs, block, **shapes):
@@ -289,6 +341,7 @@ def _run_push_with_tail(kernels, case, k, transpose_rhs, programs, block):
 
 # gmm_sum_kernel: both contractions in one loop, K with and without a remainder, every row case.
 SUM_VARIANTS = {f"{case}-k{k}-p{programs}": (case, k, programs) for case in CASES for k in (24, 32) for programs in (3, 5)}
+SUM_RUN = covering(SUM_VARIANTS, lambda case, k, programs: {("groups", case), ("k", k, programs)})
 
 
 def _run_gmm_sum(kernels, case, k, programs):
@@ -408,17 +461,17 @@ def _jobs():
     from moe_lowering.kernels.grouped_matmul import triton_kernels as kernels
 
     jobs = {f"gmm-{name}": (lambda v=variant: harness.summary(*_run_gmm(kernels, *v)))
-            for name, variant in GMM_VARIANTS.items()}
+            for name, variant in GMM_RUN.items()}
     jobs.update({f"tgmm-{name}": (lambda v=variant: harness.summary(*_run_tgmm(kernels, *v)))
-                 for name, variant in TGMM_VARIANTS.items()})
+                 for name, variant in TGMM_RUN.items()})
     jobs.update({f"tail-{name}": (lambda v=variant: _run_gmm_with_tail(kernels, *v))
-                 for name, variant in {**TAIL_VARIANTS, **HALF_VARIANTS}.items()})
+                 for name, variant in TAIL_RUN.items()})
     jobs.update({f"push-{name}": (lambda v=variant: _run_push_with_tail(kernels, *v))
-                 for name, variant in PUSH_VARIANTS.items()})
+                 for name, variant in PUSH_RUN.items()})
     jobs.update({f"pair-{name}": (lambda v=variant: _run_gmm_pair_with_tail(kernels, *v))
-                 for name, variant in PAIR_VARIANTS.items()})
+                 for name, variant in PAIR_RUN.items()})
     jobs.update({f"sum-{name}": (lambda v=variant: harness.summary(*_run_gmm_sum(kernels, *v)))
-                 for name, variant in SUM_VARIANTS.items()})
+                 for name, variant in SUM_RUN.items()})
     jobs.update({f"gather-{name}": (lambda v=variant: _run_gather_gmm(kernels, *v))
                  for name, variant in GATHER_VARIANTS.items()})
     jobs.update({f"gather-tgmm-{name}": (lambda v=variant: _run_gather_tgmm(kernels, *v))
@@ -428,9 +481,9 @@ def _jobs():
     return jobs
 
 
-JOB_KEYS = ([f"gmm-{n}" for n in GMM_VARIANTS] + [f"tgmm-{n}" for n in TGMM_VARIANTS]
-            + [f"tail-{n}" for n in {**TAIL_VARIANTS, **HALF_VARIANTS}] + [f"push-{n}" for n in PUSH_VARIANTS]
-            + [f"pair-{n}" for n in PAIR_VARIANTS] + [f"sum-{n}" for n in SUM_VARIANTS]
+JOB_KEYS = ([f"gmm-{n}" for n in GMM_RUN] + [f"tgmm-{n}" for n in TGMM_RUN]
+            + [f"tail-{n}" for n in TAIL_RUN] + [f"push-{n}" for n in PUSH_RUN]
+            + [f"pair-{n}" for n in PAIR_RUN] + [f"sum-{n}" for n in SUM_RUN]
             + [f"gather-{n}" for n in GATHER_VARIANTS] + [f"gather-tgmm-{n}" for n in GATHER_TGMM_VARIANTS]
             + [f"gather-lhs-tgmm-{n}" for n in GATHER_LHS_TGMM_VARIANTS])
 
@@ -440,13 +493,13 @@ if __name__ == "__main__":
 else:
     interpreter_report = harness.report_fixture(__file__, JOB_KEYS)
 
-    @pytest.mark.parametrize("name", sorted(GMM_VARIANTS))
+    @pytest.mark.parametrize("name", sorted(GMM_RUN))
     def test_gmm_kernel_matches_reference(interpreter_report, name):
         result = interpreter_report[f"gmm-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
-    @pytest.mark.parametrize("name", sorted(SUM_VARIANTS))
+    @pytest.mark.parametrize("name", sorted(SUM_RUN))
     def test_gmm_sum_kernel_matches_reference(interpreter_report, name):
         """Both products in one accumulator, every row written (zeros outside the local groups)."""
         result = interpreter_report[f"sum-{name}"]
@@ -479,38 +532,38 @@ else:
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
-    @pytest.mark.parametrize("name", sorted(TGMM_VARIANTS))
+    @pytest.mark.parametrize("name", sorted(TGMM_RUN))
     def test_tgmm_kernel_matches_reference(interpreter_report, name):
         result = interpreter_report[f"tgmm-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
 
-    @pytest.mark.parametrize("name", sorted({**TAIL_VARIANTS, **HALF_VARIANTS}))
+    @pytest.mark.parametrize("name", sorted(TAIL_RUN))
     def test_gmm_with_its_tail_apart_matches_reference(interpreter_report, name):
         """The main kernel's full waves plus the tail kernel's K pieces of the active units write every
         output once, and the tail kernel numbered and cut the units as ``tail_units`` says."""
-        case, k, _, programs, block = {**TAIL_VARIANTS, **HALF_VARIANTS}[name]
+        case, k, _, programs, block = TAIL_RUN[name]
         result = interpreter_report[f"tail-{name}"]
         assert result["unwritten"] == 0, f"{result['unwritten']} output elements were never written"
         assert result["max_error"] < 1e-5, result
         assert result["counters"] == expected_counters(case, k, programs, block)
 
-    @pytest.mark.parametrize("name", sorted(PUSH_VARIANTS))
+    @pytest.mark.parametrize("name", sorted(PUSH_RUN))
     def test_gmm_push_with_its_tail_apart_stores_every_row_on_its_peer(interpreter_report, name):
         """Every row of a local group lands at its place on its peer, nothing else is written, and
         every program of both kernels signals every peer once."""
-        case, k, _, programs, block = PUSH_VARIANTS[name]
+        case, k, _, programs, block = PUSH_RUN[name]
         result = interpreter_report[f"push-{name}"]
         assert result["unwritten"] == 0 and result["stray"] == 0, result
         assert result["max_error"] < 1e-5, result
         assert result["signals_ok"], result
         assert result["counters"] == expected_counters(case, k, programs, block)
 
-    @pytest.mark.parametrize("name", sorted(PAIR_VARIANTS))
+    @pytest.mark.parametrize("name", sorted(PAIR_RUN))
     def test_gmm_pair_with_its_tail_apart_matches_reference(interpreter_report, name):
         """Both main kernels' full waves plus the pair's tail kernel write every element of both
         outputs once, each its own product, and the pair's units were cut as ``pair_units`` says."""
-        case, k, _, programs, block = PAIR_VARIANTS[name]
+        case, k, _, programs, block = PAIR_RUN[name]
         result = interpreter_report[f"pair-{name}"]
         for product in ("a", "b"):
             assert result[product]["unwritten"] == 0, (product, result)
@@ -519,18 +572,14 @@ else:
 
     def test_pair_cases_reach_every_cut_and_more_units_than_programs():
         """Whole units with a program doing two of them, and 2, 4 and 8 pieces."""
-        reached = set()
-        for case, k, _, programs, block in PAIR_VARIANTS.values():
-            units, pieces = pair_units(case, k, programs, block)
-            if units:
-                reached.add(f"pieces-{pieces}")
-                reached.update({"more-units-than-programs"} if len(units) > programs else set())
+        reached = set().union(*(pair_kinds(case, k, programs, block)
+                                for case, k, _, programs, block in PAIR_RUN.values()))
         expected = {"pieces-1", "pieces-2", "pieces-4", "pieces-8", "more-units-than-programs"}
         assert reached >= expected, expected - reached
 
     @pytest.mark.parametrize("variants, kinds", [
-        ({**TAIL_VARIANTS, **HALF_VARIANTS}, {"rhsT"}),
-        (PUSH_VARIANTS, set()),
+        (TAIL_RUN, {"rhsT"}),
+        (PUSH_RUN, set()),
     ], ids=["gmm", "push"])
     def test_tail_cases_reach_every_cut_and_unit(variants, kinds):
         """Whole units and 2, 4 and 8 pieces; tail tiles with one and with two active halves; tails
