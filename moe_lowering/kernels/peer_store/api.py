@@ -59,8 +59,6 @@ def uses_kernels(backend: str) -> bool:
 def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, axis_size: int,
                     zeroed: bool) -> PeerBuffer:
     """A fresh receive buffer for ``[recv_rows, *trailing_shape]`` rows (GPU kernels only)."""
-    from moe_lowering.kernels.peer_store import triton_launch as peer
-
     dtype = jnp.int8 if dtype == jnp.bool_ else dtype
     heap = peer_heap.current_heap()
     if heap is not None:
@@ -68,6 +66,8 @@ def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, a
         region = heap.regions.reserve(math.prod(shape) * jnp.dtype(dtype).itemsize, axis_size)
         words = jnp.asarray(peer_heap.offset_words(heap.device_id, region), jnp.int32)
         return PeerBuffer(jax.ShapeDtypeStruct(shape, dtype), None, words, heap_zeroed=bool(zeroed))
+    from moe_lowering.kernels.peer_store import triton_launch as peer
+
     allocation_id = jnp.asarray(next(_allocation_ids) % (2**31), jnp.int32).reshape(1)
     recv, arrivals, address = peer.allocate(recv_rows, math.prod(trailing_shape), dtype, axis_size, allocation_id,
                                             zeroed=zeroed)
