@@ -51,6 +51,8 @@ kernel sweeps:
   dense-ceiling dense_ceiling.py        dense cuBLAS products of SonicMoE's shapes: the ceiling for any MoE layer
   kernel-resources kernel_resources.py  registers, spills, shared memory and pipeline stages per kernel, compiled
                                         offline for sm_90 (no GPU)
+  gluon-gmm     gluon_gmm_probe.py      the Hopper-native Gluon grouped GEMM (grouped_matmul_sm90): checks, and
+                                        TFLOP/s against gmm_kernel, torch._grouped_mm and dense at d = 4096
 
 GPU machine:
   gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps

@@ -24,6 +24,8 @@ def gmm_rows(lhs, rhs, group_sizes):
 
 def gmm(lhs, rhs, group_sizes):
     """``grouped_matmul.reference.gmm``: the project's reference and CPU path."""
+    import jax.numpy as jnp
+
     from moe_lowering.kernels.grouped_matmul import reference
 
-    return reference.gmm(lhs, rhs, group_sizes)
+    return reference.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes))

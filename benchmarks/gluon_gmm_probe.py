@@ -1,0 +1,342 @@
+"""The Hopper-native Gluon grouped GEMM (``moe_lowering/kernels/grouped_matmul_sm90``) checked and timed on a GPU.
+
+On an H100 / H200 with torch and triton 3.6, every configuration (``--configs``, default all of
+``gluon_launch.CONFIGS``) is
+
+1. checked against a float32 per-group torch product on group-size patterns that stress the schedule
+   (empty groups, sizes not multiples of the tile, one group holding every row, groups covering fewer
+   rows than there are, a width not a multiple of the tile): max error relative to the largest product
+   entry, and whether the rows past the groups kept their sentinel (nothing is stored past a group);
+2. timed (``triton.testing.do_bench``: CUDA events, warm-up, L2 flushed, median) on SonicMoE's d = 4096
+   shapes (``sonic.SHAPES``), the forward up projection ``[T*K, d] @ [E, d, 2n]`` and down projection
+   ``[T*K, n] @ [E, n, d]`` with seeded multinomial group sizes, beside our Triton ``gmm_kernel`` launched
+   the same way at its table tile (``triton_launch.gmm_config``, whole tile loop in one launch),
+   ``torch._grouped_mm`` and a dense ``a @ b`` of the same FLOPs (the ceiling), each in TFLOP/s and
+   checked against the per-group bf16 product.
+
+A configuration that fails to compile or launch is reported and skipped. Writes
+``gluon_gmm_probe_<device>_<date>.json`` under ``--out``. ``--compile-only`` needs no GPU: it compiles
+every configuration offline for sm_90 and reports registers, spills and shared memory.
+
+    python benchmarks/gluon_gmm_probe.py --smoke --out /tmp/probe
+    python benchmarks/gluon_gmm_probe.py --out benchmarks/results
+    python benchmarks/gluon_gmm_probe.py --compile-only --out /tmp/probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax is imported (the tile table), never run
+
+D4096_SHAPES = ("30B-n256", "30B-n512", "30B-n1024", "120B-n512", "120B-n1024", "120B-n2048")
+SMOKE_SHAPE = "30B-n512"
+SMOKE_ROWS = 16384
+CHECK_PATTERNS = {
+    # name: (rows, K, N, group sizes)
+    "empty groups": (2048, 512, 512, [0, 300, 0, 0, 1000, 129, 0, 619]),
+    "ragged sizes": (3000, 256, 768, [1, 127, 129, 255, 257, 383, 385, 511, 952]),
+    "one group holds all": (2304, 512, 512, [0, 0, 2304, 0]),
+    "rows past the groups": (1536, 256, 512, [100, 0, 700, 33]),
+    "width not a tile multiple": (1200, 512, 320, [500, 0, 700]),
+    "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0]),
+}
+SENTINEL = 3.0
+TOLERANCE = 2e-2
+"""Largest error relative to the largest product entry a bf16 output may show (one bf16 rounding is 4e-3)."""
+
+
+def _load_sm90():
+    from moe_lowering.kernels.grouped_matmul_sm90 import gluon_launch
+
+    return gluon_launch
+
+
+def _selected_configs(names):
+    launch = _load_sm90()
+    if not names:
+        return list(launch.CONFIGS.values())
+    unknown = [name for name in names if name not in launch.CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; known: {list(launch.CONFIGS)}")
+    return [launch.CONFIGS[name] for name in names]
+
+
+def _error(message: str, exc: BaseException) -> dict:
+    print(f"  {message}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
+# ---------------------------------------------------------------------------------------------- offline
+
+
+def compile_report(configs, num_groups: int = 256) -> dict:
+    """Each config compiled for sm_90 without a GPU: launch registers, ptxas spills, shared memory."""
+    import triton
+
+    launch = _load_sm90()
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    report = {}
+    for config in configs:
+        try:
+            compiled = launch.compile_offline(config, num_groups)
+            with tempfile.TemporaryDirectory() as scratch:
+                ptx = Path(scratch) / "kernel.ptx"
+                ptx.write_text(compiled.asm["ptx"])
+                verbose = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(ptx.with_suffix(".o"))],
+                                         capture_output=True, text=True, check=True).stderr
+            registers = int(re.search(r"Used (\d+) registers", verbose).group(1))
+            spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", verbose)
+            maxnreg = {int(v) for v in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
+                                                   compiled.asm["ptx"])}
+            entry = {"launch_registers": registers, "spill_store_bytes": int(spills.group(1)),
+                     "spill_load_bytes": int(spills.group(2)), "shared_bytes": int(compiled.metadata.shared),
+                     "shared_limit": launch.SHARED_LIMIT, "setmaxnreg_values": sorted(maxnreg),
+                     "wgmma_per_k_step": compiled.asm["ptx"].count("wgmma.mma_async")}
+            print(f"  {config.name:28s} regs {registers} (setmaxnreg {sorted(maxnreg)}), spills "
+                  f"{entry['spill_store_bytes']}/{entry['spill_load_bytes']} B, shared {entry['shared_bytes']} B "
+                  f"of {launch.SHARED_LIMIT}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one config's failure is reported, the others still run
+            entry = _error(f"{config.name} failed to compile", exc)
+        report[config.name] = entry
+    return report
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+def _torch():
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch
+
+
+def _reference_f32(lhs, rhs, sizes):
+    """float32 per-group product of the groups' rows (rows past them zero)."""
+    torch = _torch()
+    out = torch.zeros(lhs.shape[0], rhs.shape[2], dtype=torch.float32, device=lhs.device)
+    start = 0
+    for group, size in enumerate(sizes):
+        end = min(start + max(int(size), 0), lhs.shape[0])
+        if end > start:
+            out[start:end] = lhs[start:end].float() @ rhs[group].float()
+        start = end
+    return out
+
+
+def _reference_bf16(lhs, rhs, sizes):
+    """bf16 per-group product (cuBLAS) of the groups' rows, for the large shapes."""
+    torch = _torch()
+    out = torch.zeros(lhs.shape[0], rhs.shape[2], dtype=lhs.dtype, device=lhs.device)
+    start = 0
+    for group, size in enumerate(sizes):
+        end = min(start + int(size), lhs.shape[0])
+        if end > start:
+            torch.matmul(lhs[start:end], rhs[group], out=out[start:end])
+        start = end
+    return out
+
+
+def _relative_error(out, reference, rows: int) -> float:
+    reference = reference[:rows].float()
+    scale = reference.abs().max().item() or 1.0
+    return (out[:rows].float() - reference).abs().max().item() / scale
+
+
+def check_patterns(config, seed: int = 0) -> dict:
+    """The kernel against the float32 reference on every ``CHECK_PATTERNS`` entry."""
+    torch = _torch()
+    launch = _load_sm90()
+    results = {}
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for name, (rows, k, n, sizes) in CHECK_PATTERNS.items():
+        try:
+            lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            rhs = torch.randn(len(sizes), k, n, device="cuda", dtype=torch.bfloat16, generator=generator) / k ** 0.5
+            group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+            out = torch.full((rows, n), SENTINEL, device="cuda", dtype=torch.bfloat16)
+            launch.gmm(lhs, rhs, group_sizes, config, out=out)
+            torch.cuda.synchronize()
+            covered = min(sum(sizes), rows)
+            error = _relative_error(out, _reference_f32(lhs, rhs, sizes), covered)
+            untouched = bool((out[covered:] == SENTINEL).all().item())
+            results[name] = {"rows": rows, "K": k, "N": n, "group_sizes": sizes, "max_rel_error": error,
+                             "rows_past_groups_untouched": untouched,
+                             "ok": bool(error < TOLERANCE and untouched)}
+            print(f"  check {name:28s} max rel error {error:.2e}, rows past groups untouched {untouched}"
+                  f"{'' if results[name]['ok'] else '   <-- FAILED'}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            results[name] = _error(f"check {name}", exc)
+    return results
+
+
+def _group_sizes(rows: int, groups: int, seed: int) -> list[int]:
+    """Seeded multinomial routing of ``rows`` copies over ``groups`` experts (uniform, as random routing is)."""
+    return np.random.default_rng(seed).multinomial(rows, np.full(groups, 1.0 / groups)).astype(int).tolist()
+
+
+def _bench_ms(fn, smoke: bool) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=5 if smoke else 25, rep=20 if smoke else 100))
+
+
+def _gmm_kernel_launcher(lhs, rhs, group_sizes, out):
+    """Our current Triton ``gmm_kernel`` at its table tile, launched through Triton on torch tensors
+    (the whole tile loop in one launch: the production path adds a K-split tail launch)."""
+    torch = _torch()
+    import triton
+    from kernel_resources import _launchers  # the launcher's tile table without jax_triton
+
+    from moe_lowering.kernels.grouped_matmul.triton_kernels import gmm_kernel
+
+    table = _launchers()
+    rows, k = lhs.shape
+    groups, _, n = rhs.shape
+    config = table.gmm_config(rows, k, n, groups, False, flattened_loop=True)
+    programs = min(torch.cuda.get_device_properties(0).multi_processor_count,
+                   (triton.cdiv(rows, config.block_m) + groups) * triton.cdiv(n, config.block_n))
+    offset = torch.zeros(1, dtype=torch.int32, device=lhs.device)
+
+    def run():
+        gmm_kernel[(programs, )](lhs, rhs, group_sizes, offset, out, M=rows, K=k, N=n, NUM_LOCAL_GROUPS=groups,
+                                 NUM_GROUPS=groups, GROUPS_PAD=table._next_power_of_two(groups), TRANSPOSE_RHS=False,
+                                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                 GROUP_M=config.group_m, NUM_PROGRAMS=programs, COMPUTE_F32=False, ZERO_OUTSIDE=True,
+                                 TAIL_APART=False, FLATTEN=config.flatten, num_warps=config.num_warps,
+                                 num_stages=config.num_stages)
+
+    return run, f"gmm_kernel {config.block_m}x{config.block_n}x{config.block_k} s{config.num_stages}" + (
+        " flat" if config.flatten else "")
+
+
+def _grouped_mm_launcher(lhs, rhs, group_sizes):
+    torch = _torch()
+    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    try:
+        torch._grouped_mm(lhs, rhs, offs=offsets, out_dtype=torch.bfloat16)
+        weights = rhs
+    except RuntimeError:  # some releases want the weights column-major
+        weights = rhs.transpose(1, 2).contiguous().transpose(1, 2)
+    return lambda: torch._grouped_mm(lhs, weights, offs=offsets, out_dtype=torch.bfloat16)
+
+
+def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int) -> dict:
+    """Every kernel on one grouped product: ms, TFLOP/s, relative error against the per-group bf16 product."""
+    torch = _torch()
+    launch = _load_sm90()
+    sizes = _group_sizes(rows, groups, seed)
+    flops = 2.0 * rows * k * n
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+    rhs = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16, generator=generator) / k ** 0.5
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    reference = _reference_bf16(lhs, rhs, sizes)
+    entry = {"product": label, "M": rows, "K": k, "N": n, "E": groups, "flops": flops,
+             "group_sizes_min_max": [min(sizes), max(sizes)], "kernels": {}}
+
+    def measure(name, fn, out=None):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            result = {"ms": _bench_ms(fn, smoke)}
+            result["tflops"] = flops / result["ms"] / 1e9
+            if out is not None:
+                result["max_rel_error"] = _relative_error(out() if callable(out) else out, reference, rows)
+            entry["kernels"][name] = result
+            error = f", rel err {result['max_rel_error']:.1e}" if "max_rel_error" in result else ""
+            print(f"    {name:36s} {result['ms']:8.3f} ms {result['tflops']:7.1f} TFLOP/s{error}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            entry["kernels"][name] = _error(f"  {name}", exc)
+
+    print(f"  {label}: [{rows}, {k}] x [{groups}, {k}, {n}], sizes {min(sizes)}-{max(sizes)}", flush=True)
+    for config in configs:
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        measure(f"gluon {config.name}", lambda c=config, o=out: launch.gmm(lhs, rhs, group_sizes, c, out=o), out)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    try:
+        run, name = _gmm_kernel_launcher(lhs, rhs, group_sizes, out)
+        measure(name, run, out)
+    except Exception as exc:  # noqa: BLE001
+        entry["kernels"]["gmm_kernel"] = _error("  gmm_kernel", exc)
+    try:
+        grouped = _grouped_mm_launcher(lhs, rhs, group_sizes)
+        measure("torch._grouped_mm", grouped, grouped)
+    except Exception as exc:  # noqa: BLE001
+        entry["kernels"]["torch._grouped_mm"] = _error("  torch._grouped_mm", exc)
+    dense_rhs = rhs[0]
+    measure("dense a @ b (ceiling)", lambda: lhs @ dense_rhs)
+    del lhs, rhs, reference, out
+    torch.cuda.empty_cache()
+    return entry
+
+
+def run_gpu(configs, shapes, smoke: bool, seed: int) -> dict:
+    torch = _torch()
+    import triton
+    from sonic import SHAPES
+
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+              "smoke": smoke, "configs": {c.name: c.__dict__ | {"maxnreg": c.maxnreg} for c in configs},
+              "checks": {}, "products": []}
+    print(f"{result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    for config in configs:
+        print(f"checks, {config.name}:", flush=True)
+        result["checks"][config.name] = check_patterns(config, seed)
+    for name in shapes:
+        shape = SHAPES[name]
+        rows = SMOKE_ROWS if smoke else shape.T * shape.K
+        print(f"{name} (T={shape.T}, K={shape.K}, d={shape.d}, n={shape.n}, E={shape.E}), {rows} rows:", flush=True)
+        for label, k, n in (("up", shape.d, 2 * shape.n), ("down", shape.n, shape.d)):
+            entry = time_product(label, rows, k, n, shape.E, configs, smoke, seed)
+            result["products"].append({"shape": name, **entry})
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
+    parser.add_argument("--configs", nargs="*", default=None, help="gluon_launch.CONFIGS names (default: all)")
+    parser.add_argument("--shapes", nargs="*", default=None, help=f"sonic.SHAPES names (default: {D4096_SHAPES})")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"seconds: the first config, {SMOKE_SHAPE} at {SMOKE_ROWS} rows, short timings")
+    parser.add_argument("--compile-only", action="store_true", help="compile offline for sm_90 (no GPU) and report")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    configs = _selected_configs(args.configs)
+    if args.smoke and args.configs is None:
+        configs = configs[:1]
+    shapes = args.shapes or ([SMOKE_SHAPE] if args.smoke else list(D4096_SHAPES))
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    print("offline sm_90 compile:", flush=True)
+    report = {"date": stamp.isoformat(timespec="seconds"), "compile": compile_report(configs)}
+    if args.compile_only:
+        device = "offline-sm90"
+    else:
+        report |= run_gpu(configs, shapes, args.smoke, args.seed)
+        device = report["device"].replace("NVIDIA ", "").split()[0]
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = "smoke_" if args.smoke else ""
+    path = args.out / f"gluon_gmm_probe_{kind}{device}_{stamp.date().isoformat()}.json"
+    path.write_text(json.dumps(report, indent=1, default=str))
+    failed = [(config, name) for config, checks in report.get("checks", {}).items()
+              for name, check in checks.items() if not check.get("ok")]
+    print(f"wrote {path}; checks failed: {failed or 'none'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
