@@ -24,6 +24,7 @@ reading it, so its initial contents do not matter. Every other carried value is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -179,44 +180,59 @@ def _unit_row(update):
     return source
 
 
+def _scalar(value) -> bool:
+    shape = _shape(value)
+    return shape is not None and math.prod(shape) == 1
+
+
+def _callee_index(block, kept: tuple, position: int, index):
+    """``(argument, index)`` when ``block`` (a callee) computes ``index`` from its argument ``position`` and
+    constants by scalar ops (``dynamic_index_in_dim``'s wrap of negative indices), and its other ops are
+    ``kept`` or constants; else None."""
+    argument = block.arguments[position]
+    if _depends(index, set(block.arguments), {}) - {argument}:
+        return None
+    for op in (o.operation for o in block.operations):
+        if op.name == "func.return" or op in kept or _short(op) == "constant":
+            continue
+        if len(op.regions) or not all(_scalar(v) for v in list(op.results) + list(op.operands)):
+            return None
+    return argument, index
+
+
 def _read_call(op, functions, evaluate):
-    """``(array, row index)`` of a call whose callee returns ``reshape(dynamic_slice(a, i, 0..))``: a row."""
+    """``(array, row index, (argument, index in the callee))`` of a call whose callee returns
+    ``reshape(dynamic_slice(a, i, 0..))``: a row of its first argument at its second."""
     block = _callee_body(op, functions)
     if block is None or len(block.arguments) != 2 or len(op.results) != 1:
         return None
-    ops = [o.operation for o in block.operations]
-    ret = ops[-1]
+    ret = [o.operation for o in block.operations][-1]
     reshape = _owner(ret.operands[0]) if len(ret.operands) == 1 else None
     sliced = _owner(reshape.operands[0]) if reshape is not None and _short(reshape) == "reshape" else None
     found = _row_slice(sliced, evaluate) if sliced is not None else None
-    if found is None or list(found) != list(block.arguments) or _shape(reshape.results[0]) != _shape(found[0])[1:]:
+    if found is None or found[0] != block.arguments[0] or _shape(reshape.results[0]) != _shape(found[0])[1:]:
         return None
-    if any(len(o.regions) or (o.name != "func.return" and o not in (reshape, sliced) and _short(o) != "constant")
-           for o in ops):
-        return None
-    return op.operands[0], op.operands[1]
+    inner = _callee_index(block, (reshape, sliced), 1, found[1])
+    return None if inner is None else (op.operands[0], op.operands[1], inner)
 
 
 def _write_call(op, functions, evaluate):
-    """``(buffer, row, row index)`` of a call whose callee writes its row argument into its buffer argument
-    (``dynamic_update_slice(b, broadcast_in_dim(r), i, 0..)``)."""
+    """``(buffer, row, row index, (argument, index in the callee))`` of a call whose callee writes its second
+    argument as a row of its first at its third (``dynamic_update_slice(b, broadcast_in_dim(r), i, 0..)``)."""
     block = _callee_body(op, functions)
     if block is None or len(block.arguments) != 3 or len(op.results) != 1:
         return None
-    ops = [o.operation for o in block.operations]
-    ret = ops[-1]
+    ret = [o.operation for o in block.operations][-1]
     write = _owner(ret.operands[0]) if len(ret.operands) == 1 else None
     found = _row_update(write, evaluate) if write is not None else None
     if found is None:
         return None
     buffer, update, index = found
     row = _unit_row(update)
-    if [buffer, row, index] != list(block.arguments):
+    if row is None or buffer != block.arguments[0] or row != block.arguments[1]:
         return None
-    if any(len(o.regions) or (o.name != "func.return" and o not in (write, _owner(update)) and _short(o) != "constant")
-           for o in ops):
-        return None
-    return op.operands[0], op.operands[1], op.operands[2]
+    inner = _callee_index(block, (write, _owner(update)), 2, index)
+    return None if inner is None else (op.operands[0], op.operands[1], op.operands[2], inner)
 
 
 def _depends(value, on: set, cache: dict) -> set:
@@ -291,7 +307,7 @@ def recognise(while_op, operands, *, outer: Callable, fold: Callable, functions:
             _row_slice(op, evaluate) or _read_call(op, functions, evaluate))
         if found is None or found[1] not in derived or not loop_invariant(found[0]):
             continue
-        indexing[op] = found[1]
+        indexing[op] = (found[1], found[2] if len(found) > 2 else None)
         replaced.add(op)
         value = op.results[0]
         users = [u.owner.operation for u in value.uses]
@@ -309,17 +325,17 @@ def recognise(while_op, operands, *, outer: Callable, fold: Callable, functions:
         if found is not None:
             buffer, update, index = found
             row = _unit_row(update)
-            unit = None if row is not None else update
+            unit, inner = (None if row is not None else update), None
         else:
             found = _write_call(write, functions, evaluate)
             if found is None:
                 continue
-            buffer, row, index = found
+            buffer, row, index, inner = found
             unit = update = None
         if buffer != arg or index not in derived:
             continue
         stacked.append(StackedOutput(position, out, row, unit))
-        indexing[write] = index
+        indexing[write] = (index, inner)
         replaced.add(write)
         if update is not None and row is not None:
             replaced.add(_owner(update))
@@ -330,18 +346,26 @@ def recognise(while_op, operands, *, outer: Callable, fold: Callable, functions:
                 continue
             if user.parent != while_op:
                 return FailedMatch(f"its counter is read inside a region of `{user.name}`, not only to index rows")
-            if not (user.results and user.results[0] in derived or indexing.get(user) == value):
-                return FailedMatch(f"its counter is read by `{user.name}`, not only to index rows")
+            if user.results and user.results[0] in derived or user in indexing and indexing[user][0] == value:
+                continue
+            if _row_update(user, evaluate) or _write_call(user, functions, evaluate):
+                return FailedMatch(f"its counter indexes a row written by `{user.name}` into a buffer that is not "
+                                   "written once per iteration and otherwise unread")
+            if _row_slice(user, evaluate) or _read_call(user, functions, evaluate):
+                return FailedMatch(f"its counter indexes a row read by `{user.name}` from an array the loop changes")
+            return FailedMatch(f"its counter is read by `{user.name}`, not only to index rows")
     # Each row index at every iteration: the rows in order (or reverse order), the same for all.
     rows_of: dict = {}
-    for index in set(indexing.values()):
+    for index, inner in set(indexing.values()):
         rows = []
         for value in values:
             row = evaluate(index, {body_args[counter]: value}, {})
+            if row is not None and inner is not None:  # the callee's own index computation
+                row = evaluate(inner[1], {inner[0]: row}, {})
             if row is None:
                 return FailedMatch("a row index is not computed from the counter and constants alone")
             rows.append(int(np.asarray(row).reshape(())))
-        rows_of[index] = tuple(rows)
+        rows_of[index, inner] = tuple(rows)
     orders = set(rows_of.values())
     forward, backward = tuple(range(length)), tuple(reversed(range(length)))
     if not orders <= {forward, backward} or len(orders) > 1:
