@@ -74,7 +74,8 @@ def _replayed_primitives() -> frozenset:
 
 
 def is_float(atom) -> bool:
-    return np.issubdtype(np.dtype(atom.dtype), np.inexact) if hasattr(atom, "dtype") else False
+    """``jnp.issubdtype``: numpy's own does not count bfloat16 (or the FP8 types) as inexact."""
+    return jnp.issubdtype(atom.dtype, jnp.inexact) if hasattr(atom, "dtype") else False
 
 
 def tangent_free(graph: JaxprGraph, atom) -> bool:

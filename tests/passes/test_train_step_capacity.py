@@ -1,0 +1,243 @@
+"""Training steps of capacity (Switch / GShard) layers: the forward's on-device check and its
+``lax.cond`` differentiated whole, the dense branch under ``jax.checkpoint`` (``rewrite.py``,
+``differentiable_region``), the program's backward proven to be ``jax.vjp`` of the dense region with
+its combine tensor's construction (``derivative_match.py``, ``derivative_support.bounded_construction``).
+
+Each step is compared with the undecorated step: the loss and the gradients w.r.t. every input,
+float32 tight, on the sparse branch (tokens dropped past capacity included) and on the dense one.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from moe_lowering import explain, moe_optimize
+from moe_lowering.testing import mutate, zoo
+from moe_lowering.testing.device_checks import capacity_fallbacks
+
+D, F = 8, 12
+# C differs from E, d and f, so that a value holding expert activations is told by its shape
+MODELS = {
+    "switch": zoo.ZOO["switch"].builder(zoo.Sizes(T=16, d=D, f=F, E=4, k=1), capacity_factor=0.75),  # C = 3
+    "gshard_top2": zoo.ZOO["gshard_top2"].builder(zoo.Sizes(T=16, d=D, f=F, E=4, k=2), capacity_factor=1.25),  # 10
+    "grouped_capacity": zoo.ZOO["grouped_capacity"].builder(zoo.Sizes(B=2, T=20, d=D, f=F, E=4, k=2),
+                                                            capacity_factor=1.25),  # [B, S, E, C], S = 10, C = 6
+}
+
+
+def _loss(fn):
+    return lambda params, x: jnp.mean(jnp.sin(fn(params, x)) ** 2)
+
+
+def _step(fn):
+    return jax.jit(jax.value_and_grad(_loss(fn), argnums=(0, 1)))
+
+
+def _assert_close(expected, got, rtol):
+    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        want, have = np.asarray(want, np.float64), np.asarray(have, np.float64)
+        scale = max(np.max(np.abs(want)), 1e-30)
+        assert np.max(np.abs(want - have)) <= rtol * scale, (want.shape, np.max(np.abs(want - have)) / scale)
+
+
+def _activation_shapes(closed, num_experts: int, capacity: int, into_cond: bool) -> list:
+    """Shapes of the values of ``closed`` (sub-jaxprs included) holding expert activations or their
+    cotangents: an experts, a slots and a feature axis. ``into_cond=False``: a ``cond``'s outputs are
+    looked at, not its branches (the dense fallback's own values); its outputs are the residuals the
+    forward keeps for the backward."""
+    found = []
+    wanted = [collections.Counter({num_experts: 1, capacity: 1, feature: 1}) for feature in (D, F)]
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                dims = collections.Counter(getattr(var.aval, "shape", ()))
+                if any(all(dims[n] >= c for n, c in want.items()) for want in wanted):
+                    found.append(tuple(var.aval.shape))
+            if str(eqn.primitive) == "cond" and not into_cond:
+                continue
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _check_step(fn, params, x, capacity, num_experts=4, rtol=1e-5):
+    step = _step(fn)
+    report = explain(step, params, x)
+    assert len(report.regions) == 1 and report.regions[0].backward, str(report)
+    assert "rewritten forward and backward" in str(report)
+    rewritten = moe_optimize(step, strict=True)
+    _assert_close(step(params, x), rewritten(params, x), rtol)
+    dense_jaxpr, sparse_jaxpr = jax.make_jaxpr(step)(params, x), jax.make_jaxpr(rewritten)(params, x)
+    assert _activation_shapes(dense_jaxpr, num_experts, capacity, into_cond=True)  # the check can fail
+    assert _activation_shapes(sparse_jaxpr, num_experts, capacity, into_cond=True)  # the dense fallback is there
+    assert not _activation_shapes(sparse_jaxpr, num_experts, capacity, into_cond=False), (
+        "a dense expert activation is kept outside the fallback branch (a residual of the cond)")
+    return step, rewritten
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_capacity_training_step_rewritten_forward_and_backward(name):
+    """The sparse branch (the device checks hold on this data): loss and gradients w.r.t. every
+    parameter and the tokens as the dense step's."""
+    model = MODELS[name]
+    params, x = model.args(jax.random.key(1))
+    assert capacity_fallbacks(model.fn, params, x) == [False]
+    _check_step(model.fn, params, x, model.capacity)
+
+
+def test_tokens_dropped_past_capacity_are_dropped_alike():
+    """Switch with 12 slots for 16 tokens: at least 4 tokens are dropped (their output is zero), on the
+    sparse branch, and the gradients are still the dense step's, which drops the same tokens."""
+    model = MODELS["switch"]
+    params, x = model.args(jax.random.key(2))
+    assert model.capacity * 4 < 16
+    assert np.sum(np.all(np.asarray(model.fn(params, x)) == 0, axis=-1)) >= 16 - model.capacity * 4
+    assert capacity_fallbacks(model.fn, params, x) == [False]
+    _check_step(model.fn, params, x, model.capacity)
+
+
+def _switch_like(variant: str, capacity: int = 3):
+    """Top-1 capacity routing whose dispatch breaks a device check on some data: ``several``: tokens also
+    go to every expert scoring over 0.2 (more than k experts); ``wrap``: positions wrap around the
+    slots (two tokens in one slot)."""
+
+    def layer(params, x):
+        num_experts = params["router"].shape[-1]
+        probs = jax.nn.softmax(x @ params["router"], axis=-1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, axis=-1), num_experts, dtype=jnp.int32)
+        if variant == "several":
+            mask = jnp.maximum(mask, (probs > 0.2).astype(jnp.int32))
+        position = jnp.cumsum(mask, axis=0) * mask - 1
+        if variant == "wrap":
+            position = position % capacity
+        dispatch = jax.nn.one_hot(position, capacity, dtype=x.dtype) * (mask * (position < capacity))[..., None]
+        combine = dispatch * probs[..., None]
+        hidden = jax.nn.relu(jnp.einsum("ecd,edf->ecf", jnp.einsum("tec,td->ecd", dispatch, x), params["w_up"]))
+        return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", hidden, params["w_down"]))
+
+    return layer
+
+
+@pytest.mark.parametrize("variant", ["several", "wrap"])
+def test_the_dense_fallback_branch_gives_the_dense_gradients(variant):
+    """A dispatch the device check rejects on this data: the cond takes the dense branch, whose VJP (under
+    jax.checkpoint) is the dense step's."""
+    params, x = MODELS["switch"].args(jax.random.key(3))
+    layer = _switch_like(variant)
+    assert capacity_fallbacks(layer, params, x) == [True]
+    _check_step(layer, params, x, capacity=3)
+
+
+def test_optax_training_loop_follows_the_dense_trajectory():
+    """A jitted step with the optax update after the gradient, decorated whole: the same losses and
+    parameters for a few steps (float32), with the layer's forward and backward rewritten."""
+    import optax
+
+    model = MODELS["gshard_top2"]
+    params, x = model.args(jax.random.key(4))
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(_loss(model.fn))(params, x)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    assert explain(step, params, optimizer.init(params), x).regions[0].backward
+    fast = moe_optimize(step, strict=True)
+    dense_state = sparse_state = (params, optimizer.init(params))
+    for _ in range(3):
+        *dense_state, dense_loss = step(*dense_state, x)
+        *sparse_state, sparse_loss = fast(*sparse_state, x)
+        np.testing.assert_allclose(sparse_loss, dense_loss, rtol=1e-5)
+    _assert_close(dense_state[0], sparse_state[0], 1e-5)
+
+
+def _relative_error(exact, got) -> float:
+    exact, got = np.asarray(exact, np.float64), np.asarray(got, np.float64)
+    return float(np.linalg.norm(exact - got) / max(np.linalg.norm(exact), 1e-30))
+
+
+@pytest.mark.slow
+def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
+    """bf16 against the float32 step on the same values: within 2e-2, or no worse than twice the dense
+    bf16 step's error."""
+    model = MODELS["switch"]
+    params, x = model.args(jax.random.key(1), jnp.bfloat16)
+    step = _step(model.fn)
+    assert explain(step, params, x).regions[0].backward
+    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
+    dense, rewritten = step(params, x), moe_optimize(step, strict=True)(params, x)
+    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
+        assert got.dtype == base.dtype
+        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+
+
+def test_a_combine_built_past_the_proven_ops_is_compared_from_where_its_bound_starts():
+    """GShard's renormalised gates (a division: no derivative-support rule) are where combine's construction
+    starts: the gates' cotangent is what the sparse VJP gives and the program's backward is proven to be."""
+    model = MODELS["gshard_top2"]
+    params, x = model.args(jax.random.key(1))
+    report = explain(_step(model.fn), params, x)
+    assert report.regions[0].backward, str(report)
+
+
+# --------------------------------------------------------------------------- mutants of the capacity step
+
+MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)
+MUTATION_SEED = int(os.environ.get("MOE_MUTATION_SEED", "0"))
+CASES = [(f"{mutate.TRAIN_STEP}switch", kind)
+         for kind in ("scale", "swap_operands", "substitute", "extra_use", "constant", "replace_op")] + [
+    (f"{mutate.STEP_OF}switch", kind) for kind in ("stop_gradient", "scale", "apply_twice", "extra_use")]
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("context, kind", CASES)
+def test_capacity_training_step_mutants_are_declined_or_rewritten_exactly(context, kind):
+    """The Switch step mutated anywhere, its backward included (a cotangent scaled, a transpose given the
+    wrong operand, an interior value read once more), or the step of a mutated layer (a stop_gradient on
+    one path): declined, or rewritten and exact (``mutate.check_mutant``)."""
+    mutants = mutate.sample(context, kind, MUTANTS_PER_KIND, MUTATION_SEED)
+    assert mutants, f"{context} has no site for {kind}"
+    outcomes = [mutate.check_mutant(m, 1) for m in mutants]
+    bad = [o for o in outcomes if o.status in ("wrong", "crashed", "invalid")]
+    assert not bad, "\n\n".join(o.message() for o in bad)
+
+
+def test_a_scaled_cotangent_in_the_capacity_layers_backward_declines():
+    """x2 on the expert outputs' cotangent (the transpose of the combine einsum): no longer jax.vjp of
+    the layer, so the step is left dense with the reason."""
+    tiny = mutate.TINY
+    capacity = zoo.expert_capacity(tiny["T"], tiny["E"], 1, 1.0)
+    candidates = [m for m, _ in mutate.candidates(f"{mutate.TRAIN_STEP}switch", "scale")
+                  if m.site.primitive is lax.dot_general_p
+                  and m.site.outputs[0].shape == (tiny["E"], capacity, tiny["d"])
+                  and any(math.prod(a.shape) == tiny["T"] * tiny["d"] for a in m.site.inputs)]
+    # the dispatch einsum's output has that type too; the backward's transpose comes last
+    outcome = mutate.check_mutant(max(candidates, key=lambda m: m.site.index), 1)
+    assert outcome.status == "declined", outcome.message()
+    assert any("derivative" in r for r in outcome.near_misses), outcome.message()
+
+
+def test_bfloat16_values_carry_a_derivative():
+    """bfloat16 is not a numpy inexact type: counted as one, or every bf16 layer's dispatch and combine
+    would pass as derivative-free (a soft dispatch rewritten, combine's support check vacuous)."""
+    from moe_lowering.passes.derivative_support import tangent_free
+    from moe_lowering.passes.graph import build_graph
+
+    graph = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.ones(3, jnp.bfloat16)))
+    assert not tangent_free(graph, graph.outputs[0])
