@@ -192,7 +192,8 @@ def _group_sizes(rows: int, groups: int, seed: int) -> list[int]:
 def _bench_ms(fn, smoke: bool) -> float:
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=5 if smoke else 25, rep=20 if smoke else 100))
+    return float(triton.testing.do_bench(fn, warmup=5 if smoke else 25, rep=20 if smoke else 100,
+                                         return_mode="median"))
 
 
 def _gmm_kernel_launcher(lhs, rhs, group_sizes, out):
@@ -285,26 +286,59 @@ def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, sm
     return entry
 
 
-def run_gpu(configs, shapes, smoke: bool, seed: int) -> dict:
+def _checks_in_child(config, seed: int, timeout_s: int) -> dict:
+    """``check_patterns`` in a process of its own: a kernel that deadlocks on its barriers is killed
+    after ``timeout_s`` and reported, and the run goes on with the other configurations."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--configs", config.name,
+               "--seed", str(seed), "--checks-only"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        print(f"  {config.name}: checks did not finish in {timeout_s} s (a hang?)", flush=True)
+        return {"hung": {"error": f"no result in {timeout_s} s", "stdout": str(exc.stdout)[-2000:]}}
+    print(done.stdout.split("CHECKS_JSON")[0].rstrip(), flush=True)
+    if "CHECKS_JSON" not in done.stdout:
+        print(done.stderr[-3000:], flush=True)
+        return {"crashed": {"error": f"exit {done.returncode}", "stderr": done.stderr[-4000:]}}
+    return json.loads(done.stdout.split("CHECKS_JSON", 1)[1])
+
+
+def _passed(checks: dict) -> bool:
+    return bool(checks) and all(check.get("ok") for check in checks.values())
+
+
+def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, check_timeout_s: int) -> dict:
+    """Checks every configuration (each in a child process), then times the ones that passed, writing
+    ``report`` to ``path`` after every step (a run cut short keeps what it measured)."""
     torch = _torch()
     import triton
     from sonic import SHAPES
 
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-              "smoke": smoke, "configs": {c.name: c.__dict__ | {"maxnreg": c.maxnreg} for c in configs},
-              "checks": {}, "products": []}
-    print(f"{result['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    report |= {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+               "smoke": smoke, "configs": {c.name: c.__dict__ | {"maxnreg": c.maxnreg} for c in configs},
+               "checks": {}, "products": []}
+    print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     for config in configs:
         print(f"checks, {config.name}:", flush=True)
-        result["checks"][config.name] = check_patterns(config, seed)
+        report["checks"][config.name] = _checks_in_child(config, seed, check_timeout_s)
+        _write(report, path)
+    timed = [config for config in configs if _passed(report["checks"][config.name])]
+    if len(timed) < len(configs):
+        print(f"timing only the configs that passed: {[c.name for c in timed]}", flush=True)
     for name in shapes:
         shape = SHAPES[name]
         rows = SMOKE_ROWS if smoke else shape.T * shape.K
         print(f"{name} (T={shape.T}, K={shape.K}, d={shape.d}, n={shape.n}, E={shape.E}), {rows} rows:", flush=True)
         for label, k, n in (("up", shape.d, 2 * shape.n), ("down", shape.n, shape.d)):
-            entry = time_product(label, rows, k, n, shape.E, configs, smoke, seed)
-            result["products"].append({"shape": name, **entry})
-    return result
+            entry = time_product(label, rows, k, n, shape.E, timed, smoke, seed)
+            report["products"].append({"shape": name, **entry})
+            _write(report, path)
+    return report
+
+
+def _write(report: dict, path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=str))
 
 
 def main(argv=None) -> None:
@@ -315,24 +349,31 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help=f"seconds: the first config, {SMOKE_SHAPE} at {SMOKE_ROWS} rows, short timings")
     parser.add_argument("--compile-only", action="store_true", help="compile offline for sm_90 (no GPU) and report")
+    parser.add_argument("--checks-only", action="store_true", help=argparse.SUPPRESS)  # the child of _checks_in_child
+    parser.add_argument("--check-timeout", type=int, default=120, help="seconds for one config's checks")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     configs = _selected_configs(args.configs)
+    if args.checks_only:
+        checks = check_patterns(configs[0], args.seed)
+        print("CHECKS_JSON" + json.dumps(checks, default=str), flush=True)
+        return
     if args.smoke and args.configs is None:
         configs = configs[:1]
     shapes = args.shapes or ([SMOKE_SHAPE] if args.smoke else list(D4096_SHAPES))
     stamp = datetime.datetime.now(datetime.timezone.utc)
     print("offline sm_90 compile:", flush=True)
     report = {"date": stamp.isoformat(timespec="seconds"), "compile": compile_report(configs)}
-    if args.compile_only:
-        device = "offline-sm90"
-    else:
-        report |= run_gpu(configs, shapes, args.smoke, args.seed)
-        device = report["device"].replace("NVIDIA ", "").split()[0]
-    args.out.mkdir(parents=True, exist_ok=True)
     kind = "smoke_" if args.smoke else ""
-    path = args.out / f"gluon_gmm_probe_{kind}{device}_{stamp.date().isoformat()}.json"
-    path.write_text(json.dumps(report, indent=1, default=str))
+    if args.compile_only:
+        path = args.out / f"gluon_gmm_probe_{kind}offline-sm90_{stamp.date().isoformat()}.json"
+    else:
+        import torch
+
+        device = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0]
+        path = args.out / f"gluon_gmm_probe_{kind}{device}_{stamp.date().isoformat()}.json"
+        run_gpu(configs, shapes, args.smoke, args.seed, report, path, args.check_timeout)
+    _write(report, path)
     failed = [(config, name) for config, checks in report.get("checks", {}).items()
               for name, check in checks.items() if not check.get("ok")]
     print(f"wrote {path}; checks failed: {failed or 'none'}", flush=True)
