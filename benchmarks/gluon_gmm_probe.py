@@ -125,28 +125,16 @@ def _torch():
     return torch
 
 
-def _reference_f32(lhs, rhs, sizes):
-    """float32 per-group product of the groups' rows (rows past them zero)."""
+def _reference(lhs, rhs, sizes, dtype):
+    """Per-group product of the groups' rows in ``dtype`` (float32: exact-ish; bf16: cuBLAS, for the large
+    shapes), rows past the groups zero."""
     torch = _torch()
-    out = torch.zeros(lhs.shape[0], rhs.shape[2], dtype=torch.float32, device=lhs.device)
+    out = torch.zeros(lhs.shape[0], rhs.shape[2], dtype=dtype, device=lhs.device)
     start = 0
     for group, size in enumerate(sizes):
         end = min(start + max(int(size), 0), lhs.shape[0])
         if end > start:
-            out[start:end] = lhs[start:end].float() @ rhs[group].float()
-        start = end
-    return out
-
-
-def _reference_bf16(lhs, rhs, sizes):
-    """bf16 per-group product (cuBLAS) of the groups' rows, for the large shapes."""
-    torch = _torch()
-    out = torch.zeros(lhs.shape[0], rhs.shape[2], dtype=lhs.dtype, device=lhs.device)
-    start = 0
-    for group, size in enumerate(sizes):
-        end = min(start + int(size), lhs.shape[0])
-        if end > start:
-            torch.matmul(lhs[start:end], rhs[group], out=out[start:end])
+            out[start:end] = lhs[start:end].to(dtype) @ rhs[group].to(dtype)
         start = end
     return out
 
@@ -172,7 +160,7 @@ def check_patterns(config, seed: int = 0) -> dict:
             launch.gmm(lhs, rhs, group_sizes, config, out=out)
             torch.cuda.synchronize()
             covered = min(sum(sizes), rows)
-            error = _relative_error(out, _reference_f32(lhs, rhs, sizes), covered)
+            error = _relative_error(out, _reference(lhs, rhs, sizes, torch.float32), covered)
             untouched = bool((out[covered:] == SENTINEL).all().item())
             results[name] = {"rows": rows, "K": k, "N": n, "group_sizes": sizes, "max_rel_error": error,
                              "rows_past_groups_untouched": untouched,
@@ -246,7 +234,7 @@ def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, sm
     lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
     rhs = torch.randn(groups, k, n, device="cuda", dtype=torch.bfloat16, generator=generator) / k ** 0.5
     group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-    reference = _reference_bf16(lhs, rhs, sizes)
+    reference = _reference(lhs, rhs, sizes, torch.bfloat16)
     entry = {"product": label, "M": rows, "K": k, "N": n, "E": groups, "flops": flops,
              "group_sizes_min_max": [min(sizes), max(sizes)], "kernels": {}}
 
