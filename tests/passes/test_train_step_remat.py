@@ -12,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moe_lowering import explain, moe_optimize
-from test_train_step import MIXTRAL, _assert_close, _check_rewritten
+from moe_lowering import _compat, explain, moe_optimize
+from moe_lowering.passes.graph import Const, build_graph
+from moe_lowering.testing import mutate, zoo
+from test_train_step import MIXTRAL, SIZES, _assert_close, _check_rewritten, _relative_error
 
 
 def _remat_step(policy):
@@ -48,15 +50,167 @@ def test_two_checkpointed_residual_blocks_sharing_weights():
     assert all(r.remat_inlined for r in report.regions)
 
 
-def test_a_remat_that_saves_the_dots_is_declined_with_its_reason():
-    """dots_saveable returns the expert projections from the forward's remat as residuals: an interior
-    value used outside the layer, so the backward stays dense (the forward is not rewritten either)."""
-    params, x = MIXTRAL.args(jax.random.key(0))
-    step = _remat_step(jax.checkpoint_policies.dots_saveable)
+_NAMES = ("mlpwi_0", "mlpwi_1", "mlpwo")  # mixtral_annotated's checkpoint_name on its three expert activations
+_SAVING = {
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_only_these_names": jax.checkpoint_policies.save_only_these_names(*_NAMES),
+}
+
+
+def _annotated():
+    return zoo.ZOO["mixtral_annotated"].sized(T=SIZES.T, d=SIZES.d, f=SIZES.f, E=SIZES.E, k=SIZES.k)
+
+
+@pytest.mark.parametrize("policy", list(_SAVING))
+def test_a_remat_that_saves_the_expert_activations(policy):
+    """A policy saving the layer's dots (or its named activations) returns them from the forward as residuals,
+    marked by a ``reduce_precision`` to their own type, and the backward's remat reads them: seen through and
+    merged, they are read by the layer's own derivative only, so the step is rewritten and no saved dense
+    [T, E, F] value is left (the sparse VJP's own residuals take their place)."""
+    model = _annotated() if policy == "save_only_these_names" else MIXTRAL
+    params, x = model.args(jax.random.key(5))
+    layer = jax.checkpoint(model.fn, policy=_SAVING[policy])
+    step = jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(layer(p, x)) ** 2), argnums=(0, 1))
+    report = _check_rewritten(step, params, x)
+    assert report.regions[0].remat_inlined
+
+
+def test_a_remat_that_offloads_the_expert_activations_is_declined_with_its_reason():
+    """save_and_offload_only_these_names moves two named activations to host memory (``device_put``) and back
+    in the backward's remat: the move is a use of the interior the proof does not take for the layer's own
+    derivative, so the step runs as written and explain names the use."""
+    model = _annotated()
+    params, x = model.args(jax.random.key(0))
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=_NAMES[:1], names_which_can_be_offloaded=_NAMES[1:], offload_src="device",
+        offload_dst="pinned_host")
+    layer = jax.checkpoint(model.fn, policy=policy)
+    step = jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(layer(p, x)) ** 2), argnums=(0, 1))
     report = explain(step, params, x)
     assert not any(r.backward for r in report.regions)
-    assert any("used outside it" in m.reason for m in report.near_misses), str(report)
+    assert any("used outside it" in m.reason and "device_put" in m.reason for m in report.near_misses), str(report)
     _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
+
+
+def test_bfloat16_remat_that_saves_the_dots_as_close_to_float32_as_the_dense_step():
+    params, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), MIXTRAL.args(jax.random.key(6)))
+    step = _remat_step(jax.checkpoint_policies.dots_saveable)
+    report = explain(step, params, x)
+    assert report.regions and report.regions[0].backward, str(report)
+    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
+    dense, rewritten = step(params, x), moe_optimize(step, strict=True)(params, x)
+    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
+        assert got.dtype == base.dtype
+        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+
+
+# --------------------------------------------------------------------------- mutants of the saving step
+
+def _evaluate(graph, args, mutation=None):
+    """``graph`` evaluated with ``bind``; ``mutation = (eqn index, change(eqn, inputs, env) -> outputs)``."""
+    env = dict(zip(graph.inputs, args))
+
+    def read(atom):
+        return atom.value if isinstance(atom, Const) else env[atom]
+
+    for eqn in graph.eqns:
+        inputs = [read(a) for a in eqn.inputs]
+        if mutation is not None and eqn.index == mutation[0]:
+            outputs = mutation[1](eqn, inputs, env)
+        else:
+            outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
+            outputs = outputs if eqn.primitive.multiple_results else [outputs]
+        env.update(zip(eqn.outputs, outputs))
+    return [read(a) for a in graph.outputs]
+
+
+def _saving_step():
+    params, x = MIXTRAL.args(jax.random.key(8))
+    flat = jax.tree.leaves((params, x))
+    step = _remat_step(jax.checkpoint_policies.dots_saveable)
+    graph = build_graph(jax.make_jaxpr(lambda *a: step(*jax.tree.unflatten(jax.tree.structure((params, x)), a)))(
+        *flat))
+    remat = next(e for e in graph.eqns if e.primitive is _compat.remat_p)
+    return graph, remat, flat
+
+
+def _in_the_backward(remat, body, body_index, change):
+    """A mutation of the remat's ``body`` (the backward) at ``body_index``: re-bound under the same policy."""
+
+    def rebound(eqn, inputs, env):
+        return _compat.remat_wrapper(remat.params)(lambda *a: _evaluate(body, a, (body_index, change)))(*inputs)
+
+    return remat.index, rebound
+
+
+def _outcome(graph, flat, mutation) -> str:
+    def mutant(*args):
+        return _evaluate(graph, args, mutation)
+
+    if not any(r.backward for r in explain(mutant, *flat).regions):
+        return "declined"
+    _assert_close(mutant(*flat), moe_optimize(mutant)(*flat), 1e-5)
+    return "exact"
+
+
+def _bound(eqn, inputs):
+    out = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
+    return out if eqn.primitive.multiple_results else [out]
+
+
+def _dense(shape) -> bool:
+    return tuple(shape) == (SIZES.T, SIZES.E, SIZES.f)
+
+
+def test_a_scaled_gate_cotangent_in_the_backward_of_a_saving_remat_declines():
+    graph, remat, flat = _saving_step()
+    body = build_graph(_compat.as_closed(remat.params["jaxpr"]))
+    site = next(e for e in body.eqns if str(e.primitive) == "dot_general" and e.outputs[0].shape == (SIZES.T, SIZES.E))
+    scaled = _in_the_backward(remat, body, site.index, lambda eqn, inputs, env: [2 * o for o in _bound(eqn, inputs)])
+    assert _outcome(graph, flat, scaled) == "declined"
+
+
+def test_a_saved_residual_swapped_for_another_in_the_backward_declines_or_stays_exact():
+    """The gate projection's saved value read where the backward reads the up projection's, and back."""
+    graph, remat, flat = _saving_step()
+    body = build_graph(_compat.as_closed(remat.params["jaxpr"]))
+    saved = [v for v in body.inputs if _dense(v.shape)]
+    assert len(saved) >= 2
+    sites = [(e, i) for e in body.eqns for i, a in enumerate(e.inputs) if a in saved[:2]]
+    assert sites
+    for eqn, position in sites[:3]:
+        other = saved[1] if eqn.inputs[position] is saved[0] else saved[0]
+
+        def swapped(eqn, inputs, env, position=position, other=other):
+            return _bound(eqn, inputs[:position] + [env[other]] + inputs[position + 1:])
+
+        assert _outcome(graph, flat, _in_the_backward(remat, body, eqn.index, swapped)) in ("declined", "exact")
+
+
+def test_a_saved_residual_used_once_more_outside_the_backward_declines():
+    """The saved gate projection (the remat's input) also added to the router's gradient: a use outside the
+    layer's derivative."""
+    graph, remat, flat = _saving_step()
+    saved = next(a for a in remat.inputs if _dense(a.shape))
+
+    def extra_use(eqn, inputs, env):
+        outputs = _bound(eqn, inputs)
+        return [outputs[0] + 0.5 * jnp.mean(env[saved])] + outputs[1:]
+
+    assert _outcome(graph, flat, (remat.index, extra_use)) == "declined"
+
+
+@pytest.mark.parametrize("primitive", ["logistic", "mul"])
+def test_a_stop_gradient_inside_a_saving_remat(primitive):
+    """A stop_gradient on one path of the layer under dots_saveable: JAX's backward follows it."""
+    mutant = next(m for m, _ in mutate.candidates("mixtral", "stop_gradient") if m.what.startswith(f"{primitive},"))
+    params, x = mutant.args(3)
+    layer = jax.checkpoint(mutant.fn, policy=jax.checkpoint_policies.dots_saveable)
+    step = jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(layer(p, x)) ** 2), argnums=(0, 1))
+    if any(r.backward for r in explain(step, params, x).regions):
+        _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
 
 
 def test_a_plain_step_is_not_marked_inlined():
