@@ -20,6 +20,10 @@ stages, each guarded by a ``ready`` and an ``empty`` mbarrier:
   mainloop runs), a partial one (the group's last) by masked stores, which never touch the next
   group's rows.
 
+``grouped_gemm_sm90_pingpong_kernel`` splits the consumers instead: two warp groups take the program's
+tiles alternately, whole, and take turns at the mainloop, so one's epilogue runs under the other's MMAs
+(the MMA units otherwise idle through every epilogue, which costs most on short contractions).
+
 Only ``triton`` is imported here; :mod:`.gluon_launch` builds the descriptors and launches it.
 """
 
@@ -104,54 +108,102 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, 
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
-    """The MMA warp groups: ``wgmma`` over the ring with one MMA in flight, then the tile's epilogue."""
+def _mainloop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout: gl.constexpr):
+    """One tile's ``wgmma`` chain over the ring from ring use ``counter`` on, one MMA in flight; every
+    stage is handed back to the producer as soon as its MMA has retired. Returns ``(acc, counter)``."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    NUM_WARPS: gl.constexpr = gl.num_warps()
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for k in range(0, K, BLOCK_K):
+        stage = counter % STAGES
+        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        # The previous step's MMA has retired in this warp group; the barrier makes it so in all of
+        # them before the one arriving thread hands its stage back to the producer.
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=k > 0)
+        counter += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES))
+    return acc, counter
+
+
+@gluon.jit
+def _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE: gl.constexpr,
+              acc_layout: gl.constexpr):
+    """The tile's rows of its group into ``out``: a whole tile through ``c_smem`` and a TMA store (left
+    in flight: the next call waits for it before reusing ``c_smem``), a partial one by masked stores."""
+    BLOCK_M: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    tile_out = acc.to(out_ptr.dtype.element_ty)
+    if TMA_STORE and row0 + BLOCK_M <= row_end:
+        tma.store_wait(0)  # the previous tile's store has read the staging buffer
+        gl.thread_barrier()
+        c_smem.store(tile_out)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
+    else:
+        rows_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        offsets = rows_in[:, None] * N + cols_in[None, :]
+        tile_ptr = out_ptr + row0.to(gl.int64) * N + col0
+        mask = ((row0 + rows_in) < row_end)[:, None] & ((col0 + cols_in) < N)[None, :]
+        gl.store(tile_ptr + offsets, tile_out, mask=mask)
+
+
+@gluon.jit
+def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Cooperative: all ``num_warps`` warps (two warp groups of 64 rows at 8) on every tile."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     n_tiles = gl.cdiv(N, BLOCK_N)
     total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
     cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
-    rows_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     counter = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
                                                         BLOCK_N, GROUP_M)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        for k in range(0, K, BLOCK_K):
-            stage = counter % STAGES
-            mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            # The previous step's MMA has retired in this warp group; the barrier makes it so in all of
-            # them before the one arriving thread hands its stage back to the producer.
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=k > 0)
-            counter += 1
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES))
+        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout)
+        _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE, acc_layout)
+    if TMA_STORE:
+        tma.store_wait(0)
 
-        tile_out = acc.to(out_ptr.dtype.element_ty)
-        if TMA_STORE and row0 + BLOCK_M <= row_end:
-            tma.store_wait(0)  # the previous tile's store has read the staging buffer
-            gl.thread_barrier()
-            c_smem.store(tile_out)
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
-        else:
-            rows = row0 + rows_in
-            cols = col0 + cols_in
-            offsets = rows_in[:, None] * N + cols_in[None, :]
-            tile_ptr = out_ptr + row0.to(gl.int64) * N + col0
-            gl.store(tile_ptr + offsets, tile_out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+@gluon.jit
+def _pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                       GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                       WG: gl.constexpr):
+    """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program, whole. The two take
+    turns at the mainloop (``turn``), so one's epilogue runs under the other's MMAs; taking turns also
+    keeps each within one phase of the ring's barriers (the other's uses come between its own)."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
+    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    for tile in range(pid + WG * programs, total, 2 * programs):
+        cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
+                                                        BLOCK_N, GROUP_M)
+        program_tile = (tile - pid) // programs
+        # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
+        mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
+        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, program_tile * k_steps, K, acc_layout)
+        mbarrier.arrive(turn.index(1 - WG))
+        _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE, acc_layout)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -184,3 +236,36 @@ def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr,
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
                      GROUP_M)),
     ], [1], [PRODUCER_REGS])
+
+
+@gluon.jit
+def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                                      GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                      TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                      PRODUCER_REGS: gl.constexpr):
+    """:func:`grouped_gemm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the
+    default partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(0), out_desc, out_ptr,
+                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 0)),
+        (_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(1), out_desc, out_ptr,
+                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 1)),
+        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
+                     GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

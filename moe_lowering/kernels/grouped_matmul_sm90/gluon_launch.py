@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import triton
 from triton.experimental.gluon import language as gl
 
-from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import grouped_gemm_sm90_kernel
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import (
+    grouped_gemm_sm90_kernel,
+    grouped_gemm_sm90_pingpong_kernel,
+)
 
 SM90 = (90, 128)
 """(compute capability, warp size x 4 lanes) of ``GPUTarget("cuda", 90, ...)``: Hopper."""
@@ -25,45 +28,58 @@ REGISTER_FILE = 65536
 @dataclass(frozen=True)
 class GluonTileConfig:
     """One launch shape: ``block_m x block_n`` output tiles reduced ``block_k`` at a time through a ring of
-    ``stages``; ``num_warps`` consumer warps (4 per warp group); a one-warp producer held to
-    ``producer_regs`` registers a thread; ``tma_store``: whole tiles leave through shared memory and a
-    TMA store (one ``block_m x block_n`` staging buffer), else every tile by masked stores."""
+    ``stages``; a one-warp producer held to ``producer_regs`` registers a thread; ``tma_store``: whole
+    tiles leave through shared memory and a TMA store (a ``block_m x block_n`` staging buffer per
+    consumer), else every tile by masked stores.
+
+    Cooperative (``pingpong`` false): ``num_warps`` consumer warps (4 per warp group) share every tile.
+    Ping-pong: two consumer warp groups of ``num_warps`` = 4 take whole tiles in turn, each held to
+    ``consumer_regs``, so one's epilogue overlaps the other's mainloop."""
 
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     stages: int = 3
     tma_store: bool = True
+    pingpong: bool = False
     group_m: int = 8
     num_warps: int = 8
     producer_regs: int = 40
+    consumer_regs: int = 232
 
     @property
     def name(self) -> str:
         store = "tma" if self.tma_store else "direct"
-        return f"{self.block_m}x{self.block_n}x{self.block_k}-s{self.stages}-w{self.num_warps}-{store}"
+        schedule = "pingpong" if self.pingpong else f"w{self.num_warps}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-s{self.stages}-{schedule}-{store}"
+
+    @property
+    def kernel(self):
+        return grouped_gemm_sm90_pingpong_kernel if self.pingpong else grouped_gemm_sm90_kernel
 
     @property
     def maxnreg(self) -> int:
         """Registers a thread at launch: the register file over all warps (the one-warp producer takes a
         whole warp group's slots), a multiple of 8; the consumers get what the producer gives up."""
-        warps = self.num_warps + 4
+        warps = self.num_warps * (2 if self.pingpong else 1) + 4
         return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
 
     def shared_bytes(self) -> int:
-        """Shared memory the ring, the staging buffer and the barriers take (bf16)."""
+        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
         stage = 2 * self.block_k * (self.block_m + self.block_n)
-        staging = 2 * (self.block_m if self.tma_store else 8) * self.block_n
-        return self.stages * stage + staging + 16 * self.stages
+        staging = 2 * (self.block_m if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
+        return self.stages * stage + staging + 16 * self.stages + 16
 
 
 CONFIGS = {c.name: c for c in (
     GluonTileConfig(128, 256, 64, stages=3, tma_store=True),
     GluonTileConfig(128, 256, 64, stages=4, tma_store=False),
-    GluonTileConfig(128, 128, 64, stages=5, tma_store=True),
-    GluonTileConfig(128, 128, 64, stages=4, tma_store=True, num_warps=4),
+    GluonTileConfig(128, 128, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
+    GluonTileConfig(64, 256, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
+    GluonTileConfig(128, 128, 64, stages=6, tma_store=False, pingpong=True, num_warps=4),
 )}
-"""The configurations the probe times; the first is the usual Hopper choice (two 64-row warp groups)."""
+"""The configurations the probe times; the first is the usual Hopper choice (two 64-row warp groups on
+every tile), the ping-pong ones overlap each tile's epilogue with the next tile's MMAs."""
 
 
 def _next_power_of_two(value: int) -> int:
@@ -78,8 +94,9 @@ def shared_layouts(config: GluonTileConfig):
 
 
 def constexprs(config: GluonTileConfig, num_groups: int) -> dict:
-    return dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
-                TMA_STORE=config.tma_store, PRODUCER_REGS=config.producer_regs)
+    fixed = dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
+                 TMA_STORE=config.tma_store, PRODUCER_REGS=config.producer_regs)
+    return fixed | ({"CONSUMER_REGS": config.consumer_regs} if config.pingpong else {})
 
 
 def check_shapes(k: int, config: GluonTileConfig):
@@ -102,9 +119,9 @@ def compile_offline(config: GluonTileConfig, num_groups: int):
     }
     fixed = constexprs(config, num_groups)
     signature.update({name: "constexpr" for name in fixed})
-    names = grouped_gemm_sm90_kernel.arg_names
+    names = config.kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
-    source = GluonASTSource(fn=grouped_gemm_sm90_kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    source = GluonASTSource(fn=config.kernel, signature=signature, constexprs=fixed, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", *SM90),
                           options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
 
@@ -130,7 +147,6 @@ def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFI
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = (max(1, min(num_sms, max_tiles)), )
-    grouped_gemm_sm90_kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups,
-                                   **constexprs(config, num_groups), num_warps=config.num_warps,
-                                   maxnreg=config.maxnreg)
+    config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups,
+                        **constexprs(config, num_groups), num_warps=config.num_warps, maxnreg=config.maxnreg)
     return out

@@ -8,6 +8,8 @@ tiles (programs running at once share their weight block and their row block in 
 ``grouped_matmul.triton_kernels._band_swizzle`` orders them. Program ``p`` of ``P`` takes items
 ``p, p + P, p + 2P, ...`` and finds each one's group by walking the groups forward from the last one
 it used (its items only ever increase), so neither a tile table nor a search is needed on device.
+In the ping-pong kernel the program's two consumer warp groups take its items alternately (warp group
+``w`` the program's items ``w, w + 2, ...``), each walking its own cursor.
 """
 
 from __future__ import annotations
