@@ -184,33 +184,78 @@ def _bench_ms(fn, smoke: bool) -> float:
                                          return_mode="median"))
 
 
-def _gmm_kernel_launcher(lhs, rhs, group_sizes, out):
-    """Our current Triton ``gmm_kernel`` at its table tile, launched through Triton on torch tensors
-    (the whole tile loop in one launch: the production path adds a K-split tail launch)."""
+def _gmm_kernel_launch(rows: int, k: int, n: int, groups: int):
+    """``(grid, keyword arguments, label)`` of our current Triton ``gmm_kernel`` at its table tile
+    (``triton_launch.gmm_config``), the whole tile loop in one launch (the production path adds a K-split
+    tail launch)."""
     torch = _torch()
     import triton
     from kernel_resources import _launchers  # the launcher's tile table without jax_triton
 
-    from moe_lowering.kernels.grouped_matmul.triton_kernels import gmm_kernel
-
     table = _launchers()
-    rows, k = lhs.shape
-    groups, _, n = rhs.shape
     config = table.gmm_config(rows, k, n, groups, False, flattened_loop=True)
     programs = min(torch.cuda.get_device_properties(0).multi_processor_count,
                    (triton.cdiv(rows, config.block_m) + groups) * triton.cdiv(n, config.block_n))
+    kwargs = dict(M=rows, K=k, N=n, NUM_LOCAL_GROUPS=groups, NUM_GROUPS=groups,
+                  GROUPS_PAD=table._next_power_of_two(groups), TRANSPOSE_RHS=False, BLOCK_M=config.block_m,
+                  BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_PROGRAMS=programs,
+                  COMPUTE_F32=False, ZERO_OUTSIDE=True, TAIL_APART=False, FLATTEN=config.flatten,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    label = f"gmm_kernel {config.block_m}x{config.block_n}x{config.block_k} s{config.num_stages}"
+    return (programs, ), kwargs, label + (" flat" if config.flatten else "")
+
+
+def _gmm_kernel_launcher(lhs, rhs, group_sizes, out):
+    """``gmm_kernel`` on torch tensors: ``(run, label)``."""
+    torch = _torch()
+    from moe_lowering.kernels.grouped_matmul.triton_kernels import gmm_kernel
+
+    grid, kwargs, label = _gmm_kernel_launch(*lhs.shape, rhs.shape[2], rhs.shape[0])
     offset = torch.zeros(1, dtype=torch.int32, device=lhs.device)
+    return lambda: gmm_kernel[grid](lhs, rhs, group_sizes, offset, out, **kwargs), label
 
-    def run():
-        gmm_kernel[(programs, )](lhs, rhs, group_sizes, offset, out, M=rows, K=k, N=n, NUM_LOCAL_GROUPS=groups,
-                                 NUM_GROUPS=groups, GROUPS_PAD=table._next_power_of_two(groups), TRANSPOSE_RHS=False,
-                                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                 GROUP_M=config.group_m, NUM_PROGRAMS=programs, COMPUTE_F32=False, ZERO_OUTSIDE=True,
-                                 TAIL_APART=False, FLATTEN=config.flatten, num_warps=config.num_warps,
-                                 num_stages=config.num_stages)
 
-    return run, f"gmm_kernel {config.block_m}x{config.block_n}x{config.block_k} s{config.num_stages}" + (
-        " flat" if config.flatten else "")
+def _compile_job(job):
+    """One compile, in a worker process of ``_warm_compile_cache``: a Gluon config for a group count (a launch
+    on empty groups: nothing runs), or ``gmm_kernel`` for a product (``warmup``: compiled, not launched)."""
+    kind, args = job
+    try:
+        torch = _torch()
+        if kind == "gluon":
+            name, groups = args
+            config = _load_sm90().CONFIGS[name]
+            lhs = torch.zeros(config.block_m, config.block_k, device="cuda", dtype=torch.bfloat16)
+            rhs = torch.zeros(groups, config.block_k, config.block_n, device="cuda", dtype=torch.bfloat16)
+            _load_sm90().gmm(lhs, rhs, torch.zeros(groups, dtype=torch.int32, device="cuda"), config)
+            torch.cuda.synchronize()
+        else:
+            from moe_lowering.kernels.grouped_matmul.triton_kernels import gmm_kernel
+
+            grid, kwargs, _ = _gmm_kernel_launch(*args)
+            gmm_kernel.warmup(torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, torch.bfloat16, grid=grid,
+                              **kwargs)
+        return job, None
+    except Exception as exc:  # noqa: BLE001 - reported; the timed launch compiles (or fails) again
+        return job, f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _warm_compile_cache(configs, products, workers: int = 16) -> dict:
+    """Every kernel the run launches compiled at once, one process each, into Triton's disk cache: the
+    run then loads them instead of compiling them one after another."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    group_counts = sorted({len(sizes) for *_, sizes in CHECK_PATTERNS.values()} | {e for *_, e in products})
+    jobs = [("gluon", (config.name, groups)) for config in configs for groups in group_counts]
+    jobs += [("gmm_kernel", product) for product in dict.fromkeys(products)]
+    began = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)),
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = {f"{kind} {args}": error for (kind, args), error in pool.map(_compile_job, jobs) if error}
+    seconds = time.perf_counter() - began
+    print(f"compiled {len(jobs)} kernels in parallel in {seconds:.0f} s; failed: {failed or 'none'}", flush=True)
+    return {"jobs": len(jobs), "seconds": seconds, "failed": failed}
 
 
 def _grouped_mm_launcher(lhs, rhs, group_sizes):
@@ -255,7 +300,12 @@ def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, sm
     print(f"  {label}: [{rows}, {k}] x [{groups}, {k}, {n}], sizes {min(sizes)}-{max(sizes)}", flush=True)
     for config in configs:
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        measure(f"gluon {config.name}", lambda c=config, o=out: launch.gmm(lhs, rhs, group_sizes, c, out=o), out)
+        try:
+            run = launch.make_launch(lhs, rhs, group_sizes, out, config)
+        except Exception as exc:  # noqa: BLE001
+            entry["kernels"][f"gluon {config.name}"] = _error(f"  gluon {config.name}", exc)
+            continue
+        measure(f"gluon {config.name}", run, out)
     out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     try:
         run, name = _gmm_kernel_launcher(lhs, rhs, group_sizes, out)
@@ -306,6 +356,12 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
                "smoke": smoke, "configs": {c.name: c.__dict__ | {"maxnreg": c.maxnreg} for c in configs},
                "checks": {}, "products": []}
     print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    products = []  # (shape, product, rows, K, N, E)
+    for name in shapes:
+        shape = SHAPES[name]
+        rows = SMOKE_ROWS if smoke else shape.T * shape.K
+        products += [(name, "up", rows, shape.d, 2 * shape.n, shape.E), (name, "down", rows, shape.n, shape.d, shape.E)]
+    report["warm_compile"] = _warm_compile_cache(configs, [product[2:] for product in products])
     for config in configs:
         print(f"checks, {config.name}:", flush=True)
         report["checks"][config.name] = _checks_in_child(config, seed, check_timeout_s)
@@ -313,14 +369,11 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
     timed = [config for config in configs if _passed(report["checks"][config.name])]
     if len(timed) < len(configs):
         print(f"timing only the configs that passed: {[c.name for c in timed]}", flush=True)
-    for name in shapes:
-        shape = SHAPES[name]
-        rows = SMOKE_ROWS if smoke else shape.T * shape.K
-        print(f"{name} (T={shape.T}, K={shape.K}, d={shape.d}, n={shape.n}, E={shape.E}), {rows} rows:", flush=True)
-        for label, k, n in (("up", shape.d, 2 * shape.n), ("down", shape.n, shape.d)):
-            entry = time_product(label, rows, k, n, shape.E, timed, smoke, seed)
-            report["products"].append({"shape": name, **entry})
-            _write(report, path)
+    for name, label, rows, k, n, groups in products:
+        print(f"{name}, {rows} rows:", flush=True)
+        entry = time_product(label, rows, k, n, groups, timed, smoke, seed)
+        report["products"].append({"shape": name, **entry})
+        _write(report, path)
     return report
 
 

@@ -126,20 +126,18 @@ def compile_offline(config: GluonTileConfig, num_groups: int):
                           options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
 
 
-def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFIGS))], num_sms: int | None = None,
-        out=None):
-    """``out[r] = lhs[r] @ rhs[group(r)]`` on torch CUDA tensors (``lhs [M, K]`` bf16, ``rhs [E, K, N]`` bf16,
-    ``group_sizes [E]`` int32); rows past ``sum(group_sizes)`` are left as ``out`` had them."""
+def make_launch(lhs, rhs, group_sizes, out, config: GluonTileConfig, num_sms: int | None = None):
+    """A callable that runs ``out[r] = lhs[r] @ rhs[group(r)]`` on torch CUDA tensors (``lhs [M, K]`` bf16,
+    ``rhs [E, K, N]`` bf16, ``group_sizes [E]`` int32, ``out [M, N]`` bf16), its descriptors built once;
+    rows past ``sum(group_sizes)`` keep what ``out`` held."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_rows, k = lhs.shape
     num_groups, _, n = rhs.shape
     check_shapes(k, config)
-    if out is None:
-        out = torch.empty((num_rows, n), dtype=lhs.dtype, device=lhs.device)
     if num_rows == 0:
-        return out
+        return lambda: None
     a_layout, b_layout, c_layout = shared_layouts(config)
     a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
     b_desc = TensorDescriptor.from_tensor(rhs.reshape(num_groups * k, n), [config.block_k, config.block_n], b_layout)
@@ -147,6 +145,21 @@ def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFI
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = (max(1, min(num_sms, max_tiles)), )
-    config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups,
-                        **constexprs(config, num_groups), num_warps=config.num_warps, maxnreg=config.maxnreg)
+    fixed = constexprs(config, num_groups)
+
+    def launch():
+        config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
+                            num_warps=config.num_warps, maxnreg=config.maxnreg)
+
+    return launch
+
+
+def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFIGS))], num_sms: int | None = None,
+        out=None):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (see :func:`make_launch`), into a new ``out`` unless one is given."""
+    import torch
+
+    if out is None:
+        out = torch.empty((lhs.shape[0], rhs.shape[2]), dtype=lhs.dtype, device=lhs.device)
+    make_launch(lhs, rhs, group_sizes, out, config, num_sms)()
     return out
