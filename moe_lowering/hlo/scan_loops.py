@@ -35,6 +35,12 @@ from moe_lowering.passes.match_core import FailedMatch
 
 # Iterations computed to prove the trip count; a longer loop stays a while loop.
 MAX_TRIP_COUNT = 1 << 16
+# Side-effect-free scalar ops a row index may be computed by from the counter (they are not evaluated in
+# the scan's body: every use of their results must be a row index, or the counter's update).
+_INDEX_OPS = frozenset({
+    "constant", "add", "subtract", "multiply", "negate", "divide", "remainder", "maximum", "minimum", "abs",
+    "sign", "compare", "select", "clamp", "convert", "reshape", "broadcast_in_dim", "and", "or", "xor", "not",
+    "shift_left", "shift_right_arithmetic", "shift_right_logical"})
 
 
 @dataclass(frozen=True)
@@ -195,7 +201,7 @@ def _callee_index(block, kept: tuple, position: int, index):
     for op in (o.operation for o in block.operations):
         if op.name == "func.return" or op in kept or _short(op) == "constant":
             continue
-        if len(op.regions) or not all(_scalar(v) for v in list(op.results) + list(op.operands)):
+        if _short(op) not in _INDEX_OPS or not all(_scalar(v) for v in list(op.results) + list(op.operands)):
             return None
     return argument, index
 
@@ -289,8 +295,7 @@ def recognise(while_op, operands, *, outer: Callable, fold: Callable, functions:
     tops = [o.operation for o in body_block.operations]
     derived = {body_args[counter]}
     for op in tops:
-        if op is not ret and not len(op.regions) and any(v in derived for v in op.operands) and all(
-                _shape(v) is not None and np.prod(_shape(v)) == 1 for v in op.results):
+        if _short(op) in _INDEX_OPS and any(v in derived for v in op.operands) and all(map(_scalar, op.results)):
             derived.update(op.results)
     invariant = tuple(k for k, (arg, out) in enumerate(zip(body_args, returned)) if arg == out)
     unchanged = {body_args[k] for k in invariant}
