@@ -1,7 +1,8 @@
 """The contract of the Hopper grouped GEMM, on NumPy arrays: :func:`grouped_matmul.reference.gmm`'s.
 
-``gmm_rows`` is the per-group product in float32 for the probe's checks and the schedule test;
-``gmm`` is the JAX reference itself (imported lazily: the GPU probe may run without JAX).
+``gmm_rows`` is the per-group product in float32 on NumPy; ``gmm_dense`` is
+``grouped_matmul.reference.gmm_dense_reference`` (JAX, imported lazily), which the schedule test holds
+both to.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ def gmm_rows(lhs, rhs, group_sizes):
     return out
 
 
-def gmm(lhs, rhs, group_sizes):
-    """``grouped_matmul.reference.gmm``: the project's reference and CPU path."""
+def gmm_dense(lhs, rhs, group_sizes):
+    """``grouped_matmul.reference.gmm_dense_reference``: every group's product, masked (float32)."""
     import jax.numpy as jnp
 
     from moe_lowering.kernels.grouped_matmul import reference
 
-    return reference.gmm(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes))
+    return reference.gmm_dense_reference(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes))

@@ -1,7 +1,7 @@
 """The Hopper grouped GEMM's persistent tile schedule (``grouped_matmul_sm90.schedule``, which the Gluon kernel
 mirrors) on a CPU: every output element of every group is computed by exactly one tile of exactly one program,
 nothing past a group's rows is stored, and the product assembled tile by tile as the kernel stores it is
-``grouped_matmul.reference.gmm``'s."""
+``grouped_matmul.reference``'s."""
 
 import numpy as np
 import pytest
@@ -32,7 +32,7 @@ def _tile_product(lhs, rhs, work: schedule.TileWork, out, block_m: int, block_n:
     out[work.row0:work.row0 + stored, work.col0:work.col0 + block_n] = product[:stored]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("block_m, block_n, group_m, programs", [(128, 256, 8, 7), (64, 128, 2, 3), (16, 32, 1, 1)])
 def test_every_element_once_and_the_product_is_the_references(seed, block_m, block_n, group_m, programs):
     rng = np.random.default_rng(seed)
@@ -63,7 +63,7 @@ def test_the_assembled_product_is_the_jax_references():
     out = np.zeros((rows, n), np.float32)
     for _, item in _all_work(sizes, rows, n, 128, 32, 8, 5):
         _tile_product(lhs, rhs, item, out, 128, 32)
-    np.testing.assert_allclose(out, np.asarray(reference.gmm(lhs, rhs, np.asarray(sizes, np.int32))), rtol=1e-5,
+    np.testing.assert_allclose(out, np.asarray(reference.gmm_dense(lhs, rhs, np.asarray(sizes, np.int32))), rtol=1e-5,
                                atol=1e-5)
 
 
