@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -109,3 +110,25 @@ def test_xla_dump_of_a_scanned_training_job_is_rewritten(model, tmp_path):
     assert code == 0, report
     _assert_scanned_region(report, backward=True)
     assert sorted(p.name for p in out.iterdir()) == steps
+
+
+# Mutants of the backward loop's body: the silu's VJP with a term doubled, and the residual connection's
+# cotangent sum (carried cotangent + the layer's input cotangent) with the carried one dropped.
+MUTANTS = {
+    "silu_vjp_term": (r"(%3 = stablehlo\.add )%1, %2( : tensor<8x4x10xf32>)", r"\1%1, %1\2"),
+    "residual_sum": (r"(%\d+ = stablehlo\.add )%iterArg_\d+, (%\d+)( : tensor<8x6xf32>)", r"\1\2, \2\3"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_a_mutated_scanned_backward_declines(model, mutant, tmp_path):
+    pattern, replacement = MUTANTS[mutant]
+    text = jax.jit(scanned_step(model)).lower(*stacked_args(model)).as_text()
+    backward = text.rindex("stablehlo.while(")  # the backward loop, then the functions it calls
+    mutated, count = re.subn(pattern, replacement, text[backward:])
+    assert count == 1, mutant
+    source = tmp_path / "mutant.mlir"
+    source.write_text(text[:backward] + mutated)
+    code, report, _ = _rewrite(source, tmp_path)
+    assert code == 0 and not report["regions"], report
+    assert "derivative" in json.dumps(report["near_misses"]), report
