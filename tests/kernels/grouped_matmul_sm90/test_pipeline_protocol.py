@@ -1,0 +1,125 @@
+"""The Gluon grouped GEMM's barrier protocol (``gluon_kernels``: the ring's ``ready``/``empty`` mbarriers, and
+the ping-pong warp groups' ``turn`` barriers) played out on a CPU under random interleavings.
+
+A model, not the kernel: each partition is a generator that yields the mbarrier it waits on and the parity
+(the kernel's waits, arrives and stage indices, step for step), and a scheduler runs a random unblocked one.
+mbarriers behave as ``mbarrier.try_wait.parity`` does: a wait for parity ``p`` passes once the barrier's
+current phase has a parity other than ``p``, so a waiter a whole phase ahead passes falsely. Checked: every
+MMA reads the stage holding its own K step (never a stale or a refilled one), the producer never refills a
+stage an MMA still reads, and nothing deadlocks. The ping-pong warp groups without their turns are caught.
+"""
+
+import random
+
+import pytest
+
+STAGES = 3
+
+
+class Barrier:
+    def __init__(self):
+        self.completed = 0  # phases completed; count 1: every arrive completes one
+
+    def passes(self, parity: int) -> bool:
+        return (self.completed & 1) != parity
+
+    def arrive(self):
+        self.completed += 1
+
+
+class Ring:
+    def __init__(self, stages: int):
+        self.ready = [Barrier() for _ in range(stages)]
+        self.empty = [Barrier() for _ in range(stages)]
+        self.holds = [None] * stages  # the K step (ring use) a stage's data belongs to
+        self.reading = [None] * stages  # the use an MMA in flight reads from the stage
+        self.landing = []  # TMA loads issued, not landed: (stage, use)
+
+
+def producer(ring: Ring, uses: int, stages: int):
+    for use in range(uses):
+        stage = use % stages
+        yield ring.empty[stage], ((use // stages) & 1) ^ 1
+        assert ring.reading[stage] is None, f"use {use} refills stage {stage} while use {ring.reading[stage]} reads it"
+        ring.holds[stage] = None
+        ring.landing.append((stage, use))
+
+
+def mainloop(ring: Ring, first_use: int, k_steps: int, stages: int):
+    """``_mainloop``: wait ready, issue the MMA (it reads the stage until retired), retire the previous one
+    (``warpgroup_mma_wait(1)``) and hand its stage back; at the end retire the last and hand it back."""
+    in_flight = None
+    for use in range(first_use, first_use + k_steps):
+        stage = use % stages
+        yield ring.ready[stage], (use // stages) & 1
+        assert ring.holds[stage] == use, f"use {use} reads stage {stage} holding use {ring.holds[stage]}"
+        ring.reading[stage] = use
+        if in_flight is not None:
+            ring.reading[in_flight % stages] = None
+            ring.empty[in_flight % stages].arrive()
+        in_flight = use
+    ring.reading[in_flight % stages] = None
+    ring.empty[in_flight % stages].arrive()
+
+
+def cooperative_consumer(ring: Ring, tiles: int, k_steps: int, stages: int):
+    for tile in range(tiles):
+        yield from mainloop(ring, tile * k_steps, k_steps, stages)
+
+
+def pingpong_consumer(ring: Ring, turn, tiles: int, k_steps: int, stages: int, wg: int):
+    for program_tile in range(wg, tiles, 2):
+        if turn is not None:
+            yield turn[wg], ((program_tile // 2) & 1) ^ (1 - wg)
+        yield from mainloop(ring, program_tile * k_steps, k_steps, stages)
+        if turn is not None:
+            turn[1 - wg].arrive()
+
+
+def play(partitions, ring: Ring, rng: random.Random):
+    """Runs the partitions and the TMA engine in a random order until all are done; raises on deadlock."""
+    waiting = {i: None for i in range(len(partitions))}
+    live = set(waiting)
+    while live or ring.landing:
+        runnable = [i for i in live if waiting[i] is None or waiting[i][0].passes(waiting[i][1])]
+        if ring.landing and (not runnable or rng.random() < 0.3):
+            stage, use = ring.landing.pop(rng.randrange(len(ring.landing)) if rng.random() < 0.1 else 0)
+            ring.holds[stage] = use
+            ring.ready[stage].arrive()
+            continue
+        if not runnable:
+            raise AssertionError(f"deadlock: every partition waits ({waiting})")
+        i = rng.choice(runnable)
+        try:
+            waiting[i] = next(partitions[i])
+        except StopIteration:
+            live.discard(i)
+
+
+@pytest.mark.parametrize("tiles, k_steps", [(1, 1), (5, 1), (4, 2), (7, 3), (6, 7)])
+def test_cooperative_ring(tiles, k_steps):
+    for seed in range(40):
+        ring = Ring(STAGES)
+        play([producer(ring, tiles * k_steps, STAGES), cooperative_consumer(ring, tiles, k_steps, STAGES)], ring,
+             random.Random(seed))
+
+
+@pytest.mark.parametrize("tiles, k_steps", [(1, 2), (2, 1), (5, 1), (4, 4), (7, 3), (6, 7)])
+def test_pingpong_warp_groups_take_turns(tiles, k_steps):
+    for seed in range(40):
+        ring, turn = Ring(STAGES), [Barrier(), Barrier()]
+        play([producer(ring, tiles * k_steps, STAGES),
+              *(pingpong_consumer(ring, turn, tiles, k_steps, STAGES, wg) for wg in (0, 1))], ring, random.Random(seed))
+
+
+def test_pingpong_without_turns_is_caught():
+    """The second warp group waits on a ring phase its first use is not in yet, and passes falsely."""
+    failures = 0
+    for seed in range(40):
+        ring = Ring(STAGES)
+        try:
+            play([producer(ring, 4 * 4, STAGES),
+                  *(pingpong_consumer(ring, None, 4, 4, STAGES, wg) for wg in (0, 1))], ring, random.Random(seed))
+        except AssertionError:
+            failures += 1
+    assert failures
