@@ -105,7 +105,7 @@ def compile_report(configs, num_groups: int = 256) -> dict:
             entry = {"launch_registers": registers, "spill_store_bytes": int(spills.group(1)),
                      "spill_load_bytes": int(spills.group(2)), "shared_bytes": int(compiled.metadata.shared),
                      "shared_limit": launch.SHARED_LIMIT, "setmaxnreg_values": sorted(maxnreg),
-                     "wgmma_per_k_step": compiled.asm["ptx"].count("wgmma.mma_async")}
+                     "wgmma_instructions": compiled.asm["ptx"].count("wgmma.mma_async")}
             print(f"  {config.name:28s} regs {registers} (setmaxnreg {sorted(maxnreg)}), spills "
                   f"{entry['spill_store_bytes']}/{entry['spill_load_bytes']} B, shared {entry['shared_bytes']} B "
                   f"of {launch.SHARED_LIMIT}", flush=True)
