@@ -6,8 +6,9 @@ multiprocess``): once as one process holding all ``ep`` GPUs, once as ``ep`` pro
 each (``jax.distributed``, the mesh across the processes). Each job times, on the mesh
 ``(expert=ep,)``, the dense layer (XLA-partitioned from the same shardings) and the sharded sparse
 layer, forward and forward+backward, synchronised (``Bench.time_ms``) and back to back
-(``Bench.time_back_to_back_ms``), for the transport ``"auto"`` picks there (``"peer"`` in one
-process on GPUs, ``"all_to_all"`` across processes) and for ``--transports`` (default
+(``Bench.time_back_to_back_ms``), for the transport ``"auto"`` picks there (``"peer"`` on the GPUs
+of one host in both layouts: across processes its receive buffers live in the peer heap,
+``kernels/peer_store/heap.py``, sized by ``--peer-heap-mb``) and for ``--transports`` (default
 ``"all_to_all"``) where they differ.
 Every process writes its rows and the shards it holds of the sparse layer's output and gradient
 fingerprints (per token and per expert: sums and sums of squares); this parent merges them:
@@ -43,6 +44,9 @@ log = logging.getLogger("ep_multiprocess")
 
 LAYOUTS = ("one_process", "process_per_device")
 JOB_TIMEOUT_S = 900
+# Both configs' forward and forward+backward programs at EP=2 keep about 2.8 GB of receive regions
+# (the deduplicated DeepSeek-like dispatch alone ~0.5 GB a site); XLA leaves a quarter of an H100 free.
+PEER_HEAP_MB = 6144
 
 
 def _job_layout(layout: str, ep: int) -> tuple[int, int]:
@@ -147,7 +151,8 @@ def run_job(args, layout: str, ep: int, job_dir: Path) -> dict:
     error = None
     try:
         multiprocess.launch(command, num_processes=processes, devices_per_process=per_process,
-                            platform="cpu" if args.smoke else "gpu", timeout_s=args.timeout, cwd=ROOT)
+                            platform="cpu" if args.smoke else "gpu", timeout_s=args.timeout, cwd=ROOT,
+                            env={"MOE_LOWERING_PEER_HEAP_MB": str(args.peer_heap_mb)})
     except multiprocess.MultiprocessFailure as failure:
         error = str(failure)[-6000:]
         log.error("job %s ep=%d failed:\n%s", layout, ep, error)
@@ -249,8 +254,12 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON")
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--configs", nargs="+", default=["mixtral", "deepseek"], choices=["mixtral", "deepseek"])
-    parser.add_argument("--transports", nargs="+", default=["all_to_all"], choices=["all_to_all", "ppermute", "ragged"],
+    parser.add_argument("--transports", nargs="+", default=["all_to_all"],
+                        choices=["all_to_all", "ppermute", "ragged", "peer"],
                         help="timed beside the one 'auto' picks (ragged: GPUs only)")
+    parser.add_argument("--peer-heap-mb", type=int, default=PEER_HEAP_MB,
+                        help="the peer heap of each process of one GPU (MOE_LOWERING_PEER_HEAP_MB): every "
+                             "exchange site of every timed program keeps its region")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=JOB_TIMEOUT_S, help="seconds per job")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on host CPU devices")
