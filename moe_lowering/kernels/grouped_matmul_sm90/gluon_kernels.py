@@ -75,9 +75,12 @@ def _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M: gl.constexpr):
+def _walk_start(group_sizes_ptr, N, E, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUPS_PAD: gl.constexpr):
+    """``(column tiles, work items, the group cursor at group 0)``: what every partition's tile walk starts from."""
+    n_tiles = gl.cdiv(N, BLOCK_N)
     size = gl.maximum(gl.load(group_sizes_ptr), 0)
-    return (0, 0, (size + BLOCK_M - 1) // BLOCK_M * n_tiles, 0, size)
+    cursor = (0, 0, (size + BLOCK_M - 1) // BLOCK_M * n_tiles, 0, size)
+    return n_tiles, _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD), cursor
 
 
 @gluon.jit
@@ -89,9 +92,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, 
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
-    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
     counter = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
@@ -164,9 +165,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_siz
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
-    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
     counter = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
@@ -189,9 +188,7 @@ def _pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    n_tiles = gl.cdiv(N, BLOCK_N)
-    total = _total_tiles(group_sizes_ptr, E, n_tiles, BLOCK_M, GROUPS_PAD)
-    cursor = _first_cursor(group_sizes_ptr, n_tiles, BLOCK_M)
+    n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
     k_steps = gl.cdiv(K, BLOCK_K)
