@@ -937,21 +937,19 @@ class _Interpreter:
         return results
 
     def _concrete_outer(self, env, value):
-        """A value from above a loop, when concrete (a constant); else None."""
-        try:
-            found = env[value]
-        except KeyError:
-            return None
+        """A value from above a loop, when concrete (a constant); else None (``KeyError``: not from above)."""
+        found = env[value]
         if isinstance(found, _Broadcast):
             return np.broadcast_to(found.value, found.shape) if _is_concrete(found.value) else None
         return found if _is_concrete(found) else None
 
     def _fold_scalars(self, op, operands) -> list | None:
-        """``op``'s results on concrete operands when they are scalars of an op folded as constants are."""
+        """``op``'s results on concrete operands when they are integer or boolean scalars (a loop's row indices)
+        of an op folded as constants are."""
         name = _short_name(op.name)
         if len(op.regions) or not (name in _UNARY or name in _BINARY or name in _FOLDABLE or name == "constant"):
             return None
-        if any(math.prod(_tensor_type(r.type)[0]) != 1 for r in op.results):
+        if any(math.prod(_tensor_type(r.type)[0]) != 1 or _tensor_type(r.type)[1].kind not in "iub" for r in op.results):
             return None
         env = _Env()
         env.update(zip(op.operands, operands))

@@ -112,9 +112,10 @@ def _ints(op, name) -> list[int]:
 
 
 class _Evaluator:
-    """Scalar values computed from bound block arguments and constants alone (``None`` otherwise):
-    ``outer(value)`` is a value from above the loop, when concrete; ``fold(op, operands)`` an op's
-    results on concrete operands, when it computes scalars from them."""
+    """Scalar values computed from bound block arguments and constants alone (``None`` otherwise), through
+    ``_INDEX_OPS``: ``outer(value)`` is a value from above the loop when concrete (``None`` when not; a
+    ``KeyError`` for a value of the loop or of a function it calls); ``fold(op, operands)`` an op's results
+    on concrete operands."""
 
     def __init__(self, outer: Callable, fold: Callable):
         self.outer, self.fold = outer, fold
@@ -122,16 +123,20 @@ class _Evaluator:
     def __call__(self, value, bound: dict, cache: dict):
         if value in bound:
             return bound[value]
-        if value in cache:
-            return cache[value]
-        result = self.outer(value)
-        if result is None:
-            op = _owner(value)
-            operands = None if op is None or len(op.regions) else [self(v, bound, cache) for v in op.operands]
-            results = None if operands is None or any(v is None for v in operands) else self.fold(op, operands)
-            result = None if results is None else results[list(op.results).index(value)]
-        cache[value] = result
-        return result
+        if value not in cache:
+            try:
+                cache[value] = self.outer(value)
+            except KeyError:
+                cache[value] = self._computed(value, bound, cache)
+        return cache[value]
+
+    def _computed(self, value, bound, cache):
+        op = _owner(value)
+        if op is None or _short(op) not in _INDEX_OPS or not all(map(_scalar, op.results)):
+            return None
+        operands = [self(v, bound, cache) for v in op.operands]
+        results = None if any(v is None for v in operands) else self.fold(op, operands)
+        return None if results is None else results[list(op.results).index(value)]
 
 
 def _zeros(values, evaluate) -> bool:
@@ -242,18 +247,15 @@ def _write_call(op, functions, evaluate):
 
 
 def _depends(value, on: set, cache: dict) -> set:
-    """The values of ``on`` (block arguments) that ``value`` is computed from, within its block."""
+    """The values of ``on`` (one block's arguments) that ``value`` is computed from within that block."""
     if value in on:
         return {value}
-    if value in cache:
-        return cache[value]
-    op = _owner(value)
-    found: set = set()
-    if op is not None:
-        for operand in op.operands:
-            found |= _depends(operand, on, cache)
-    cache[value] = found
-    return found
+    if value not in cache:
+        op = _owner(value)
+        scope = next(iter(on)).owner.owner if on else None  # the op owning the block
+        inside = op is not None and scope is not None and op.parent == scope
+        cache[value] = set().union(*(_depends(v, on, cache) for v in op.operands)) if inside else set()
+    return cache[value]
 
 
 def recognise(while_op, operands, *, outer: Callable, fold: Callable, functions: dict) -> ScanLoop | FailedMatch:
