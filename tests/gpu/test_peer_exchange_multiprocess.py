@@ -66,10 +66,11 @@ def _worker(out_dir: Path) -> None:
     import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from moe_lowering.kernels.peer_store import heap
+    from moe_lowering.kernels.peer_store import heap, peer_store
     from moe_lowering.parallel import plan_layout, sharded_sparse_moe
-    from moe_lowering.parallel.exchange import resolve_transport
-    from parallel_cases import dense_reference, random_case, swiglu_program
+    from moe_lowering.parallel._jax_shim import shard_map
+    from moe_lowering.parallel.exchange import prepare_peer_transport, resolve_transport
+    from parallel_cases import dense_reference, random_case, random_peer_routes, swiglu_program
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("expert",), axis_types=(AxisType.Auto,), devices=devices)
@@ -78,9 +79,36 @@ def _worker(out_dir: Path) -> None:
     print("worker", identity.process_id, json.dumps(report), flush=True)
     entries = {}
 
-    def placed(x):
+    def placed(x, spec=P()):
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, P()), lambda index: x[index])
+        return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda index: x[index])
+
+    # The bare store first (no layer around it): its Triton path against the all-gather reference,
+    # zeroed and not, three calls in a row; a failure here points at the heap, not at the layer.
+    ranks = len(devices)
+    prepare_peer_transport(devices, "auto")
+    report["store_max_error"] = 0.0
+    for zeroed in (True, False):
+        rng = np.random.default_rng(17 + zeroed)
+        routes = random_peer_routes(rng, ranks=ranks, slots=300, recv_rows=500, packed=not zeroed)
+        num_arrived = 500 if zeroed else min(int((routes[1] == r).sum()) for r in range(ranks))
+        values = placed(rng.standard_normal((ranks, 300, 40)).astype(np.float32), P("expert"))
+        routes = [placed(r, P("expert")) for r in routes]
+
+        def store(backend, zeroed=zeroed, num_arrived=num_arrived):
+            def body(v, s, d, r):
+                return peer_store(v[0], s[0], d[0], r[0], 500, num_arrived, axis_name="expert", axis_size=ranks,
+                                  zeroed=zeroed, backend=backend)[None]
+
+            return jax.jit(shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert")))
+
+        want = _local(store("xla")(values, *routes))
+        triton = store("auto")
+        for _ in range(CALLS):
+            got = _local(triton(values, *routes))
+            report["store_max_error"] = max(report["store_max_error"],
+                                            *(float(np.max(np.abs(a - b))) for a, b in zip(got, want)))
+    print("worker", identity.process_id, "store max error", report["store_max_error"], flush=True)
 
     for case in CASES:
         dtype = jnp.dtype(case.dtype)
@@ -176,6 +204,7 @@ def test_auto_picks_peer_across_processes_and_uses_the_heap(jobs):
         for case in report["cases"].values():
             assert case["heap_used_bytes"] and len(case["heap_bases"]) == 2, case
     assert reports[(1, 0)]["auto"] == "peer"
+    assert all(report["store_max_error"] == 0.0 for report in reports.values()), reports
     assert all(case["heap_used_bytes"] is None for case in reports[(1, 0)]["cases"].values())
 
 

@@ -58,7 +58,8 @@ def uses_kernels(backend: str) -> bool:
 
 def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, axis_size: int,
                     zeroed: bool) -> PeerBuffer:
-    """A fresh receive buffer for ``[recv_rows, *trailing_shape]`` rows (GPU kernels only)."""
+    """A fresh receive buffer for ``[recv_rows, *trailing_shape]`` rows (GPU kernels only): an XLA
+    buffer, or a region of the peer heap once :mod:`.heap` has one (GPUs of one process each)."""
     dtype = jnp.int8 if dtype == jnp.bool_ else dtype
     heap = peer_heap.current_heap()
     if heap is not None:

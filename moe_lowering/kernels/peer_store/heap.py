@@ -39,6 +39,8 @@ and one use ends before the next starts):
    (zeroing the region's rows again where the site needs zeros), then its last program bumps
    ``consumed[me]`` in every peer's region (release, system scope) and the epoch to ``e + 1``.
 
+As in one process, a site that needs zeros relies on every store landing below the receiver's
+count of rows: only those rows are read, and zeroed again for the next use.
 Counters are int32 and compared wrap-safely, so a site can run about ``2**31 / signals`` times.
 Across hosts CUDA IPC cannot map memory: there the exchange uses NCCL (``"all_to_all"``).
 """
