@@ -9,7 +9,8 @@ reused call after call), and a program of two layers (two exchange sites), and w
 it holds. Here the two jobs must agree bit for bit, and the one-process layer must match the dense
 reference. The parent never touches a GPU (its own JAX would take the memory the jobs need).
 
-Run by hand: ``python -m pytest -p no:xdist -q tests/gpu/test_peer_exchange_multiprocess.py -s``.
+Run by hand: ``python -m pytest -p no:xdist -q tests/gpu/test_peer_exchange_multiprocess.py -s``;
+``MOE_PEER_MP_CASES=mixtral_like,deepseek_like`` runs only the cases named (both jobs read it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
 GPU_COUNT = len(glob.glob("/dev/nvidia[0-9]*"))  # no JAX backend in the parent
+pytestmark = pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs of one host")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ CASES = (
     Case("mixtral_rounds", num_experts=8, top_k=2, exchange_capacity=5),
     Case("mixtral_bf16", num_experts=8, top_k=2, dtype="bfloat16", dense_tolerance=2e-2),
 )
+if os.environ.get("MOE_PEER_MP_CASES"):
+    CASES = tuple(c for c in CASES if c.name in os.environ["MOE_PEER_MP_CASES"].split(","))
 CALLS = 3
 
 
@@ -185,8 +190,6 @@ def _merged(out_dir: Path, num_processes: int) -> dict:
 
 @pytest.fixture(scope="module")
 def jobs():
-    if GPU_COUNT < 2:
-        pytest.skip("needs two GPUs of one host")
     with tempfile.TemporaryDirectory(prefix="peer_mp_") as tmp:
         out_dir = Path(tmp)
         _run_job(out_dir, 2, 1)
