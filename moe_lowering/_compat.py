@@ -13,6 +13,7 @@ from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
 from jax._src import core as _core
 from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import dispatch as _dispatch
 from jax._src import mesh as _abstract_mesh
 from jax._src import pjit as _pjit
 from jax.extend import core as jex_core
@@ -27,6 +28,7 @@ remat_p = _ad_checkpoint.remat_p
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 stop_gradient_p = _ad_util.stop_gradient_p
 name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
+device_put_p = _dispatch.device_put_p
 stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
 
 
@@ -46,6 +48,19 @@ def sub_jaxprs(params) -> list:
     ``ClosedJaxpr`` or ``Jaxpr`` (``open_jaxpr`` of each has ``eqns``)."""
     values = [v for value in params.values() for v in (value if isinstance(value, (tuple, list)) else (value,))]
     return [v for v in values if hasattr(open_jaxpr(v), "eqns")]
+
+
+def memory_move(params) -> str | None:
+    """``"host"`` or ``"device"``: where a ``device_put`` moves its values when it moves them between the
+    memories of their own devices only (a remat policy's offload: ``MemorySpace`` on 0.11+,
+    ``TransferToMemoryKind`` on 0.10); else None."""
+    kinds = set()
+    for target in params.get("devices", ()):
+        if type(target).__name__ not in ("MemorySpace", "TransferToMemoryKind"):
+            return None
+        kind = str(getattr(target, "memory_kind", None) or getattr(target, "name", "")).lower()
+        kinds.add("host" if "host" in kind else kind)
+    return kinds.pop() if len(kinds) == 1 and kinds <= {"host", "device"} else None
 
 
 def sub_jaxpr_consts(jaxpr_like) -> list:

@@ -183,16 +183,22 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     values) replaced by the earlier one's outputs. A backward inlined from ``jax.checkpoint``
     recomputes the layer's forward from the same operands; merged, it reads the forward's own
     interior, as autodiff's backward does without remat; the residuals a remat policy saves are read
-    through the ``reduce_precision`` remat marks them with (``is_identity_rounding``), which is dropped.
+    through the ``reduce_precision`` remat marks them with (``is_identity_rounding``), which is dropped, and
+    an offloaded one as the value offloaded (its move to host memory dropped where nothing else reads it).
     Eqns with effects or state are kept; params that are not plain values (a jaxpr, an array, an
     unhashable object) must be the same object."""
     alias: dict = {}
     first: dict = {}
+    offloaded: dict = {}  # a value moved to host memory -> the value moved
     eqns: list[Eqn] = []
     for eqn in graph.eqns:
         inputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in eqn.inputs)
         if is_identity_rounding(eqn):  # remat's mark on a saved residual: the same value
             alias[eqn.outputs[0]] = inputs[0]
+            continue
+        returned = _offload_round_trip(eqn, inputs, offloaded)
+        if returned is not None:  # an offloaded residual moved back: the value offloaded
+            alias.update(zip(eqn.outputs, returned))
             continue
         key = None
         if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
@@ -205,9 +211,27 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
         kept = dataclasses.replace(eqn, index=len(eqns), inputs=inputs)
         if key is not None:
             first[key] = kept
+        if _is_move_to(kept, "host"):
+            offloaded.update(zip(kept.outputs, kept.inputs))
         eqns.append(kept)
     outputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in graph.outputs)
+    read = {a for e in eqns for a in e.inputs if isinstance(a, Value)} | set(outputs)
+    unread_offloads = [e for e in eqns if _is_move_to(e, "host") and not any(v in read for v in e.outputs)]
+    if unread_offloads:
+        eqns = [dataclasses.replace(e, index=i) for i, e in enumerate(e for e in eqns if e not in unread_offloads)]
     return JaxprGraph(tuple(eqns), graph.inputs, outputs, graph.input_shardings)
+
+
+def _is_move_to(eqn: Eqn, memory: str) -> bool:
+    return eqn.primitive is _compat.device_put_p and _compat.memory_move(eqn.params) == memory
+
+
+def _offload_round_trip(eqn: Eqn, inputs, offloaded: dict) -> tuple | None:
+    """The values a ``device_put`` back to device memory moves, where each was moved to host memory by
+    another (``offloaded``: a remat policy's offloaded residual, read back in the backward); else None."""
+    if not _is_move_to(eqn, "device") or not all(isinstance(a, Value) and a in offloaded for a in inputs):
+        return None
+    return tuple(offloaded[a] for a in inputs)
 
 
 def _plain_params_key(params: dict):

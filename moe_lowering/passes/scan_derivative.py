@@ -11,7 +11,10 @@ Where they hold, both scans are re-emitted through ``lax.scan``: the forward bod
 layer and emits, stacked, the sparse VJP's residuals and the forward values the rest of the backward
 still reads; the backward body runs the sparse VJP on them. With ``jax.checkpoint`` inside the scan
 body, the backward body recomputes the layer: the remat is inlined and the recomputation merged
-with the forward body (``merged_recomputation``), as at the top level.
+with the forward body (``merged_recomputation``), as at the top level. A ``jax.nn`` function with its own
+derivative rule (``relu``) is left in the forward body as its inlined primal once autodiff applied the rule;
+it is bound again as the rule's ``custom_jvp_call`` (``restored_rules``), so that the proof compares the
+backward body with the rule's derivative and the sparse layer's VJP applies the rule too.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax import lax
 
 from moe_lowering import _compat
-from moe_lowering.passes.derivative_match import merged_recomputation
-from moe_lowering.passes.graph import Eqn, JaxprGraph, Value, build_graph
+from moe_lowering.passes.derivative_match import _plain_params_key, merged_recomputation
+from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match_core import FailedMatch
 
 CONST, CARRY, XS = "const", "carry", "xs"
@@ -184,6 +188,9 @@ def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) ->
         kept = tuple((i, alias.get(a, a)) for i, a in kept)
         backward_outputs = tuple(alias.get(a, a) for a in backward_outputs)
         joint = merged
+    joint = restored_rules(joint)
+    forward_count = next((e.index for e in joint.eqns if any(v not in forward_values for v in e.outputs)),
+                         len(joint.eqns))
     return _Joined(joint, forward_count, forward_values, tuple(f_body.inputs), tuple(fresh), carry_outputs, kept,
                    backward_outputs, frozenset(shared) | {v for e in prologue for v in e.outputs}, shared)
 
@@ -245,16 +252,91 @@ def _indirect_residuals(graph: JaxprGraph, forward: Eqn, backward: Eqn) -> str |
     return None
 
 
+def _derivative_rules() -> dict:
+    """The ``jax.nn`` functions with their own derivative rule (``custom_jvp``), by name."""
+    return {name: value for name, value in vars(jax.nn).items() if isinstance(value, jax.custom_jvp)}
+
+
+def restored_rules(graph: JaxprGraph) -> JaxprGraph:
+    """``graph`` with each inlined primal of a ``jax.nn`` function with its own derivative rule (``relu``'s
+    ``max(x, 0)`` inside ``jit[name=relu]``, what autodiff leaves in a forward scan's body once it applied the
+    rule) bound again as that function's ``custom_jvp_call``, traced by JAX at the same operand types. The
+    values are the same: the call's body is compared with the inlined eqns op by op. Its derivative is then
+    the rule's (relu's 0 at 0, where ``max``'s is 0.5), so the reference VJP the proof compares the backward
+    body with, and the sparse layer's VJP, apply the rule as the program's backward did; a backward body
+    that does not apply it still fails the proof."""
+    rules = _derivative_rules()
+    groups: dict = {}
+    for eqn in graph.eqns:
+        caller = next((c for c in reversed(eqn.callers)
+                       if c.primitive is _compat.jit_p and c.params.get("name") in rules), None)
+        if caller is not None:
+            groups.setdefault(id(caller), (caller, []))[1].append(eqn)
+    restored: dict = {}  # index of a group's first eqn -> the call; the group's other eqn indices -> None
+    for caller, eqns in groups.values():
+        call = _rule_call(graph, caller, eqns, rules[caller.params["name"]])
+        if call is not None:
+            restored.update({e.index: None for e in eqns})
+            restored[eqns[0].index] = call
+    if not restored:
+        return graph
+    kept = [restored.get(e.index, e) if e.index in restored else e for e in graph.eqns]
+    eqns = tuple(dataclasses.replace(e, index=i) for i, e in enumerate(e for e in kept if e is not None))
+    return JaxprGraph(eqns, graph.inputs, graph.outputs, graph.input_shardings)
+
+
+def _rule_call(graph: JaxprGraph, caller, eqns: list, function) -> Eqn | None:
+    """The ``custom_jvp_call`` of ``function`` that ``eqns`` (the inlined body of the jit ``caller``) are the
+    primal of, or None where they are not exactly its body."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in caller.invars]
+    try:
+        traced = jax.make_jaxpr(function)(*avals)
+    except Exception:  # noqa: BLE001 - a function that does not trace at these types is left inlined
+        return None
+    calls = [e for e in traced.jaxpr.eqns if e.primitive is _compat.custom_jvp_call_p]
+    if len(traced.jaxpr.eqns) != 1 or len(calls) != 1:
+        return None
+    body = build_graph(_compat.as_closed(calls[0].params["call_jaxpr"]))
+    if len(body.eqns) != len(eqns) or any(isinstance(a, Const) for a in body.outputs):
+        return None
+    mapped: dict = {}
+    for ours, theirs in zip(eqns, body.eqns):
+        if ours.primitive is not theirs.primitive or _plain_params_key(ours.params) != _plain_params_key(
+                theirs.params) or len(ours.inputs) != len(theirs.inputs):
+            return None
+        for atom, body_atom in zip(ours.inputs, theirs.inputs):
+            if isinstance(body_atom, Const):
+                if not isinstance(atom, Const) or not _same_constant(atom, body_atom):
+                    return None
+            elif mapped.setdefault(body_atom, atom) is not atom:
+                return None
+        mapped.update(zip(theirs.outputs, ours.outputs))
+    if any(v not in mapped for v in body.inputs):
+        return None
+    outputs = tuple(mapped[v] for v in body.outputs)
+    inner = {v for e in eqns for v in e.outputs} - set(outputs)
+    if any(v in graph.output_set or any(u not in eqns for u in graph.users.get(v, ())) for v in inner):
+        return None
+    return Eqn(eqns[0].index, _compat.custom_jvp_call_p, dict(calls[0].params),
+               tuple(mapped[v] for v in body.inputs), outputs, eqns[0].source, eqns[0].callers)
+
+
+def _same_constant(ours: Const, theirs: Const) -> bool:
+    a, b = np.asarray(ours.value), np.asarray(theirs.value)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def _rule_applied(forward: Eqn) -> str | None:
     """Names a ``jax.nn`` function with its own derivative rule (``relu``: a ``custom_jvp``) that the forward
-    scan's body calls: autodiff applied the rule when it split the scan, leaving the body only its primal."""
-    rules = {name for name, value in vars(jax.nn).items() if isinstance(value, jax.custom_jvp)}
+    scan's body calls: autodiff applied the rule when it split the scan, leaving the body only its primal,
+    bound again as the rule's call where it is exactly its body (``restored_rules``)."""
+    rules = _derivative_rules()
     name = next((e.params["name"] for e in _body_eqns(forward)
                  if e.primitive is _compat.jit_p and e.params.get("name") in rules), None)
     return None if name is None else (
         f"the scanned layer calls `jax.nn.{name}`, a function with its own derivative rule (custom_jvp): autodiff "
-        "applied the rule when it split the scan, so the forward body holds only its primal, whose derivative "
-        "the proof compares with the rule's")
+        "applied the rule when it split the scan; the proof compares the backward body with the rule's derivative "
+        "where the forward body holds exactly the function's primal")
 
 
 def _plan(joined: _Joined, scope, forward: Eqn, backward: Eqn) -> ScanPair | FailedMatch:
