@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -1007,9 +1008,10 @@ def resolve_transport(requested: str, devices, backend: str) -> str:
 
     Peer stores go from GPU to GPU through the Triton kernels, so they need more than one device,
     every one a GPU of this host, and the Triton backend: either every GPU of this process, or
-    one GPU per process with all those processes on this host (the peer heap; finding that out
-    exchanges host names through ``jax.distributed``'s key-value store, so every process of the
-    mesh must resolve it, as every one traces the same layer). Across hosts or on CPUs the
+    one GPU per process with all those processes on this host (the peer heap, set up here; finding
+    that out exchanges host names and the heaps' setup through ``jax.distributed``'s key-value
+    store, so every process of the mesh must resolve it, as every one traces the same layer).
+    Across hosts, on CPUs, or where a process could not set up its heap (with a warning) the
     NCCL/XLA collectives carry the rows.
     """
     if requested != AUTO_TRANSPORT:
@@ -1025,9 +1027,16 @@ def resolve_transport(requested: str, devices, backend: str) -> str:
         triton = False
     if not triton:
         return "all_to_all"
-    if all(d in local for d in devices) or peer_heap.job_obstacle(devices) is None:
+    if all(d in local for d in devices):
         return "peer"
-    return "all_to_all"
+    if peer_heap.job_obstacle(devices) is not None:
+        return "all_to_all"
+    failure = peer_heap.agreed_open(tuple(sorted(d.id for d in devices)))
+    if failure is not None:
+        warnings.warn(f"exchange_transport='auto': the peer heap could not be set up ({failure}); "
+                      "using 'all_to_all'", stacklevel=2)
+        return "all_to_all"
+    return "peer"
 
 
 def exchange_config(**kwargs: Any) -> ExchangeConfig:

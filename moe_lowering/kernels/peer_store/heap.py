@@ -357,6 +357,28 @@ class PeerHeap:
                 logger.info("peer heap: device %d's heap mapped at %#x", device_id, pointer.value)
 
 
+@functools.cache
+def agreed_open(device_ids: tuple[int, ...]) -> str | None:
+    """:func:`open_heap` on every process of the mesh, and their agreement: ``None`` if each one
+    made and mapped its heaps, else what failed where (so that every process then picks the same
+    transport, never ``"peer"`` on some and NCCL on others). Every process of the mesh calls it."""
+    import jax
+
+    client = _compat.distributed_client()
+    devices = [d for d in jax.devices() if d.id in device_ids]
+    try:
+        open_heap(devices)
+        status = "ok"
+    except Exception as error:  # CUDA IPC unavailable here (a container without it, memory): tell the others
+        status = f"process {jax.process_index()}: {error}"
+    mesh_key = "-".join(map(str, device_ids))
+    client.key_value_set(f"{_KEY_PREFIX}/opened/{mesh_key}/{jax.process_index()}", status)
+    statuses = [client.blocking_key_value_get(f"{_KEY_PREFIX}/opened/{mesh_key}/{process}", KV_TIMEOUT_MS)
+                for process in sorted({d.process_index for d in devices})]
+    failures = [text for text in statuses if text != "ok"]
+    return "; ".join(failures) if failures else None
+
+
 _heap: PeerHeap | None = None
 _heap_lock = threading.Lock()
 

@@ -103,6 +103,7 @@ def gpus_one_per_process(monkeypatch):
     hosts = {p: "here" for p in range(4)}
     monkeypatch.setattr(heap, "_published_host", lambda: "here")
     monkeypatch.setattr(heap, "process_host", hosts.__getitem__)
+    monkeypatch.setattr(heap, "agreed_open", lambda device_ids: None)
     return gpus, hosts
 
 
@@ -113,6 +114,13 @@ def test_auto_picks_peer_for_one_gpu_per_process_on_this_host(gpus_one_per_proce
     assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
     with pytest.raises(ValueError, match="another host.*all_to_all"):
         exchange.prepare_peer_transport(gpus, "auto")
+
+
+def test_auto_falls_back_with_a_warning_where_a_heap_failed(gpus_one_per_process, monkeypatch):
+    gpus, _ = gpus_one_per_process
+    monkeypatch.setattr(heap, "agreed_open", lambda device_ids: "process 1: cudaIpcOpenMemHandle failed")
+    with pytest.warns(UserWarning, match="process 1: cudaIpcOpenMemHandle.*all_to_all"):
+        assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
 
 
 def test_heap_buffers_are_regions(monkeypatch):
