@@ -8,15 +8,20 @@ dense ``[.., T, E, F]`` value may be left in the rewritten jaxpr (the stacked re
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax._src.interpreters import partial_eval as pe
 
-from moe_lowering import explain, moe_optimize
+from moe_lowering import _compat, explain, moe_optimize
+from moe_lowering.passes.graph import build_graph
 from moe_lowering.testing import mutate, zoo
 from test_train_step import (MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value,
                              _relative_error)
+from test_train_step_remat import _SAVING, _bound, _evaluate, _outcome
 
 LAYERS = 2
 
@@ -175,15 +180,16 @@ def test_the_layer_outputs_also_returned_per_layer():
     _check_scan_rewritten(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), params, x)
 
 
-def test_a_remat_that_saves_the_dots_inside_the_scan_declines_with_its_reason():
-    """dots_saveable: the forward scan stacks the expert projections for the backward's remat, which the
-    proof does not take for the layer's own derivative: the step runs as written, explain says why."""
-    params, x = _stacked_args(MIXTRAL)
-    step = _scan_step(MIXTRAL, checkpoint=True, policy=jax.checkpoint_policies.dots_saveable)
-    report = explain(step, params, x)
-    assert not any(r.backward for r in report.regions)
-    assert any("used outside it" in m.reason and "remat" in m.reason for m in report.near_misses), str(report)
-    _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
+@pytest.mark.parametrize("policy", ["dots_saveable", "save_only_these_names", "save_and_offload_only_these_names"])
+def test_a_remat_that_saves_the_expert_activations_inside_the_scan(policy):
+    """The forward scan stacks the saved projections (marked by remat's ``reduce_precision``; offloaded ones
+    moved to host memory and back) for the backward's remat: joined, inlined and merged, they are read by the
+    layer's own derivative only, so both scans are rewritten and nothing dense is stacked (the sparse VJP's
+    residuals take their place)."""
+    model = _model("mixtral_annotated") if "names" in policy else MIXTRAL
+    params, x = _stacked_args(model, seed=23)
+    report = _check_scan_rewritten(_scan_step(model, checkpoint=True, policy=_SAVING[policy]), params, x)
+    assert report.regions[0].remat_inlined
 
 
 def test_nnx_scan_over_a_vmapped_stack_of_blocks():
@@ -211,16 +217,88 @@ def test_nnx_scan_over_a_vmapped_stack_of_blocks():
     _check_scan_rewritten(step, state, MIXTRAL.args(jax.random.key(12))[1])
 
 
-def test_a_scanned_relu_layer_declines_naming_the_derivative_rule():
-    """jax.nn.relu's custom_jvp rule is applied when autodiff splits the scan: the forward body holds
-    max(x, 0), whose derivative (0.5 at 0) is not the rule's the backward body computes."""
+def _relu_step_with_zeros(activation=jax.nn.relu, seed=25):
+    """The zoo's relu MLP layer scanned over two layers, with a quarter of the tokens zero and half of the
+    first layer's up-projection biases zero: its pre-activations there are exactly 0, where relu's rule has
+    derivative 0 and ``max(x, 0)``'s autodiff 0.5. The loss's cotangent is not zero at h = 0."""
     model = _model("mlp_relu_bias")
-    params, x = _stacked_args(model)
-    step = _scan_step(model)
+    params, x = _stacked_args(model, seed=seed)
+    params = {**params, "b_up": params["b_up"].at[0, :, :SIZES.f // 2].set(0.0)}
+    x = x.at[:SIZES.T // 4].set(0.0)
+    fn = zoo._mlp_fn("mlp_relu_bias", SIZES.k, activation, True)
+
+    def loss(params, x):
+        h, _ = lax.scan(lambda h, p: (h + fn(p, h), None), x, params)
+        return jnp.mean(jnp.sin(h + 0.5) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1)), params, x
+
+
+def test_a_scanned_relu_layer_is_rewritten_with_the_rule_derivative_at_zero():
+    """jax.nn.relu's custom_jvp rule is applied when autodiff splits the scan: the forward body holds
+    max(x, 0) and the backward body the rule's select(x > 0, ct, 0). The primal is bound again as relu's
+    custom_jvp (``restored_rules``), whose derivative the proof compares with the backward body's and the
+    sparse layer applies: equal to the untouched step at the exact zeros, where max's would not be."""
+    step, params, x = _relu_step_with_zeros()
     report = explain(step, params, x)
-    assert not any(r.backward for r in report.regions)
-    assert any("jax.nn.relu" in m.reason and "derivative rule" in m.reason for m in report.near_misses), str(report)
-    _assert_close(step(params, x), moe_optimize(step)(params, x), 1e-5)
+    [region] = report.regions
+    assert region.backward and "+scan[" in region.scope and "rewritten forward and backward" in str(report)
+    rewritten = moe_optimize(step, strict=True)
+    _assert_close(step(params, x), rewritten(params, x), 1e-5)
+    # JAX hoists the rule's zeros [T, E, F] out of the backward scan, which does not read them (in the
+    # untouched step too): dead code, which jit drops; every live value is smaller than a dense one
+    def live_largest(fn):
+        return _largest_value(types.SimpleNamespace(jaxpr=pe.dce_jaxpr(jax.make_jaxpr(fn)(params, x).jaxpr,
+                                                                        [True] * 7)[0]))
+
+    assert live_largest(rewritten) < _dense_elements() <= live_largest(step)
+    by_max, _, _ = _relu_step_with_zeros(lambda v: jnp.maximum(v, 0.0))
+    assert not jnp.allclose(step(params, x)[1][1], by_max(params, x)[1][1]), "the zeros do not reach the rule"
+
+
+def test_bfloat16_scanned_relu_step_as_close_to_float32_as_the_dense_step():
+    step, params, x = _relu_step_with_zeros(seed=27)
+    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))
+    assert explain(step, *low).regions[0].backward
+    exact = step(params, x)
+    dense, rewritten = step(*low), moe_optimize(step, strict=True)(*low)
+    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
+        assert got.dtype == base.dtype
+        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+
+
+def _relu_backward_mutant(body_of, pick, change):
+    """The relu step with one eqn of a scan body changed: ``body_of`` picks the scan, ``pick(body)`` the eqn."""
+    step, params, x = _relu_step_with_zeros(seed=29)
+    flat = jax.tree.leaves((params, x))
+    tree = jax.tree.structure((params, x))
+    graph = build_graph(jax.make_jaxpr(lambda *a: step(*jax.tree.unflatten(tree, a)))(*flat))
+    scan = next(e for e in graph.eqns if str(e.primitive) == "scan" and body_of(e))
+    body = build_graph(_compat.as_closed(scan.params["jaxpr"]))
+    site = pick(body)
+
+    def rebound(eqn, inputs, env):
+        avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in body.inputs]
+        new_body = jax.make_jaxpr(lambda *a: _evaluate(body, a, (site.index, change)))(*avals)
+        return eqn.primitive.bind(*inputs, **{**eqn.params, "jaxpr": new_body})
+
+    return graph, flat, (scan.index, rebound)
+
+
+def test_a_scanned_relu_mask_that_keeps_the_zeros_declines():
+    """The forward body's mask for the rule's derivative, x > 0, changed to x >= 0 (max's tie goes the other
+    way): the backward body is no longer the rule's derivative, and the proof says so."""
+    graph, flat, mutation = _relu_backward_mutant(
+        lambda e: not e.params["reverse"], lambda body: next(e for e in body.eqns if str(e.primitive) == "gt"),
+        lambda eqn, inputs, env: [lax.ge(*inputs)])
+    assert _outcome(graph, flat, mutation) == "declined"
+
+
+def test_a_scaled_cotangent_through_the_scanned_relu_declines():
+    graph, flat, mutation = _relu_backward_mutant(
+        lambda e: e.params["reverse"], lambda body: next(e for e in body.eqns if str(e.primitive) == "select_n"),
+        lambda eqn, inputs, env: [2 * o for o in _bound(eqn, inputs)])
+    assert _outcome(graph, flat, mutation) == "declined"
 
 
 # --------------------------------------------------------------------------- mutants of the backward scan

@@ -265,6 +265,7 @@ def job_obstacle(devices) -> str | None:
 # ------------------------------------------------------------------ CUDA
 
 
+@functools.cache
 def cudart():
     """``libcudart`` from the CUDA runtime wheel JAX's CUDA plugin depends on, else the system's."""
     candidates = []
@@ -285,7 +286,21 @@ def cudart():
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]  # cudaIpcMemHandle_t
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # cudaIpcMemHandle_t (bytes, zeros among them)
+
+
+def handle_text(handle: _IpcHandle) -> str:
+    """An IPC handle as the text published in the key-value store (all 64 bytes, as hex)."""
+    return bytes(handle.reserved).hex()
+
+
+def handle_from_text(text: str) -> _IpcHandle:
+    data = bytes.fromhex(text)
+    if len(data) != ctypes.sizeof(_IpcHandle):
+        raise RuntimeError(f"peer exchange: a published heap handle has {len(data)} bytes, not 64")
+    handle = _IpcHandle()
+    ctypes.memmove(ctypes.addressof(handle), data, len(data))
+    return handle
 
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
@@ -320,7 +335,7 @@ class PeerHeap:
         finally:
             runtime.cudaSetDevice(previous.value)
         self.base = pointer.value
-        self.handle = bytes(handle.reserved)
+        self.handle = handle_text(handle)
         self.regions = RegionAllocator(size)
         self.bases = {self.device_id: self.base}  # device id -> that device's heap, mapped here
         self._lock = threading.Lock()
@@ -330,23 +345,22 @@ class PeerHeap:
                     self.device_id)
 
     def publish(self, client) -> None:
-        client.key_value_set(f"{_KEY_PREFIX}/handle/{self.device_id}", self.handle.hex())
+        client.key_value_set(f"{_KEY_PREFIX}/handle/{self.device_id}", self.handle)
 
     def open_peers(self, client, device_ids: Iterable[int]) -> None:
         """Maps the heaps of ``device_ids`` (their processes publish them) into this process."""
         runtime = cudart()
+        runtime.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(ctypes.c_void_p), _IpcHandle, ctypes.c_uint]
         with self._lock:
             for device_id in sorted(set(device_ids) - set(self.bases)):
                 text = client.blocking_key_value_get(f"{_KEY_PREFIX}/handle/{device_id}", KV_TIMEOUT_MS)
-                handle = _IpcHandle()
-                handle.reserved = bytes.fromhex(text)
+                handle = handle_from_text(text)
                 pointer = ctypes.c_void_p()
                 previous = ctypes.c_int(0)
                 runtime.cudaGetDevice(ctypes.byref(previous))
                 try:
                     _check(runtime.cudaSetDevice(self.ordinal), f"cudaSetDevice({self.ordinal})")
-                    _check(runtime.cudaIpcOpenMemHandle(ctypes.byref(pointer), handle,
-                                                        ctypes.c_uint(_IPC_LAZY_ENABLE_PEER_ACCESS)),
+                    _check(runtime.cudaIpcOpenMemHandle(ctypes.byref(pointer), handle, _IPC_LAZY_ENABLE_PEER_ACCESS),
                            f"cudaIpcOpenMemHandle of device {device_id}'s heap on GPU {self.ordinal}")
                 finally:
                     runtime.cudaSetDevice(previous.value)

@@ -71,6 +71,15 @@ def test_offsets_become_addresses_with_carries():
         assert tuple(row) == (*heap.split_words(rows), *heap.split_words(control))
 
 
+def test_ipc_handles_travel_whole():
+    """A CUDA IPC handle is 64 raw bytes, zeros among them: every one must reach the other process."""
+    data = bytes([0, 7, 0, 0, 255] + list(range(59)))
+    handle = heap.handle_from_text(data.hex())
+    assert heap.handle_text(handle) == data.hex() and bytes(handle.reserved) == data
+    with pytest.raises(RuntimeError, match="not 64"):
+        heap.handle_from_text("00ff")
+
+
 @dataclass(frozen=True)
 class FakeGpu:
     id: int
