@@ -239,8 +239,7 @@ def lower_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of
                     lambda: _sparse_region(region, read, options, sharding_of))
 
 
-def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of=lambda atom: None,
-                          graph: JaxprGraph | None = None):
+def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of, graph: JaxprGraph):
     """``(output, pullback)``: the sparse layer and its VJP, as a function of the dense region's operands.
 
     The routing weights (or a capacity layer's combine tensor) are rebuilt from their operands inside

@@ -22,6 +22,7 @@ from jax import lax
 from moe_lowering import explain, moe_optimize
 from moe_lowering.testing import mutate, zoo
 from moe_lowering.testing.device_checks import capacity_fallbacks
+from test_train_step import STEP_OF_KINDS, TRAIN_KINDS, _assert_close, _relative_error, follows_the_dense_trajectory
 
 D, F = 8, 12
 # C differs from E, d and f, so that a value holding expert activations is told by its shape
@@ -39,13 +40,6 @@ def _loss(fn):
 
 def _step(fn):
     return jax.jit(jax.value_and_grad(_loss(fn), argnums=(0, 1)))
-
-
-def _assert_close(expected, got, rtol):
-    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
-        want, have = np.asarray(want, np.float64), np.asarray(have, np.float64)
-        scale = max(np.max(np.abs(want)), 1e-30)
-        assert np.max(np.abs(want - have)) <= rtol * scale, (want.shape, np.max(np.abs(want - have)) / scale)
 
 
 def _activation_shapes(closed, num_experts: int, capacity: int, into_cond: bool) -> list:
@@ -101,13 +95,16 @@ def test_capacity_training_step_rewritten_forward_and_backward(name):
 
 def test_tokens_dropped_past_capacity_are_dropped_alike():
     """Switch with 12 slots for 16 tokens: at least 4 tokens are dropped (their output is zero), on the
-    sparse branch, and the gradients are still the dense step's, which drops the same tokens."""
+    sparse branch, and the gradients are still the dense step's, which drops the same tokens; with
+    ``jit`` inside the decorated step and outside it."""
     model = MODELS["switch"]
     params, x = model.args(jax.random.key(2))
     assert model.capacity * 4 < 16
     assert np.sum(np.all(np.asarray(model.fn(params, x)) == 0, axis=-1)) >= 16 - model.capacity * 4
     assert capacity_fallbacks(model.fn, params, x) == [False]
-    _check_step(model.fn, params, x, model.capacity)
+    step, _ = _check_step(model.fn, params, x, model.capacity)
+    outer = jax.jit(moe_optimize(jax.value_and_grad(_loss(model.fn), argnums=(0, 1)), strict=True))
+    _assert_close(step(params, x), outer(params, x), 1e-5)  # jit outside the decorated step
 
 
 def _switch_like(variant: str, capacity: int = 3):
@@ -132,7 +129,7 @@ def _switch_like(variant: str, capacity: int = 3):
     return layer
 
 
-@pytest.mark.parametrize("variant", ["several", "wrap"])
+@pytest.mark.parametrize("variant", [pytest.param("several", marks=pytest.mark.slow), "wrap"])
 def test_the_dense_fallback_branch_gives_the_dense_gradients(variant):
     """A dispatch the device check rejects on this data: the cond takes the dense branch, whose VJP (under
     jax.checkpoint) is the dense step's."""
@@ -142,34 +139,11 @@ def test_the_dense_fallback_branch_gives_the_dense_gradients(variant):
     _check_step(layer, params, x, capacity=3)
 
 
+@pytest.mark.slow
 def test_optax_training_loop_follows_the_dense_trajectory():
-    """A jitted step with the optax update after the gradient, decorated whole: the same losses and
-    parameters for a few steps (float32), with the layer's forward and backward rewritten."""
-    import optax
-
+    """GShard top-2 with capacity: three Adam steps, the dense step's losses and parameters."""
     model = MODELS["gshard_top2"]
-    params, x = model.args(jax.random.key(4))
-    optimizer = optax.adam(1e-2)
-
-    @jax.jit
-    def step(params, opt_state, x):
-        loss, grads = jax.value_and_grad(_loss(model.fn))(params, x)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    assert explain(step, params, optimizer.init(params), x).regions[0].backward
-    fast = moe_optimize(step, strict=True)
-    dense_state = sparse_state = (params, optimizer.init(params))
-    for _ in range(3):
-        *dense_state, dense_loss = step(*dense_state, x)
-        *sparse_state, sparse_loss = fast(*sparse_state, x)
-        np.testing.assert_allclose(sparse_loss, dense_loss, rtol=1e-5)
-    _assert_close(dense_state[0], sparse_state[0], 1e-5)
-
-
-def _relative_error(exact, got) -> float:
-    exact, got = np.asarray(exact, np.float64), np.asarray(got, np.float64)
-    return float(np.linalg.norm(exact - got) / max(np.linalg.norm(exact), 1e-30))
+    follows_the_dense_trajectory(_loss(model.fn), *model.args(jax.random.key(4)), steps=3)
 
 
 @pytest.mark.slow
@@ -187,22 +161,12 @@ def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
         assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
 
 
-def test_a_combine_built_past_the_proven_ops_is_compared_from_where_its_bound_starts():
-    """GShard's renormalised gates (a division: no derivative-support rule) are where combine's construction
-    starts: the gates' cotangent is what the sparse VJP gives and the program's backward is proven to be."""
-    model = MODELS["gshard_top2"]
-    params, x = model.args(jax.random.key(1))
-    report = explain(_step(model.fn), params, x)
-    assert report.regions[0].backward, str(report)
-
-
 # --------------------------------------------------------------------------- mutants of the capacity step
 
-MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)
+MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)  # 30 mutants in CI
 MUTATION_SEED = int(os.environ.get("MOE_MUTATION_SEED", "0"))
-CASES = [(f"{mutate.TRAIN_STEP}switch", kind)
-         for kind in ("scale", "swap_operands", "substitute", "extra_use", "constant", "replace_op")] + [
-    (f"{mutate.STEP_OF}switch", kind) for kind in ("stop_gradient", "scale", "apply_twice", "extra_use")]
+CASES = [(f"{mutate.TRAIN_STEP}switch", kind) for kind in TRAIN_KINDS] + [
+    (f"{mutate.STEP_OF}switch", kind) for kind in STEP_OF_KINDS]
 
 
 @pytest.mark.mutation
