@@ -191,28 +191,31 @@ def test_a_scaled_cotangent_in_the_layers_backward_declines():
     assert any("private-interior" in r or "derivative" in r for r in outcome.near_misses), outcome.message()
 
 
-def test_optax_training_loop_follows_the_dense_trajectory():
+def follows_the_dense_trajectory(loss_fn, params, x, steps: int):
     """A jitted step with the optax update after the gradient, decorated whole: the same losses and
-    parameters for a few steps (float32), with the layer's forward and backward rewritten."""
+    parameters for ``steps`` steps (float32), with the layer's forward and backward rewritten."""
     import optax
 
-    params, x = _args()
     optimizer = optax.adam(1e-2)
 
     @jax.jit
     def step(params, opt_state, x):
-        loss, grads = jax.value_and_grad(_loss)(params, x)
+        loss, grads = jax.value_and_grad(loss_fn)(params, x)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
     assert explain(step, params, optimizer.init(params), x).regions[0].backward
     fast = moe_optimize(step, strict=True)
     dense_state = sparse_state = (params, optimizer.init(params))
-    for _ in range(4):
+    for _ in range(steps):
         *dense_state, dense_loss = step(*dense_state, x)
         *sparse_state, sparse_loss = fast(*sparse_state, x)
         np.testing.assert_allclose(sparse_loss, dense_loss, rtol=1e-5)
     _assert_close(dense_state[0], sparse_state[0], 1e-5)
+
+
+def test_optax_training_loop_follows_the_dense_trajectory():
+    follows_the_dense_trajectory(_loss, *_args(), steps=4)
 
 
 def test_what_still_declines_says_why():
