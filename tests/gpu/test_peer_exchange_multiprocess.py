@@ -172,8 +172,9 @@ def _worker(out_dir: Path) -> None:
 def _run_job(out_dir: Path, num_processes: int, devices_per_process: int) -> None:
     from moe_lowering.testing import multiprocess
 
+    path = [str(ROOT), str(ROOT / "tests" / "parallel")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "MOE_LOWERING_PEER_HEAP_MB": "256",
-           "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'parallel'}"}
+           "PYTHONPATH": os.pathsep.join(path)}
     multiprocess.launch([sys.executable, __file__, str(out_dir)], num_processes=num_processes, platform="gpu",
                         devices_per_process=devices_per_process, timeout_s=JOB_TIMEOUT_S, env=env, cwd=ROOT)
 
