@@ -202,15 +202,20 @@ def host_identity() -> str:
 
 
 def cross_process_obstacle(devices: Iterable, devices_per_process: Mapping[int, int],
-                           host_of_process: Callable[[int], str], my_host: str) -> str | None:
+                           host_of_process: Callable[[int], str], my_host: str,
+                           shares_binaries: bool = False) -> str | None:
     """Why the heap cannot carry an exchange over ``devices`` that span processes, or ``None``.
 
     Needs every device a GPU, each process of the mesh holding exactly one GPU of the job (the
     heap's base table is a per-process constant), and all of them on this host (CUDA IPC).
     ``devices_per_process``: devices every process holds (``jax.devices()``, known to all);
-    ``host_of_process``: a process's :func:`host_identity` (asked only if the rest holds).
+    ``host_of_process``: a process's :func:`host_identity` (asked only if the rest holds);
+    ``shares_binaries``: JAX hands one process's compiled program to the others
+    (``jax_share_binary_between_hosts``), which would carry that process's heap addresses.
     """
     devices = list(devices)
+    if shares_binaries:
+        return "jax_share_binary_between_hosts is on (the heap's addresses differ from process to process)"
     if any(getattr(d, "platform", None) != "gpu" for d in devices):
         return "not every mesh device is a GPU"
     processes = [getattr(d, "process_index", None) for d in devices]
@@ -259,7 +264,8 @@ def job_obstacle(devices) -> str | None:
     per_process: dict[int, int] = {}
     for device in jax.devices():
         per_process[device.process_index] = per_process.get(device.process_index, 0) + 1
-    return cross_process_obstacle(devices, per_process, process_host, _published_host())
+    return cross_process_obstacle(devices, per_process, process_host, _published_host(),
+                                  bool(getattr(jax.config, "jax_share_binary_between_hosts", False)))
 
 
 # ------------------------------------------------------------------ CUDA

@@ -100,6 +100,8 @@ def test_which_meshes_the_heap_can_carry():
     assert "one GPU per process" in _obstacle(gpus, per_process={0: 2, 1: 1, 2: 1, 3: 1})
     assert "one GPU per process" in _obstacle([FakeGpu(0, 0), FakeGpu(1, 0)], per_process={0: 2})
     assert "GPU" in _obstacle([FakeGpu(0, 0), jax.devices("cpu")[0]])
+    shared = heap.cross_process_obstacle(gpus, {p: 1 for p in range(4)}, lambda p: "here", "here", True)
+    assert "jax_share_binary_between_hosts" in shared
 
 
 @pytest.fixture
