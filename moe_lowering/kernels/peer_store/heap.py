@@ -22,7 +22,8 @@ how clusters run) needs memory the other processes have mapped. The heap is that
   ``REGION_ALIGN`` units), which the layer all-gathers with its counts as before; each process
   turns every rank's words into addresses valid here, (its mapped heap base) + (its offset)
   (:func:`peer_address_words`). The base table is a per-process constant of the compiled program
-  (each process compiles its own), and regions need not sit at the same offset everywhere.
+  (each process compiles its own; so not with ``jax_share_binary_between_hosts``, refused), and
+  regions need not sit at the same offset everywhere.
   The words then have the one-process layout (rows address, arrival counters address), so the
   ``push`` and ``gmm_push`` kernels run unchanged.
 

@@ -78,18 +78,6 @@ def wait_kernel(recv_ptr, arrivals_ptr, num_rows_ptr, done_ptr, out_ptr, NUM_ROW
 
 
 @triton.jit
-def _counted_tiles(num_rows_ptr, NUM_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, ZERO_TAIL: tl.constexpr):
-    """``(rows counted, clamped to the buffer; row tiles to write)``: every tile with ``ZERO_TAIL``
-    (the rest are zeroed), else only those holding counted rows."""
-    num_rows = tl.minimum(tl.maximum(tl.load(num_rows_ptr), 0), NUM_ROWS)
-    if ZERO_TAIL:
-        last_tile = tl.cdiv(NUM_ROWS, BLOCK_ROWS)
-    else:
-        last_tile = tl.cdiv(num_rows, BLOCK_ROWS)
-    return num_rows, last_tile
-
-
-@triton.jit
 def _control_block(address_ptr, rank):
     """This rank's region control words (int32): arrivals, consumed, epoch, grid counter."""
     return join_address(address_ptr + rank * 4 + 2).to(tl.pointer_type(tl.int32))
@@ -127,7 +115,11 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
         while tl.atomic_add(control + peer, 0, sem="acquire", scope="sys") - target < 0:
             pass
     tl.debug_barrier()  # the acquiring thread's view, for every thread of the program
-    num_rows, last_tile = _counted_tiles(num_rows_ptr, NUM_ROWS, BLOCK_ROWS, ZERO_TAIL)
+    num_rows = tl.minimum(tl.maximum(tl.load(num_rows_ptr), 0), NUM_ROWS)
+    if ZERO_TAIL:
+        last_tile = tl.cdiv(NUM_ROWS, BLOCK_ROWS)
+    else:
+        last_tile = tl.cdiv(num_rows, BLOCK_ROWS)
     in_rows = tl.arange(0, BLOCK_ROWS)
     in_d = tl.arange(0, BLOCK_D)
     zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
@@ -159,7 +151,11 @@ def expand_rows_kernel(table_ptr, index_ptr, num_rows_ptr, out_ptr, NUM_ROWS: tl
                        NUM_PROGRAMS: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """``out[i] = table[index[i]]`` for ``i < num_rows``; zeros after them with ``ZERO_TAIL``, else
     those rows are not touched (persistent programs over the row tiles that count)."""
-    num_rows, last_tile = _counted_tiles(num_rows_ptr, NUM_ROWS, BLOCK_ROWS, ZERO_TAIL)
+    num_rows = tl.minimum(tl.maximum(tl.load(num_rows_ptr), 0), NUM_ROWS)
+    if ZERO_TAIL:
+        last_tile = tl.cdiv(NUM_ROWS, BLOCK_ROWS)
+    else:
+        last_tile = tl.cdiv(num_rows, BLOCK_ROWS)
     in_rows = tl.arange(0, BLOCK_ROWS)
     in_d = tl.arange(0, BLOCK_D)
     for tile in range(tl.program_id(0), last_tile, NUM_PROGRAMS):
