@@ -107,6 +107,21 @@ def test_tokens_dropped_past_capacity_are_dropped_alike():
     _assert_close(step(params, x), outer(params, x), 1e-5)  # jit outside the decorated step
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["remat", "frozen_router"])
+def test_rematerialised_layer_and_frozen_router(variant):
+    """The layer under ``jax.checkpoint`` (its recomputing backward: the remat inlined, as for dropless
+    layers), and a router under ``stop_gradient`` (combine then has no derivative: nothing to rebuild)."""
+    model = MODELS["switch"]
+    params, x = model.args(jax.random.key(5))
+    if variant == "remat":
+        fn = jax.checkpoint(model.fn)
+    else:
+        def fn(params, x):
+            return model.fn({**params, "router": lax.stop_gradient(params["router"])}, x)
+    _check_step(fn, params, x, model.capacity)
+
+
 def _switch_like(variant: str, capacity: int = 3):
     """Top-1 capacity routing whose dispatch breaks a device check on some data: ``several``: tokens also
     go to every expert scoring over 0.2 (more than k experts); ``wrap``: positions wrap around the
