@@ -174,12 +174,15 @@ def _dense(shape) -> bool:
     return tuple(shape) == (SIZES.T, SIZES.E, SIZES.f)
 
 
-def test_a_scaled_gate_cotangent_in_the_backward_of_a_saving_remat_declines():
+@pytest.mark.parametrize("factor", [1, 2])
+def test_a_scaled_gate_cotangent_in_the_backward_of_a_saving_remat_declines(factor):
+    """Scaled by 2: declined. Re-bound unchanged (1): rewritten, exact."""
     graph, remat, flat = _saving_step()
     body = build_graph(_compat.as_closed(remat.params["jaxpr"]))
     site = next(e for e in body.eqns if str(e.primitive) == "dot_general" and e.outputs[0].shape == (SIZES.T, SIZES.E))
-    scaled = _in_the_backward(remat, body, site.index, lambda eqn, inputs, env: [2 * o for o in _bound(eqn, inputs)])
-    assert _outcome(graph, flat, scaled) == "declined"
+    scaled = _in_the_backward(remat, body, site.index,
+                              lambda eqn, inputs, env: [o * factor if factor != 1 else o for o in _bound(eqn, inputs)])
+    assert _outcome(graph, flat, scaled) == ("exact" if factor == 1 else "declined")
 
 
 def test_a_saved_residual_swapped_for_another_in_the_backward_declines_or_stays_exact():

@@ -17,7 +17,7 @@ from jax import lax
 from jax._src.interpreters import partial_eval as pe
 
 from moe_lowering import _compat, explain, moe_optimize
-from moe_lowering.passes.graph import build_graph
+from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph, inline_jaxpr
 from moe_lowering.testing import mutate, zoo
 from test_train_step import (MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value,
                              _relative_error)
@@ -274,7 +274,13 @@ def _relu_backward_mutant(body_of, pick, change):
     tree = jax.tree.structure((params, x))
     graph = build_graph(jax.make_jaxpr(lambda *a: step(*jax.tree.unflatten(tree, a)))(*flat))
     scan = next(e for e in graph.eqns if str(e.primitive) == "scan" and body_of(e))
-    body = build_graph(_compat.as_closed(scan.params["jaxpr"]))
+    jaxpr, consts = _compat.jaxpr_parts(_compat.as_closed(scan.params["jaxpr"]))
+    env = {v: Const(c, v.aval) for v, c in zip(jaxpr.constvars, consts)}
+    inputs = tuple(Value(v.aval) for v in jaxpr.invars)
+    env.update(zip(jaxpr.invars, inputs))
+    eqns: list = []
+    outputs = inline_jaxpr(jaxpr, env, eqns, {}, inlined=())  # relu's jit kept: re-bound as it was
+    body = JaxprGraph(tuple(eqns), inputs, tuple(outputs))
     site = pick(body)
 
     def rebound(eqn, inputs, env):
@@ -285,13 +291,15 @@ def _relu_backward_mutant(body_of, pick, change):
     return graph, flat, (scan.index, rebound)
 
 
-def test_a_scanned_relu_mask_that_keeps_the_zeros_declines():
+@pytest.mark.parametrize("mask", ["gt", "ge"])
+def test_a_scanned_relu_mask_that_keeps_the_zeros_declines(mask):
     """The forward body's mask for the rule's derivative, x > 0, changed to x >= 0 (max's tie goes the other
-    way): the backward body is no longer the rule's derivative, and the proof says so."""
+    way): the backward body is no longer the rule's derivative, and the proof says so. The body re-bound
+    unchanged (``gt``) is rewritten, exact."""
     graph, flat, mutation = _relu_backward_mutant(
         lambda e: not e.params["reverse"], lambda body: next(e for e in body.eqns if str(e.primitive) == "gt"),
-        lambda eqn, inputs, env: [lax.ge(*inputs)])
-    assert _outcome(graph, flat, mutation) == "declined"
+        lambda eqn, inputs, env: [getattr(lax, mask)(*inputs)])
+    assert _outcome(graph, flat, mutation) == ("exact" if mask == "gt" else "declined")
 
 
 def test_a_scaled_cotangent_through_the_scanned_relu_declines():
