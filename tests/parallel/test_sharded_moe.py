@@ -62,6 +62,30 @@ def out_and_grads(moe, tokens, weights, params, cotangent):
     return out, vjp(cotangent)
 
 
+def jitted_out_and_grads(moe, *args):
+    """``out_and_grads`` as one compiled program: op by op, a reference takes 2-3x as long."""
+    return jax.jit(functools.partial(out_and_grads, moe))(*args)
+
+
+def compiled_out_and_grads(moe, *args):
+    """``out_and_grads`` compiled once, and the compiled program's HLO text (forward and backward)."""
+    compiled = jax.jit(functools.partial(out_and_grads, moe)).lower(*args).compile()
+    return compiled(*args), compiled.as_text()
+
+
+def out_grads_and_stats(moe, tokens, weights, params, cotangent):
+    """``out_and_grads`` of a layer called with ``return_stats=True``, and its stats."""
+    out, vjp, stats = jax.vjp(moe, tokens, weights, params, has_aux=True)
+    return (out, vjp(cotangent)), stats
+
+
+def compiled_forward_and_stats(moe, tokens, weights, params):
+    """The forward program of a layer called with ``return_stats=True``, compiled once: its HLO
+    text and its stats (computed in every call; the flag only returns them)."""
+    compiled = jax.jit(moe).lower(tokens, weights, params).compile()
+    return compiled.as_text(), compiled(tokens, weights, params)[1]
+
+
 def sharded(layout, indices, program, **kwargs):
     return lambda t, w, p: sharded_sparse_moe(t, indices, w, p, program, num_experts=E, layout=layout, **kwargs)
 
@@ -86,18 +110,17 @@ def test_matches_unsharded_and_dense(mesh_name, num_tokens, exchange_capacity):
     tokens, indices, weights, params, cotangent = case(1, num_tokens)
     indices = indices.at[5, 1].set(-1).at[17, 0].set(E)  # copies the caller dropped
     program = swiglu_program(expert_bias=True, token_scale=True)
-    moe = sharded(layout, indices, program, exchange_capacity=exchange_capacity)
-    out, grads = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
-    ref_sparse = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                               tokens, weights, params, cotangent)
-    ref_dense = out_and_grads(lambda t, w, p: dense_reference(t, indices, w, p, num_experts=E, expert_bias=True,
-                                                              token_scale=True), tokens, weights, params, cotangent)
+    moe = sharded(layout, indices, program, exchange_capacity=exchange_capacity, return_stats=True)
+    (out, grads), stats = jax.jit(functools.partial(out_grads_and_stats, moe))(tokens, weights, params, cotangent)
+    ref_sparse = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                      tokens, weights, params, cotangent)
+    ref_dense = jitted_out_and_grads(
+        lambda t, w, p: dense_reference(t, indices, w, p, num_experts=E, expert_bias=True, token_scale=True),
+        tokens, weights, params, cotangent)
     assert_close((out, grads), ref_sparse, 1e-5)
     assert_close((out, grads), ref_dense, 1e-5)
     if num_tokens % 8 == 0:  # the caller's token sharding comes back
         assert out.sharding.is_equivalent_to(NamedSharding(layout.mesh, layout.tokens_spec), 2)
-    _, stats = jax.jit(sharded(layout, indices, program, exchange_capacity=exchange_capacity, return_stats=True))(
-        tokens, weights, params)
     assert int(stats.dropped_copies) == 0
     assert int(stats.exchange_rounds) >= (2 if exchange_capacity else 1)
 
@@ -124,16 +147,16 @@ def test_fp8_weight_gather(mesh_name, quant, exchange):
     tokens, indices, weights, params, cotangent = case(2, expert_bias=False, token_scale=False)
     program = swiglu_program()
     moe = sharded(layout, indices, program, weight_gather_quant=quant, **exchange)
-    out, grads = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    out, grads = jitted_out_and_grads(moe, tokens, weights, params, cotangent)
 
     def fake_quant_dense(t, w, p):
         p = [fake_quantized(x, quant, layout.fsdp_dim(i), layout.fsdp_size) for i, x in enumerate(p)]
         return dense_reference(t, indices, w, p, num_experts=E)
 
-    assert_close((out, grads), out_and_grads(fake_quant_dense, tokens, weights, params, cotangent), 1e-5)
+    assert_close((out, grads), jitted_out_and_grads(fake_quant_dense, tokens, weights, params, cotangent), 1e-5)
     # Against the exact layer: e4m3 keeps 3 mantissa bits (2.7% error per weight), three GEMMs in a row.
-    exact_out, exact_grads = out_and_grads(lambda t, w, p: dense_reference(t, indices, w, p, num_experts=E),
-                                           tokens, weights, params, cotangent)
+    exact_out, exact_grads = jitted_out_and_grads(lambda t, w, p: dense_reference(t, indices, w, p, num_experts=E),
+                                                  tokens, weights, params, cotangent)
     assert rel_err(out, exact_out) < 5e-2
     for g, g_exact in zip(jax.tree.leaves(grads), jax.tree.leaves(exact_grads)):
         assert rel_err(g, g_exact) < 1e-1
@@ -166,7 +189,7 @@ def test_fp8_weight_gather_forward_mode_is_the_straight_through_derivative():
         return out, tangent, hvp(f), jnp.vdot(cotangent, tangent), adjoint
 
     out, tangent, got_hvp, forward, reverse = jax.jit(lambda: derivatives(moe))()
-    want_out, want_tangent, want_hvp, *_ = derivatives(fake_quant_dense)
+    want_out, want_tangent, want_hvp, *_ = jax.jit(lambda: derivatives(fake_quant_dense))()
     assert rel_err(out, want_out) < 1e-5 and rel_err(tangent, want_tangent) < 1e-5
     for got, want in zip(jax.tree.leaves(got_hvp), jax.tree.leaves(want_hvp), strict=True):
         assert rel_err(got, want) < 1e-5
@@ -211,15 +234,14 @@ def test_ppermute_transport(mesh_name, exchange_capacity, skew_to):
     layout = make_layout(mesh_name, expert_bias=True)
     tokens, indices, weights, params, cotangent = case(10, num_tokens=128, skew_to=skew_to)
     program = swiglu_program(expert_bias=True, token_scale=True)
-    moe = sharded(layout, indices, program, exchange_transport="ppermute", exchange_capacity=exchange_capacity)
-    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, params, cotangent)
+    moe = sharded(layout, indices, program, exchange_transport="ppermute", exchange_capacity=exchange_capacity,
+                  return_stats=True)
+    got = jax.jit(functools.partial(out_grads_and_stats, moe))(tokens, weights, params, cotangent)[0]
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, params, cotangent)
     assert_close(got, want, 1e-5)
-    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
+    hlo, stats = compiled_forward_and_stats(moe, tokens, weights, params)
     assert collectives(hlo, "collective-permute") and not collectives(hlo, "all-to-all")
-    _, stats = jax.jit(sharded(layout, indices, program, exchange_transport="ppermute",
-                               exchange_capacity=exchange_capacity, return_stats=True))(tokens, weights, params)
     if exchange_capacity is not None or skew_to is not None:
         assert int(stats.exchange_rounds) >= 2
 
@@ -243,12 +265,11 @@ def test_peer_transport_routes(mesh_name, exchange_capacity, exchange_chunks, sk
     program = swiglu_program(expert_bias=expert_bias, token_scale=True)
     moe = sharded(layout, indices, program, exchange_transport="peer", exchange_capacity=exchange_capacity,
                   exchange_chunks=exchange_chunks)
-    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, params, cotangent)
+    got, hlo = compiled_out_and_grads(moe, tokens, weights, params, cotangent)
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, params, cotangent)
     assert_close(got, want, 1e-5)
-    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
-    assert not collectives(hlo, "all-to-all")
+    assert not collectives(hlo, "all-to-all")  # forward or backward
     # Sized for the worst case by default on few ranks: one round, no overflow loop waiting on the host.
     looped = exchange_capacity is not None or layout.expert_parallel_size > PEER_SINGLE_ROUND_MAX_RANKS
     assert has_exchange_loop(jax.make_jaxpr(moe)(tokens, weights, params).jaxpr) == looped
@@ -266,9 +287,9 @@ def test_peer_output_gemm_reads_its_weight_twice():
                                                              local_experts=2, capacity=8, transport="peer"), (square,))
     assert fused is not None and fused.weight_read_before
     moe = sharded(layout, indices, program, exchange_transport="peer")
-    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, (square,), cotangent)
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, (square,), cotangent)
+    got = jitted_out_and_grads(moe, tokens, weights, (square,), cotangent)
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, (square,), cotangent)
     assert_close(got, want, 1e-5)
 
 
@@ -410,8 +431,8 @@ def test_bad_arguments_raise_and_unquantizable_shards_gather_exactly():
         sharded(layout, indices, program, exchange_transport="nvshmem")(tokens, weights, params)
     tokens, indices, weights, params = random_case(9, num_tokens=64, d_model=32, d_ff=32, num_experts=E, top_k=2)
     with pytest.warns(UserWarning, match="'mxfp8' ignored .*mxfp8 needs"):  # w1's K shard is 32 / 2: no 1x32 block
-        out = sharded(layout, indices, program, weight_gather_quant="mxfp8")(tokens, weights, params)
-    exact = sparse_moe(tokens, indices, weights, params, program, num_experts=E)
+        out = jax.jit(sharded(layout, indices, program, weight_gather_quant="mxfp8"))(tokens, weights, params)
+    exact = jax.jit(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E))(tokens, weights, params)
     assert rel_err(out, exact) < 1e-5  # gathered exactly instead
 
 
@@ -425,14 +446,13 @@ def test_chunked_exchange(mesh_name, exchange_chunks, exchange_capacity, skew_to
     tokens, indices, weights, params, cotangent = case(11, num_tokens=128, skew_to=skew_to)
     program = swiglu_program(expert_bias=True, token_scale=True)
     kwargs = dict(exchange_chunks=exchange_chunks, exchange_capacity=exchange_capacity)
-    moe = sharded(layout, indices, program, **kwargs)
-    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, params, cotangent)
+    moe = sharded(layout, indices, program, return_stats=True, **kwargs)
+    got = jax.jit(functools.partial(out_grads_and_stats, moe))(tokens, weights, params, cotangent)[0]
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, params, cotangent)
     assert_close(got, want, 1e-5)
-    hlo = jax.jit(moe).lower(tokens, weights, params).compile().as_text()
+    hlo, stats = compiled_forward_and_stats(moe, tokens, weights, params)
     assert len(collectives(hlo, "all-to-all")) >= 2 * exchange_chunks  # each chunk out and back on its own
-    _, stats = jax.jit(sharded(layout, indices, program, return_stats=True, **kwargs))(tokens, weights, params)
     if exchange_capacity is not None or skew_to is not None:
         assert int(stats.exchange_rounds) >= 2
 
@@ -458,7 +478,7 @@ def test_deduplicated_dispatch_sends_each_token_once_per_rank(mesh_name, monkeyp
     representatives = exchange._representatives
     monkeypatch.setattr(exchange, "_representatives", lambda *a: traced.append(1) or representatives(*a))
     moe = sharded(layout, indices, program, exchange_transport="peer")
-    deduplicated = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    deduplicated = jitted_out_and_grads(moe, tokens, weights, params, cotangent)
     assert traced, "the deduplicated dispatch was not taken"
     monkeypatch.setattr(exchange, "deduplicates", lambda cfg, num_rows: False)
     traced.clear()
@@ -466,8 +486,8 @@ def test_deduplicated_dispatch_sends_each_token_once_per_rank(mesh_name, monkeyp
     assert not traced
     for a, b in zip(jax.tree.leaves(deduplicated), jax.tree.leaves(per_row), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, params, cotangent)
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, params, cotangent)
     assert_close(deduplicated, want, 1e-5)
 
 
@@ -554,7 +574,7 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
     program = swiglu_program()
     moe = sharded(layout, indices, program, exchange_transport=transport, exchange_chunks=exchange_chunks,
                   weight_gather_quant=quant)
-    got = jax.jit(lambda *a: out_and_grads(moe, *a))(tokens, weights, params, cotangent)
+    got = jitted_out_and_grads(moe, tokens, weights, params, cotangent)
     local_rows = 128 // 8 * 2
     expected = local_rows // exchange_chunks
     on_buffers = [(name, rows, rows_hint) for name, rows, rows_hint in calls if rows != local_rows]  # not the shape probe
@@ -563,8 +583,8 @@ def test_receive_buffer_gemms_pick_tiles_for_a_balanced_arrival(transport, excha
     assert {rows_hint for _, _, rows_hint in on_buffers} == {expected}, calls
     if transport == "peer":
         assert {rows for _, rows, _ in on_buffers} == {4 * expected}, calls  # ep times a balanced arrival
-    want = out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
-                         tokens, weights, params, cotangent)
+    want = jitted_out_and_grads(lambda t, w, p: sparse_moe(t, indices, w, p, program, num_experts=E),
+                                tokens, weights, params, cotangent)
     if quant is None:
         assert_close(got, want, 1e-5)
     else:
