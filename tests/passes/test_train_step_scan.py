@@ -19,9 +19,8 @@ from jax._src.interpreters import partial_eval as pe
 from moe_lowering import _compat, explain, moe_optimize
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph, inline_jaxpr
 from moe_lowering.testing import mutate, zoo
-from test_train_step import (MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value,
-                             _relative_error)
-from test_train_step_remat import _SAVING, _bound, _evaluate, _outcome
+from test_train_step import MIXTRAL, SIZES, _assert_close, _check_rewritten, _dense_elements, _largest_value
+from test_train_step_remat import _SAVING, _bound, _evaluate, _outcome, assert_bfloat16_as_close_as_the_dense_step
 
 LAYERS = 2
 
@@ -142,14 +141,7 @@ def test_gradient_accumulation_over_microbatches_in_an_outer_scan():
 def test_bfloat16_scan_step_as_close_to_float32_as_the_dense_step():
     """bf16 against the float32 step on the same values: within 2e-2, or no worse than twice the dense
     bf16 step's error."""
-    params, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), _stacked_args(MIXTRAL, seed=17))
-    step = _scan_step(MIXTRAL)
-    assert explain(step, params, x).regions[0].backward
-    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
-    dense, rewritten = step(params, x), moe_optimize(step, strict=True)(params, x)
-    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
-        assert got.dtype == base.dtype
-        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+    assert_bfloat16_as_close_as_the_dense_step(_scan_step(MIXTRAL), *_stacked_args(MIXTRAL, seed=17))
 
 
 def test_a_forward_program_scan_is_still_rewritten_in_its_body():
@@ -257,14 +249,7 @@ def test_a_scanned_relu_layer_is_rewritten_with_the_rule_derivative_at_zero():
 
 
 def test_bfloat16_scanned_relu_step_as_close_to_float32_as_the_dense_step():
-    step, params, x = _relu_step_with_zeros(seed=27)
-    low = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (params, x))
-    assert explain(step, *low).regions[0].backward
-    exact = step(params, x)
-    dense, rewritten = step(*low), moe_optimize(step, strict=True)(*low)
-    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
-        assert got.dtype == base.dtype
-        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+    assert_bfloat16_as_close_as_the_dense_step(*_relu_step_with_zeros(seed=27))
 
 
 def _relu_backward_mutant(body_of, pick, change):
