@@ -32,6 +32,7 @@ import numpy as np
 
 from moe_lowering import _compat
 from moe_lowering.passes.canonicalize import is_identity_rounding
+from moe_lowering.passes.derivative_support import tangent_free
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match_core import FailedMatch
 
@@ -86,9 +87,6 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
     readers = [e for e in graph.eqns if e.index not in interior
                and any(isinstance(a, Value) and a in interior_values for a in e.inputs)]
     gate_ids = {e.index for e in gate_eqns}
-    reference = _reference(region_eqns, inputs, output)
-    if isinstance(reference, FailedMatch):
-        return reference
     candidates = _cotangent_candidates(graph, output, interior_values, readers, interior | gate_ids)
     if not candidates:
         return FailedMatch(
@@ -97,12 +95,32 @@ def match_derivative(graph: JaxprGraph, interior: frozenset, output: Value, gate
             "the layer's reverse-mode derivative: replacing the layer would change that use", readers[0],
             "private-interior")
     failures = []
-    for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
-        found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
-        if isinstance(found, RegionDerivative):
-            return found
-        failures.append(found)
+    for differentiated in _differentiated_operands(graph, inputs, gate_eqns):
+        reference = _reference(region_eqns, inputs, output, differentiated)
+        if isinstance(reference, FailedMatch):
+            return reference
+        for cotangent in candidates[:_MAX_COTANGENT_CANDIDATES]:
+            found = _prove(graph, reference, inputs, cotangent, interior_values, interior, gate_eqns, sparse_reads)
+            if isinstance(found, RegionDerivative):
+                return found
+            failures.append(found)
     return max(failures, key=lambda failure: failure[1])[0]  # the candidate that explained the most uses
+
+
+def _differentiated_operands(graph: JaxprGraph, inputs, gate_eqns) -> list[list[bool]]:
+    """Which operands the reference differentiates, most first: every one; those with a derivative in the
+    program (not under ``stop_gradient``); those, less the routing weights' own operands.
+
+    A jaxpr does not say which of its inputs autodiff gave tangents, and where an operand had none
+    (a frozen router, tokens that are data) autodiff emits other ops for the rest (symbolic zeros fold
+    away). Each choice is a complete proof on its own: a program op that reads the layer's interior
+    must still be a value of that reference, so a cotangent the program takes of a closed-over operand
+    is never accepted."""
+    free = [tangent_free(graph, v) for v in inputs]
+    gate_operands = {a for e in gate_eqns for a in e.inputs}
+    choices = [[True] * len(inputs), [not f for f in free],
+               [not f and v not in gate_operands for v, f in zip(inputs, free)]]
+    return [c for i, c in enumerate(choices) if c not in choices[:i]]
 
 
 def is_inexact(value: Value) -> bool:
@@ -357,10 +375,14 @@ class _Reference:
     cotangents: tuple  # per input: the key of its cotangent, or None (integer inputs)
 
 
-def _reference(region_eqns, inputs, output) -> _Reference | FailedMatch:
-    """``jax.vjp`` of the dense region, traced with its operands and output cotangent as free inputs."""
+def _reference(region_eqns, inputs, output, differentiated) -> _Reference | FailedMatch:
+    """``jax.vjp`` of the dense region, traced with its operands and output cotangent as free inputs.
 
-    def region(*values):
+    Operands without a derivative in the program (``differentiated`` false: a router under
+    ``stop_gradient``, integer indices) are closed over, not differentiated: autodiff then emits the
+    same ops the program's backward holds (no cotangent for them, symbolic zeros folded alike)."""
+
+    def region(values):
         local = dict(zip(inputs, values))
         for eqn in region_eqns:
             args = [a.value if isinstance(a, Const) else local[a] for a in eqn.inputs]
@@ -369,7 +391,13 @@ def _reference(region_eqns, inputs, output) -> _Reference | FailedMatch:
         return local[output]
 
     def pullback(primals, cotangent):
-        return jax.vjp(region, *primals)[1](cotangent)
+        def of_differentiated(*moving):
+            values, moving = list(primals), iter(moving)
+            return region([next(moving) if d else v for v, d in zip(values, differentiated)])
+
+        moving = [v for v, d in zip(primals, differentiated) if d]
+        cotangents = iter(jax.vjp(of_differentiated, *moving)[1](cotangent))
+        return [next(cotangents) if d else None for d in differentiated]
 
     avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in inputs]
     try:
@@ -382,9 +410,11 @@ def _reference(region_eqns, inputs, output) -> _Reference | FailedMatch:
     leaves = {v: keys.leaf(("input", i)) for i, v in enumerate(ref_graph.inputs[:-1])}
     leaves[ref_graph.inputs[-1]] = keys.leaf("cotangent")
     keyed = _key_graph(keys, ref_graph, leaves)
+    outputs = iter(ref_graph.outputs)
     cotangents = []
-    for atom, primal in zip(ref_graph.outputs, inputs):
-        differentiable = jax.numpy.issubdtype(primal.dtype, jax.numpy.inexact)
+    for primal, d in zip(inputs, differentiated):
+        atom = next(outputs) if d else None
+        differentiable = d and jax.numpy.issubdtype(primal.dtype, jax.numpy.inexact)
         cotangents.append(keyed.get(atom) if differentiable and isinstance(atom, Value) else None)
     return _Reference(keys, frozenset(keyed.values()), tuple(cotangents))
 

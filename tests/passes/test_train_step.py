@@ -251,3 +251,21 @@ def test_jit_outside_the_decorated_step():
     outer = jax.jit(moe_optimize(step, strict=True))
     _assert_close(step(params, x), outer(params, x), 1e-5)
     assert _largest_value(jax.make_jaxpr(outer)(params, x)) < _dense_elements()
+
+
+@pytest.mark.parametrize(("name", "frozen"), [("deepseek_v3", ("router",)), ("mixtral", ("w_up", "w_down"))])
+def test_frozen_router_or_experts_under_stop_gradient(name, frozen):
+    """Fine-tuning with part of the layer frozen: a weight under ``stop_gradient`` has no tangent, and
+    autodiff then leaves out ops the reference would hold (DeepSeek's gate cotangent through its
+    normalised weights); the proof closes over operands without a derivative instead."""
+    model = zoo.ZOO[name].sized(T=SIZES.T, d=SIZES.d, f=SIZES.f, E=SIZES.E, k=SIZES.k)
+    params, x = model.args(jax.random.key(2))
+
+    def loss(p, x):
+        p = {key: jax.lax.stop_gradient(v) if key in frozen else v for key, v in p.items()}
+        return jnp.mean(jnp.sin(model.fn(p, x)) ** 2)
+
+    grads = _check_rewritten(jax.jit(jax.value_and_grad(loss)), params, x)
+    assert grads.regions[0].backward
+    fast = moe_optimize(jax.jit(jax.grad(loss)))(params, x)
+    assert all(not np.any(fast[key]) for key in frozen)  # a frozen weight's gradient stays exactly zero
