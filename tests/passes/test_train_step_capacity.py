@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from moe_lowering import explain, moe_optimize
+from moe_lowering import _compat, explain, moe_optimize
 from moe_lowering.testing import mutate, zoo
 from moe_lowering.testing.device_checks import capacity_fallbacks
 from test_train_step import STEP_OF_KINDS, TRAIN_KINDS, _assert_close, _relative_error, follows_the_dense_trajectory
@@ -58,11 +58,8 @@ def _activation_shapes(closed, num_experts: int, capacity: int, into_cond: bool)
                     found.append(tuple(var.aval.shape))
             if str(eqn.primitive) == "cond" and not into_cond:
                 continue
-            for param in eqn.params.values():
-                for inner in param if isinstance(param, (tuple, list)) else (param,):
-                    inner = getattr(inner, "jaxpr", inner)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
+            for inner in _compat.sub_jaxprs(eqn.params):
+                walk(_compat.open_jaxpr(inner))
 
     walk(closed.jaxpr)
     return found
