@@ -31,6 +31,14 @@ MODELS = {
     "gshard_top2": zoo.ZOO["gshard_top2"].builder(zoo.Sizes(T=16, d=D, f=F, E=4, k=2), capacity_factor=1.25),  # 10
     "grouped_capacity": zoo.ZOO["grouped_capacity"].builder(zoo.Sizes(B=2, T=20, d=D, f=F, E=4, k=2),
                                                             capacity_factor=1.25),  # [B, S, E, C], S = 10, C = 6
+    # combine as praxis builds it (outer products, dispatch = combine != 0); V-MoE's batch-prioritised
+    # queue; the all-to-all layout ([E, B * C, d] rows, B * C = 14)
+    "gshard_top2_outer": zoo.ZOO["gshard_top2_outer"].builder(zoo.Sizes(T=16, d=D, f=F, E=4, k=2),
+                                                              capacity_factor=1.25),
+    "batch_prioritized": zoo.ZOO["batch_prioritized"].builder(zoo.Sizes(T=16, d=D, f=F, E=4, k=1),
+                                                              capacity_factor=0.75),
+    "grouped_capacity_a2a": zoo.ZOO["grouped_capacity_a2a"].builder(zoo.Sizes(B=2, T=20, d=D, f=F, E=4, k=2),
+                                                                    capacity_factor=1.5),  # C = 7
 }
 
 
