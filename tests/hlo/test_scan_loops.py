@@ -69,10 +69,11 @@ ROUTES = ["stablehlo", "hlo"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("reverse", [False, True])
-def test_a_scan_comes_back_as_a_scan(route, reverse, caplog):
+@pytest.mark.parametrize("reverse, unroll", [(False, 1), (True, 1), (False, 2)])
+def test_a_scan_comes_back_as_a_scan(route, reverse, unroll, caplog):
+    """``unroll=2``: a scan over pairs of rows (the xs reshaped), two layers per iteration."""
     def fn(h, xs):
-        return lax.scan(_layer, h, xs, reverse=reverse)
+        return lax.scan(_layer, h, xs, reverse=reverse, unroll=unroll)
 
     loops, reasons = _imported(fn, route, caplog, *_data())
     assert loops == [("scan", reverse)] and not reasons
