@@ -22,7 +22,8 @@ from jax import lax
 from moe_lowering import _compat, explain, moe_optimize
 from moe_lowering.testing import mutate, zoo
 from moe_lowering.testing.device_checks import capacity_fallbacks
-from test_train_step import STEP_OF_KINDS, TRAIN_KINDS, _assert_close, _relative_error, follows_the_dense_trajectory
+from test_train_step import STEP_OF_KINDS, TRAIN_KINDS, _assert_close, follows_the_dense_trajectory
+from test_train_step_remat import assert_bfloat16_as_close_as_the_dense_step
 
 D, F = 8, 12
 # C differs from E, d and f, so that a value holding expert activations is told by its shape
@@ -168,17 +169,7 @@ def test_optax_training_loop_follows_the_dense_trajectory():
 
 @pytest.mark.slow
 def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
-    """bf16 against the float32 step on the same values: within 2e-2, or no worse than twice the dense
-    bf16 step's error."""
-    model = MODELS["switch"]
-    params, x = model.args(jax.random.key(1), jnp.bfloat16)
-    step = _step(model.fn)
-    assert explain(step, params, x).regions[0].backward
-    exact = step(*jax.tree.map(lambda a: a.astype(jnp.float32), (params, x)))
-    dense, rewritten = step(params, x), moe_optimize(step, strict=True)(params, x)
-    for want, base, got in zip(*map(jax.tree.leaves, (exact, dense, rewritten)), strict=True):
-        assert got.dtype == base.dtype
-        assert _relative_error(want, got) < max(2e-2, 2 * _relative_error(want, base))
+    assert_bfloat16_as_close_as_the_dense_step(_step(MODELS["switch"].fn), *MODELS["switch"].args(jax.random.key(1)))
 
 
 # --------------------------------------------------------------------------- mutants of the capacity step
