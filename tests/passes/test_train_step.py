@@ -174,7 +174,13 @@ def test_training_step_mutants_are_declined_or_rewritten_exactly(context, kind):
     transpose given the wrong operand, an interior value read once more); ``step-<model>``: the step of
     a mutated layer (a stop_gradient on one path). 20 cases x 10 = 200 mutants, 2.5 s each on average
     on a shared 2-core CPU (rewritten ones ~3 s, declined ones 0.1 s): about 8 minutes of one core."""
-    mutants = mutate.sample(context, kind, TRAIN_MUTANTS_PER_KIND, TRAIN_MUTATION_SEED)
+    assert_mutants_declined_or_exact(context, kind, TRAIN_MUTANTS_PER_KIND)
+
+
+def assert_mutants_declined_or_exact(context: str, kind: str, count: int):
+    """``count`` mutants of ``kind`` in ``context`` (``TRAIN_MUTATION_SEED``): each declined, or rewritten and
+    exact (``mutate.check_mutant``)."""
+    mutants = mutate.sample(context, kind, count, TRAIN_MUTATION_SEED)
     assert mutants, f"{context} has no site for {kind}"
     outcomes = [mutate.check_mutant(m, 1) for m in mutants]
     bad = [o for o in outcomes if o.status in ("wrong", "crashed", "invalid")]

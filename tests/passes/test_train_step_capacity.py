@@ -22,7 +22,8 @@ from jax import lax
 from moe_lowering import _compat, explain, moe_optimize
 from moe_lowering.testing import mutate, zoo
 from moe_lowering.testing.device_checks import capacity_fallbacks
-from test_train_step import STEP_OF_KINDS, TRAIN_KINDS, _assert_close, follows_the_dense_trajectory
+from test_train_step import (STEP_OF_KINDS, TRAIN_KINDS, _assert_close, assert_mutants_declined_or_exact,
+                             follows_the_dense_trajectory)
 from test_train_step_remat import assert_bfloat16_as_close_as_the_dense_step
 
 D, F = 8, 12
@@ -175,7 +176,6 @@ def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
 # --------------------------------------------------------------------------- mutants of the capacity step
 
 MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)  # 30 mutants in CI
-MUTATION_SEED = int(os.environ.get("MOE_MUTATION_SEED", "0"))
 CASES = [(f"{mutate.TRAIN_STEP}switch", kind) for kind in TRAIN_KINDS] + [
     (f"{mutate.STEP_OF}switch", kind) for kind in STEP_OF_KINDS]
 
@@ -186,11 +186,7 @@ def test_capacity_training_step_mutants_are_declined_or_rewritten_exactly(contex
     """The Switch step mutated anywhere, its backward included (a cotangent scaled, a transpose given the
     wrong operand, an interior value read once more), or the step of a mutated layer (a stop_gradient on
     one path): declined, or rewritten and exact (``mutate.check_mutant``)."""
-    mutants = mutate.sample(context, kind, MUTANTS_PER_KIND, MUTATION_SEED)
-    assert mutants, f"{context} has no site for {kind}"
-    outcomes = [mutate.check_mutant(m, 1) for m in mutants]
-    bad = [o for o in outcomes if o.status in ("wrong", "crashed", "invalid")]
-    assert not bad, "\n\n".join(o.message() for o in bad)
+    assert_mutants_declined_or_exact(context, kind, MUTANTS_PER_KIND)
 
 
 def test_a_scaled_cotangent_in_the_capacity_layers_backward_declines():
