@@ -268,10 +268,11 @@ def restored_rules(graph: JaxprGraph) -> JaxprGraph:
     rules = _derivative_rules()
     groups: dict = {}
     for eqn in graph.eqns:
-        caller = next((c for c in reversed(eqn.callers)
-                       if c.primitive is _compat.jit_p and c.params.get("name") in rules), None)
-        if caller is not None:
-            groups.setdefault(id(caller), (caller, []))[1].append(eqn)
+        depth = next((i for i in reversed(range(len(eqn.callers))) if eqn.callers[i].primitive is _compat.jit_p
+                      and eqn.callers[i].params.get("name") in rules), None)
+        if depth is not None:  # keyed by the whole call path: a jaxpr inlined twice holds the same call twice
+            path = tuple(map(id, eqn.callers[:depth + 1]))
+            groups.setdefault(path, (eqn.callers[depth], []))[1].append(eqn)
     restored: dict = {}  # index of a group's first eqn -> the call; the group's other eqn indices -> None
     for caller, eqns in groups.values():
         call = _rule_call(graph, caller, eqns, rules[caller.params["name"]])
@@ -280,7 +281,7 @@ def restored_rules(graph: JaxprGraph) -> JaxprGraph:
             restored[eqns[0].index] = call
     if not restored:
         return graph
-    kept = [restored.get(e.index, e) if e.index in restored else e for e in graph.eqns]
+    kept = (restored.get(e.index, e) for e in graph.eqns)
     eqns = tuple(dataclasses.replace(e, index=i) for i, e in enumerate(e for e in kept if e is not None))
     return JaxprGraph(eqns, graph.inputs, graph.outputs, graph.input_shardings)
 

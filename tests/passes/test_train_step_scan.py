@@ -227,12 +227,16 @@ def _relu_step_with_zeros(activation=jax.nn.relu, seed=25, scanned=True):
     return jax.value_and_grad(loss, argnums=(0, 1)), params if scanned else jax.tree.map(lambda a: a[0], params), x
 
 
-def test_a_scanned_relu_layer_is_rewritten_with_the_rule_derivative_at_zero():
+_BY_MAX = {"relu": lambda v: jnp.maximum(v, 0.0), "relu6": lambda v: jnp.minimum(jnp.maximum(v, 0.0), 6.0)}
+
+
+@pytest.mark.parametrize("name", list(_BY_MAX))
+def test_a_scanned_relu_layer_is_rewritten_with_the_rule_derivative_at_zero(name):
     """jax.nn.relu's custom_jvp rule is applied when autodiff splits the scan: the forward body holds
     max(x, 0) and the backward body the rule's select(x > 0, ct, 0). The primal is bound again as relu's
     custom_jvp (``restored_rules``), whose derivative the proof compares with the backward body's and the
     sparse layer applies: equal to the untouched step at the exact zeros, where max's would not be."""
-    step, params, x = _relu_step_with_zeros()
+    step, params, x = _relu_step_with_zeros(getattr(jax.nn, name))
     report = explain(step, params, x)
     [region] = report.regions
     assert region.backward and "+scan[" in region.scope and "rewritten forward and backward" in str(report)
@@ -245,7 +249,7 @@ def test_a_scanned_relu_layer_is_rewritten_with_the_rule_derivative_at_zero():
                                                                         [True] * 7)[0]))
 
     assert live_largest(rewritten) < _dense_elements() <= live_largest(step)
-    by_max, _, _ = _relu_step_with_zeros(lambda v: jnp.maximum(v, 0.0))
+    by_max, _, _ = _relu_step_with_zeros(_BY_MAX[name])
     assert not jnp.allclose(step(params, x)[1][1], by_max(params, x)[1][1]), "the zeros do not reach the rule"
 
 
@@ -253,7 +257,7 @@ def test_an_unscanned_relu_layer_at_exact_zeros_keeps_its_custom_jvp():
     """Unscanned, the step's forward keeps relu's custom_jvp call: rewritten with the rule's derivative too."""
     step, params, x = _relu_step_with_zeros(scanned=False)
     _check_rewritten(step, params, x)
-    by_max, _, _ = _relu_step_with_zeros(lambda v: jnp.maximum(v, 0.0), scanned=False)
+    by_max, _, _ = _relu_step_with_zeros(_BY_MAX["relu"], scanned=False)
     assert not jnp.allclose(step(params, x)[1][1], by_max(params, x)[1][1]), "the zeros do not reach the rule"
 
 
