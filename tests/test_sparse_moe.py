@@ -270,15 +270,15 @@ def test_grouped_products_under_vmap_jvp_and_grad(batched):
         "swiglu": lambda l, r, s: jax.nn.silu(_dense_gmm(l, r, s)) * _dense_gmm(l, 0.5 * r + 1.0, s),
     }
     tangents = [jax.random.normal(keys[2], operands[0].shape), jax.random.normal(keys[3], operands[1].shape)]
-    for name in sparse:
+    for name in sparse:  # each check one compiled program: op by op, they took most of the test's time
         got_fn, want_fn = (jax.vmap(f, in_axes=axes) for f in (sparse[name], dense[name]))
-        np.testing.assert_allclose(jax.tree.leaves(got_fn(*operands)), jax.tree.leaves(want_fn(*operands)),
-                                   rtol=1e-5, atol=1e-5, err_msg=name)
-        jvp = lambda f: jax.jvp(lambda l, r: f(l, r, operands[2]), operands[:2], tangents)  # noqa: E731
+        np.testing.assert_allclose(jax.tree.leaves(jax.jit(got_fn)(*operands)),
+                                   jax.tree.leaves(jax.jit(want_fn)(*operands)), rtol=1e-5, atol=1e-5, err_msg=name)
+        jvp = lambda f: jax.jit(lambda: jax.jvp(lambda l, r: f(l, r, operands[2]), operands[:2], tangents))()  # noqa
         np.testing.assert_allclose(jax.tree.leaves(jvp(got_fn)), jax.tree.leaves(jvp(want_fn)), rtol=1e-5, atol=1e-5,
                                    err_msg=name)
         loss = lambda f: lambda l, r: sum(jnp.sum(jnp.sin(o)) for o in jax.tree.leaves(f(l, r, operands[2])))  # noqa
-        grads = (jax.grad(loss(f), (0, 1))(*operands[:2]) for f in (got_fn, want_fn))
+        grads = (jax.jit(jax.grad(loss(f), (0, 1)))(*operands[:2]) for f in (got_fn, want_fn))
         for got, want in zip(*grads):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
@@ -303,15 +303,18 @@ def test_last_product_and_combine_match_them_apart(monkeypatch):
     def loss(x, w, w_up, w_down):
         return jnp.sum(jnp.sin(sparse_moe(x, idx, w, [w_up, w_down], program, num_experts=E, backend="xla")))
 
-    def results():
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*operands))
+    def evaluated(*operands):  # one compiled program: op by op, these took most of the test's time
         grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*operands)
         alone = [jax.grad(loss, argnums=i)(*operands) for i in range(4)]
         tangent = jax.jvp(loss, operands, operands)[1]
         hvp = jax.jvp(jax.grad(loss, argnums=(0, 1, 2, 3)), operands, operands)[1]
         batched = jax.vmap(jax.grad(loss, argnums=(1, 3)), in_axes=(0, 0, None, None))(
             jnp.stack([x, -x]), jnp.stack([w, 1 - w]), w_up, w_down)
-        return jaxpr, (loss(*operands), *grads, *alone, tangent, *hvp, *batched)
+        return (loss(*operands), *grads, *alone, tangent, *hvp, *batched)
+
+    def results():
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*operands))
+        return jaxpr, jax.jit(evaluated)(*operands)
 
     fused_jaxpr, fused = results()
     monkeypatch.setattr(sparse_moe_module, "COMBINE_IN_LAST_PRODUCT_MAX_WIDTH", 0)
@@ -355,13 +358,15 @@ def test_up_projection_read_from_the_tokens_matches_the_permuted_rows(monkeypatc
 
         jaxpr = str(jax.make_jaxpr(layer)(params, x))
         grad_jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
-        grads = jax.grad(loss, argnums=(0, 1))(params, x)
-        tangent = jax.jvp(loss, (params, x), (params, x))[1]
-        hvp = jax.jvp(jax.grad(loss, argnums=(0, 1)), (params, x), (params, x))[1]
-        reverse_hvp = jax.grad(grad_dot_probe, argnums=(0, 1))(params, x)
-        batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x]))
-        leaves = (layer(params, x), loss(params, x), grads, tangent, hvp, reverse_hvp, batched)
-        return jaxpr, grad_jaxpr, jax.tree_util.tree_leaves(leaves)
+        def evaluated(params, x):  # one compiled program: op by op, these took most of the test's time
+            grads = jax.grad(loss, argnums=(0, 1))(params, x)
+            tangent = jax.jvp(loss, (params, x), (params, x))[1]
+            hvp = jax.jvp(jax.grad(loss, argnums=(0, 1)), (params, x), (params, x))[1]
+            reverse_hvp = jax.grad(grad_dot_probe, argnums=(0, 1))(params, x)
+            batched = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(params, jnp.stack([x, -x]))
+            return layer(params, x), loss(params, x), grads, tangent, hvp, reverse_hvp, batched
+
+        return jaxpr, grad_jaxpr, jax.tree_util.tree_leaves(jax.jit(evaluated)(params, x))
 
     gathered_jaxpr, gathered_grad_jaxpr, gathered = results(xla)
     permuted_jaxpr, permuted_grad_jaxpr, permuted = results(
