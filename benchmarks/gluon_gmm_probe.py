@@ -391,6 +391,18 @@ def _write(report: dict, path: Path):
     path.write_text(json.dumps(report, indent=1, default=str))
 
 
+def _keep_triton_cache_dir() -> None:
+    """Importing jax_triton (our launchers' tile tables do) sets ``TRITON_CACHE_DIR=""``, after which
+    every Triton compile fails ("Could not create or locate cache dir"): import it first, then name a
+    real folder."""
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        pass
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "gluon_gmm_probe_triton_cache")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
@@ -403,6 +415,7 @@ def main(argv=None) -> None:
     parser.add_argument("--check-timeout", type=int, default=120, help="seconds for one config's checks")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    _keep_triton_cache_dir()
     configs = _selected_configs(args.configs)
     if args.checks_only:
         checks = check_patterns(configs[0], args.seed)

@@ -79,16 +79,17 @@ def gather_addresses(buffers, axis_name: str, payload=None):
     """``(buffers with every rank's addresses, payload all-gathered [ranks, n])`` in one all-gather."""
     words = [b.addresses for b in buffers] + ([] if payload is None else [payload.astype(jnp.int32)])
     gathered = jax.lax.all_gather(jnp.concatenate(words), axis_name)
-    out = [dataclasses.replace(b, addresses=_usable_here(b, gathered[:, 4 * i: 4 * i + 4]))
+    rank = jax.lax.axis_index(axis_name)
+    out = [dataclasses.replace(b, addresses=_usable_here(b, gathered[:, 4 * i: 4 * i + 4], rank))
            for i, b in enumerate(buffers)]
     return out, (None if payload is None else gathered[:, 4 * len(buffers):])
 
 
-def _usable_here(buffer: PeerBuffer, words):
+def _usable_here(buffer: PeerBuffer, words, rank):
     """Gathered words as addresses in this process (heap offsets plus the mapped heap bases)."""
     if buffer.heap_zeroed is None:
         return words
-    return peer_heap.peer_address_words(words, peer_heap.current_heap().bases)
+    return peer_heap.peer_address_words(words, peer_heap.current_heap().views, rank)
 
 
 def _push_and_wait(buffer: PeerBuffer, push, recv_rows: int, num_arrived, *, axis_name: str, zero_tail: bool):

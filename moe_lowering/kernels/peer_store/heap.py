@@ -21,9 +21,11 @@ how clusters run) needs memory the other processes have mapped. The heap is that
 * **Addresses**: a rank publishes ``[device id, rows offset, control offset, 0]`` (offsets in
   ``REGION_ALIGN`` units), which the layer all-gathers with its counts as before; each process
   turns every rank's words into addresses valid here, (its mapped heap base) + (its offset)
-  (:func:`peer_address_words`). The base table is a per-process constant of the compiled program
-  (each process compiles its own; so not with ``jax_share_binary_between_hosts``, refused), and
-  regions need not sit at the same offset everywhere.
+  (:func:`peer_address_words`). The base table is one ``[viewer, target]`` constant, the same in
+  every process (each publishes where it mapped every heap): the row read is the rank's own, at
+  run time. A constant that differed between processes would make their programs differ, and
+  XLA's multi-process compilation (autotuning results shared by program fingerprint) then waits
+  forever, as measured on 2 x H200. Regions need not sit at the same offset everywhere.
   The words then have the one-process layout (rows address, arrival counters address), so the
   ``push`` and ``gmm_push`` kernels run unchanged.
 
@@ -51,6 +53,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import json
 import logging
 import os
 import socket
@@ -156,23 +159,27 @@ def split_words(address: int) -> tuple[int, int]:
     return wrap_int32(address & 0xFFFFFFFF), wrap_int32(address >> 32)
 
 
-def peer_address_words(offset_words, bases: Mapping[int, int]):
+def peer_address_words(offset_words, views: Mapping[int, Mapping[int, int]], rank):
     """``[ranks, 4]`` address words valid in this process from every rank's gathered
     ``[device id, rows offset, control offset, _]`` words (offsets in ``REGION_ALIGN`` units):
-    ``[rows lo, rows hi, control lo, control hi]`` with ``bases[device id]`` added (jnp; uint32
-    arithmetic with carry, so it needs no 64-bit integers)."""
+    ``[rows lo, rows hi, control lo, control hi]`` with the base of each target's heap as mapped
+    by the viewer, ``views[viewer][target]``, added; the viewer is ``rank``'s own device, read at
+    run time, so the program is the same in every process (jnp; uint32 arithmetic with carry, so
+    it needs no 64-bit integers)."""
     import jax
     import jax.numpy as jnp
 
-    size = max(bases) + 1
-    table = np.zeros(size, np.uint64)
-    for device_id, base in bases.items():
-        table[device_id] = base
+    size = max(max(views), *(max(targets) for targets in views.values())) + 1
+    table = np.zeros((size, size), np.uint64)
+    for viewer, targets in views.items():
+        for target, base in targets.items():
+            table[viewer, target] = base
     low = jnp.asarray((table & 0xFFFFFFFF).astype(np.uint32))
     high = jnp.asarray((table >> 32).astype(np.uint32))
     words = jax.lax.bitcast_convert_type(offset_words.astype(jnp.int32), jnp.uint32)
     key = jnp.clip(words[:, 0], 0, size - 1)
-    base_low, base_high = low[key], high[key]
+    viewer = key[rank]
+    base_low, base_high = low[viewer, key], high[viewer, key]
 
     def add(units):
         lo = base_low + (units << 8)
@@ -345,6 +352,7 @@ class PeerHeap:
         self.handle = handle_text(handle)
         self.regions = RegionAllocator(size)
         self.bases = {self.device_id: self.base}  # device id -> that device's heap, mapped here
+        self.views: dict[int, dict[int, int]] = {}  # viewer device id -> its ``bases`` (every process's)
         self._lock = threading.Lock()
         if self.base % REGION_ALIGN:
             raise RuntimeError(f"peer exchange: heap at {self.base:#x} is not {REGION_ALIGN}-byte aligned")
@@ -387,17 +395,24 @@ def agreed_open(device_ids: tuple[int, ...]) -> str | None:
 
     client = _compat.distributed_client()
     devices = [d for d in jax.devices() if d.id in device_ids]
+    mesh_key = "-".join(map(str, device_ids))
     try:
-        open_heap(devices)
+        heap = open_heap(devices)
+        mapped = {target: heap.bases[target] for target in device_ids}
+        client.key_value_set(f"{_KEY_PREFIX}/mapped/{mesh_key}/{heap.device_id}", json.dumps(mapped))
         status = "ok"
     except Exception as error:  # CUDA IPC unavailable here (a container without it, memory): tell the others
         status = f"process {jax.process_index()}: {error}"
-    mesh_key = "-".join(map(str, device_ids))
     client.key_value_set(f"{_KEY_PREFIX}/opened/{mesh_key}/{jax.process_index()}", status)
     statuses = [client.blocking_key_value_get(f"{_KEY_PREFIX}/opened/{mesh_key}/{process}", KV_TIMEOUT_MS)
                 for process in sorted({d.process_index for d in devices})]
     failures = [text for text in statuses if text != "ok"]
-    return "; ".join(failures) if failures else None
+    if failures:
+        return "; ".join(failures)
+    for viewer in device_ids:  # every heap as every process mapped it: the table each program holds
+        text = client.blocking_key_value_get(f"{_KEY_PREFIX}/mapped/{mesh_key}/{viewer}", KV_TIMEOUT_MS)
+        _heap.views[viewer] = {int(target): base for target, base in json.loads(text).items()}
+    return None
 
 
 _heap: PeerHeap | None = None

@@ -64,11 +64,14 @@ def test_offsets_become_addresses_with_carries():
                5: heap.HeapRegion(256 * (2**31 - 1), 512, 0)}
     ranks = [3, 0, 5]
     words = jnp.asarray([heap.offset_words(d, regions[d]) for d in ranks], jnp.int32)
-    got = np.asarray(jax.jit(lambda w: heap.peer_address_words(w, bases))(words))
-    for row, device in zip(got, ranks):
-        rows = bases[device] + regions[device].rows_offset
-        control = bases[device] + regions[device].control_offset
-        assert tuple(row) == (*heap.split_words(rows), *heap.split_words(control))
+    # each viewer mapped the heaps elsewhere; the table is the same in every process, the row its own
+    views = {viewer: {d: base + 0x1000_0000 * viewer for d, base in bases.items()} for viewer in bases}
+    for rank, viewer in enumerate(ranks):
+        got = np.asarray(jax.jit(lambda w, rank: heap.peer_address_words(w, views, rank))(words, rank))
+        for row, device in zip(got, ranks):
+            rows = views[viewer][device] + regions[device].rows_offset
+            control = views[viewer][device] + regions[device].control_offset
+            assert tuple(row) == (*heap.split_words(rows), *heap.split_words(control))
 
 
 def test_ipc_handles_travel_whole():

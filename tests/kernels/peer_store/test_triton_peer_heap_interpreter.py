@@ -52,7 +52,7 @@ def _run(zeroed, counted, zero_tail):
             allocator.reserve(1000, RANKS)
         regions.append(allocator.reserve(RECV_ROWS * WIDTH * 4, RANKS))
     words = np.array([heap.offset_words(rank, regions[rank]) for rank in range(RANKS)], np.int32)
-    table = np.asarray(heap.peer_address_words(words, bases)).reshape(-1)
+    table = np.asarray(heap.peer_address_words(words, {rank: bases for rank in range(RANKS)}, 0)).reshape(-1)
 
     def control(rank):
         start = offsets[rank] + regions[rank].control_offset
