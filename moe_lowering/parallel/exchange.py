@@ -999,7 +999,9 @@ def prepare_peer_transport(devices, backend: str) -> None:
     obstacle = peer_heap.job_obstacle(devices)
     if obstacle is not None:
         raise ValueError(f"exchange_transport='peer' across processes: {obstacle}; use 'all_to_all'")
-    peer_heap.open_heap(devices)
+    failure = peer_heap.agreed_open(tuple(sorted(d.id for d in devices)))  # also every process's mapped bases
+    if failure is not None:
+        raise RuntimeError(f"exchange_transport='peer' across processes: {failure}; use 'all_to_all'")
 
 
 def resolve_transport(requested: str, devices, backend: str) -> str:
