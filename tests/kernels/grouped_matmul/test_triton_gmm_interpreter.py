@@ -224,10 +224,13 @@ def pair_kinds(case, k, programs, block):
 
 def _tail_classes(case, k, transpose_rhs, programs, block):
     """Each group pattern with a tail kernel's share and without one; each tail schedule (cut,
-    halves, units over two groups) at each tile height, weight layout and K kind."""
+    halves, units over two groups) at each tile height; each weight layout and K kind at each tile
+    height with no tail, a tail done whole and a tail cut into K pieces (its loads from a K offset)."""
     kinds = variant_tail_kinds(case, k, transpose_rhs, programs, block)
-    return {("groups", case, bool(kinds)),
-            ("schedule", block["BLOCK_M"], transpose_rhs, bool(k % block["BLOCK_K"]), kinds)}
+    schedule = kinds - {"rhsT", "k-remainder", "k-whole"}
+    tail = "none" if not kinds else "whole" if "pieces-1" in kinds else "pieces"
+    return {("groups", case, bool(kinds)), ("schedule", block["BLOCK_M"], schedule),
+            ("layout", block["BLOCK_M"], transpose_rhs, bool(k % block["BLOCK_K"]), tail)}
 
 
 def _pair_classes(case, k, transpose_rhs, programs, block):
