@@ -9,6 +9,11 @@ reused call after call), and a program of two layers (two exchange sites), and w
 it holds. Here the two jobs must agree bit for bit, and the one-process layer must match the dense
 reference. The parent never touches a GPU (its own JAX would take the memory the jobs need).
 
+Measured on 2 x H200 (2026-11-28), the bare store alone: exact from the second call of a program
+on, wrong rows on one rank in the first (and a compile that never ended without
+``--xla_gpu_shard_autotuning=false``); the transport is an opt-in until that is fixed, so these
+tests are expected to fail (not strict).
+
 Run by hand: ``python -m pytest -p no:xdist -q tests/gpu/test_peer_exchange_multiprocess.py -s``;
 ``MOE_PEER_MP_CASES=mixtral_like,deepseek_like`` runs only the cases named (both jobs read it).
 """
@@ -30,7 +35,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
 GPU_COUNT = len(glob.glob("/dev/nvidia[0-9]*"))  # no JAX backend in the parent
-pytestmark = pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs of one host")
+pytestmark = [pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs of one host"),
+              pytest.mark.xfail(reason="the cross-process heap's first call was wrong on one rank (2 x H200, "
+                                "2026-11-28): experimental, opt-in", strict=False)]
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ def _run_job(out_dir: Path, num_processes: int, devices_per_process: int) -> Non
 
     path = [str(ROOT), str(ROOT / "tests" / "parallel")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "MOE_LOWERING_PEER_HEAP_MB": "256",
+           "MOE_LOWERING_CROSS_PROCESS_PEER": "1", "XLA_FLAGS": "--xla_gpu_shard_autotuning=false",
            "PYTHONPATH": os.pathsep.join(path)}
     multiprocess.launch([sys.executable, __file__, str(out_dir)], num_processes=num_processes, platform="gpu",
                         devices_per_process=devices_per_process, timeout_s=JOB_TIMEOUT_S, env=env, cwd=ROOT)

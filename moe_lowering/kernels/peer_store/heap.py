@@ -68,6 +68,7 @@ from moe_lowering import _compat
 logger = logging.getLogger(__name__)
 
 HEAP_SIZE_ENV = "MOE_LOWERING_PEER_HEAP_MB"
+CROSS_PROCESS_ENV = "MOE_LOWERING_CROSS_PROCESS_PEER"  # the experimental opt-in (job_obstacle)
 DEFAULT_HEAP_MB = 2048
 REGION_ALIGN = 256  # bytes; region offsets are published in these units (int32: heaps up to 512 GiB)
 KV_TIMEOUT_MS = 300_000  # every process of the mesh publishes before it waits, so this only catches a missing one
@@ -264,9 +265,19 @@ def process_host(process_index: int) -> str:
                            f"{error}") from error
 
 
-def job_obstacle(devices) -> str | None:
+def job_obstacle(devices, environ: Mapping[str, str] = os.environ) -> str | None:
     """:func:`cross_process_obstacle` for this job (every process of the mesh must call it: it
-    exchanges host identities through the key-value store)."""
+    exchanges host identities through the key-value store), behind the opt-in
+    ``MOE_LOWERING_CROSS_PROCESS_PEER=1``: on 2 x H200 (2026-11-28) the heap's store returned wrong
+    rows on one rank in the first call of a program (exact from the second on), and XLA's
+    multi-process compile waited forever on its programs unless sharded autotuning was off. Until
+    both are understood, ``"auto"`` keeps NCCL across processes and an explicit ``"peer"`` says why."""
+    if environ.get(CROSS_PROCESS_ENV) != "1":
+        return (f"the cross-process peer heap is experimental (a wrong first call measured on one rank); "
+                f"{CROSS_PROCESS_ENV}=1 runs it anyway")
+    if "--xla_gpu_shard_autotuning=false" not in environ.get("XLA_FLAGS", "").split():
+        return ("XLA's sharded autotuning waits forever compiling programs with the heap's kernels: set "
+                "XLA_FLAGS=--xla_gpu_shard_autotuning=false in every process")
     import jax
 
     per_process: dict[int, int] = {}

@@ -118,7 +118,23 @@ def gpus_one_per_process(monkeypatch):
     monkeypatch.setattr(heap, "_published_host", lambda: "here")
     monkeypatch.setattr(heap, "process_host", hosts.__getitem__)
     monkeypatch.setattr(heap, "agreed_open", lambda device_ids: None)
+    monkeypatch.setenv(heap.CROSS_PROCESS_ENV, "1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_shard_autotuning=false")
     return gpus, hosts
+
+
+def test_the_cross_process_heap_is_opt_in_and_needs_sharded_autotuning_off(gpus_one_per_process, monkeypatch):
+    """A wrong first call and a compile that never ended were measured on 2 x H200: NCCL unless asked."""
+    gpus, _ = gpus_one_per_process
+    monkeypatch.delenv(heap.CROSS_PROCESS_ENV)
+    assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
+    with pytest.raises(ValueError, match="experimental.*MOE_LOWERING_CROSS_PROCESS_PEER=1"):
+        exchange.prepare_peer_transport(gpus, "auto")
+    monkeypatch.setenv(heap.CROSS_PROCESS_ENV, "1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
+    with pytest.raises(ValueError, match="xla_gpu_shard_autotuning=false"):
+        exchange.prepare_peer_transport(gpus, "auto")
 
 
 def test_auto_picks_peer_for_one_gpu_per_process_on_this_host(gpus_one_per_process):
