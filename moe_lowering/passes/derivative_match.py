@@ -174,8 +174,7 @@ class _Keys:
         return self.intern(("leaf", name), name == "cotangent")
 
     def const(self, atom: Const) -> int:
-        value = np.asarray(atom.value)
-        return self.intern(("const", str(value.dtype), value.shape, value.tobytes()), False)
+        return self.intern(("const",) + constant_key(atom.value), False)
 
     def eqn_outputs(self, eqn: Eqn, operand_keys) -> list[int]:
         backward = any(k in self.backward for k in operand_keys)
@@ -220,7 +219,7 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
             continue
         key = None
         if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
-            key = (eqn.primitive, _plain_params_key(eqn.params),
+            key = (eqn.primitive, plain_params_key(eqn.params),
                    tuple(a if isinstance(a, Value) else ("const", id(a.value)) for a in inputs))
         earlier = first.get(key) if key is not None else None
         if earlier is not None:
@@ -252,7 +251,15 @@ def _offload_round_trip(eqn: Eqn, inputs, offloaded: dict) -> tuple | None:
     return tuple(offloaded[a] for a in inputs)
 
 
-def _plain_params_key(params: dict):
+def constant_key(value) -> tuple:
+    """A constant's dtype, shape and bytes: equal exactly where the constants are the same."""
+    value = np.asarray(value)
+    return str(value.dtype), value.shape, value.tobytes()
+
+
+def plain_params_key(params: dict):
+    """Params as a key that is equal only where they are: plain values by value, anything else (a jaxpr, an
+    array, an unhashable object) by identity."""
     def key(value):
         if isinstance(value, (tuple, list)):
             return tuple(key(v) for v in value)
@@ -287,7 +294,7 @@ def _param_key(value):
     if isinstance(value, dict):
         return _params_key(value)
     if isinstance(value, np.ndarray):
-        return ("array", str(value.dtype), value.shape, value.tobytes())
+        return ("array",) + constant_key(value)
     try:
         hash(value)
     except TypeError:

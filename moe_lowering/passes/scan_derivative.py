@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax import lax
 
 from moe_lowering import _compat
-from moe_lowering.passes.derivative_match import _plain_params_key, merged_recomputation
+from moe_lowering.passes.derivative_match import constant_key, merged_recomputation, plain_params_key
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
 from moe_lowering.passes.match_core import FailedMatch
 
@@ -302,12 +301,12 @@ def _rule_call(graph: JaxprGraph, caller, eqns: list, function) -> Eqn | None:
         return None
     mapped: dict = {}
     for ours, theirs in zip(eqns, body.eqns):
-        if ours.primitive is not theirs.primitive or _plain_params_key(ours.params) != _plain_params_key(
+        if ours.primitive is not theirs.primitive or plain_params_key(ours.params) != plain_params_key(
                 theirs.params) or len(ours.inputs) != len(theirs.inputs):
             return None
         for atom, body_atom in zip(ours.inputs, theirs.inputs):
             if isinstance(body_atom, Const):
-                if not isinstance(atom, Const) or not _same_constant(atom, body_atom):
+                if not isinstance(atom, Const) or constant_key(atom.value) != constant_key(body_atom.value):
                     return None
             elif mapped.setdefault(body_atom, atom) is not atom:
                 return None
@@ -320,11 +319,6 @@ def _rule_call(graph: JaxprGraph, caller, eqns: list, function) -> Eqn | None:
         return None
     return Eqn(eqns[0].index, _compat.custom_jvp_call_p, dict(calls[0].params),
                tuple(mapped[v] for v in body.inputs), outputs, eqns[0].source, eqns[0].callers)
-
-
-def _same_constant(ours: Const, theirs: Const) -> bool:
-    a, b = np.asarray(ours.value), np.asarray(theirs.value)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def _rule_applied(forward: Eqn) -> str | None:

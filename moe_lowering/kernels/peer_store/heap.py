@@ -215,16 +215,18 @@ def cross_process_obstacle(devices: Iterable, devices_per_process: Mapping[int, 
                            shares_binaries: bool = False) -> str | None:
     """Why the heap cannot carry an exchange over ``devices`` that span processes, or ``None``.
 
-    Needs every device a GPU, each process of the mesh holding exactly one GPU of the job (the
-    heap's base table is a per-process constant), and all of them on this host (CUDA IPC).
+    Needs every device a GPU, each process of the mesh holding exactly one GPU of the job (a
+    process makes one heap, on its one GPU), and all of them on this host (CUDA IPC).
     ``devices_per_process``: devices every process holds (``jax.devices()``, known to all);
     ``host_of_process``: a process's :func:`host_identity` (asked only if the rest holds);
     ``shares_binaries``: JAX hands one process's compiled program to the others
-    (``jax_share_binary_between_hosts``), which would carry that process's heap addresses.
+    (``jax_share_binary_between_hosts``), which then run it without tracing it: their heaps, made
+    and mapped while tracing, would not exist.
     """
     devices = list(devices)
     if shares_binaries:
-        return "jax_share_binary_between_hosts is on (the heap's addresses differ from process to process)"
+        return ("jax_share_binary_between_hosts is on (the other processes would run the program without "
+                "tracing it, so without making their heaps)")
     if any(getattr(d, "platform", None) != "gpu" for d in devices):
         return "not every mesh device is a GPU"
     processes = [getattr(d, "process_index", None) for d in devices]
