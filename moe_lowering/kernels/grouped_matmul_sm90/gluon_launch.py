@@ -17,6 +17,7 @@ from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import (
     grouped_gemm_sm90_kernel,
     grouped_gemm_sm90_pingpong_kernel,
 )
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import tgmm_sm90_kernel
 
 SM90 = (90, 128)
 """(compute capability, warp size x 4 lanes) of ``GPUTarget("cuda", 90, ...)``: Hopper."""
@@ -162,4 +163,143 @@ def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFI
     if out is None:
         out = torch.empty((lhs.shape[0], rhs.shape[2]), dtype=lhs.dtype, device=lhs.device)
     make_launch(lhs, rhs, group_sizes, out, config, num_sms)()
+    return out
+
+
+# ------------------------------------------------------------------------------ the weight gradient
+
+
+@dataclass(frozen=True)
+class GluonTgmmConfig:
+    """One launch shape of ``tgmm_sm90_kernel``: ``block_k x block_n`` tiles of a group's ``[K, N]``
+    weight gradient, reduced over the group's rows ``block_m`` at a time through a ring of ``stages``;
+    ``num_warps`` consumer warps (a warp group per 64 of ``block_k``), a one-warp producer held to
+    ``producer_regs``; ``tma_store``: tiles leave through a ``block_k x block_n`` staging buffer and a
+    TMA store (bf16 output with ``K % block_k == 0`` only: the launch falls back to masked stores
+    otherwise); ``group_m``: k tiles per band of the swizzle (programs at once share row blocks)."""
+
+    block_k: int = 128
+    block_n: int = 256
+    block_m: int = 64
+    stages: int = 3
+    tma_store: bool = True
+    group_m: int = 8
+    num_warps: int = 8
+    producer_regs: int = 40
+
+    @property
+    def name(self) -> str:
+        store = "tma" if self.tma_store else "direct"
+        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-w{self.num_warps}-{store}"
+
+    @property
+    def maxnreg(self) -> int:
+        """As :attr:`GluonTileConfig.maxnreg`: the register file over the consumers and the producer's warp group."""
+        return min(255, REGISTER_FILE // (32 * (self.num_warps + 4))) // 8 * 8
+
+    def shared_bytes(self) -> int:
+        """Shared memory the ring, the staging buffer and the barriers take (bf16)."""
+        stage = 2 * self.block_m * (self.block_k + self.block_n)
+        return self.stages * stage + 2 * (self.block_k if self.tma_store else 8) * self.block_n + 16 * self.stages + 16
+
+
+TGMM_CONFIGS = {c.name: c for c in (
+    GluonTgmmConfig(128, 256, 64, stages=3, tma_store=True),
+    GluonTgmmConfig(128, 256, 64, stages=4, tma_store=False),
+    GluonTgmmConfig(128, 128, 128, stages=3, tma_store=True),
+    GluonTgmmConfig(128, 128, 64, stages=6, tma_store=True),
+)}
+"""The weight-gradient configurations the probe times: ``tgmm_kernel``'s 128 x 256 tile over 64-row
+blocks (the first), and 128 x 128 tiles over longer row blocks or a deeper ring."""
+
+
+def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
+    """NVMMA shared layouts of the ``lhs``, ``dout`` and output boxes."""
+    return (gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_n], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], out_dtype))
+
+
+def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
+    return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
+                PRODUCER_REGS=config.producer_regs)
+
+
+def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):
+    """``tgmm_sm90_kernel`` compiled for ``sm_90`` without a GPU (bf16 operands, ``out_dtype`` ``"bf16"`` or
+    ``"fp32"`` output, 16-byte aligned ``int`` sizes)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    a_layout, b_layout, c_layout = tgmm_shared_layouts(config, gl.bfloat16 if out_dtype == "bf16" else gl.float32)
+    signature = {
+        "a_desc": f"tensordesc<bf16[{config.block_m}, {config.block_k}],{a_layout!r}>",
+        "b_desc": f"tensordesc<bf16[{config.block_m}, {config.block_n}],{b_layout!r}>",
+        "out_desc": f"tensordesc<{out_dtype}[{config.block_k}, {config.block_n}],{c_layout!r}>",
+        "out_ptr": f"*{out_dtype}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
+    }
+    fixed = tgmm_constexprs(config)
+    signature.update({name: "constexpr" for name in fixed})
+    names = tgmm_sm90_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
+    source = GluonASTSource(fn=tgmm_sm90_kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", *SM90),
+                          options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
+
+
+def launched_tgmm_config(config: GluonTgmmConfig, k: int, out_dtype_is_bf16: bool) -> GluonTgmmConfig:
+    """``config`` as launched: masked stores where a TMA store cannot go (a float32 staging buffer would
+    not fit beside the ring; a ``block_k`` tile past ``K`` would write the next group's rows)."""
+    from dataclasses import replace
+
+    if config.tma_store and (k % config.block_k or not out_dtype_is_bf16):
+        return replace(config, tma_store=False)
+    return config
+
+
+def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_sms: int | None = None):
+    """A callable that writes ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` on torch CUDA tensors (``lhs
+    [M, K]`` bf16, ``dout [M, N]`` bf16, ``group_sizes [E]`` int32, ``out [E, K, N]`` bf16 or float32),
+    its descriptors built once; every group's ``out[g]`` is written (zeros for empty groups)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    num_rows, k = lhs.shape
+    num_groups, _, n = out.shape
+    if dout.shape[0] != num_rows or out.shape[1] != k or dout.shape[1] != n:
+        raise ValueError(f"tgmm: lhs {tuple(lhs.shape)}, dout {tuple(dout.shape)} and out {tuple(out.shape)} disagree")
+    if k % 8 or n % 8:
+        raise ValueError(f"tgmm: K = {k} and N = {n} must be multiples of 8 (16-byte TMA strides)")
+    if num_groups == 0:
+        return lambda: None
+    if num_rows == 0:
+        return out.zero_
+    config = launched_tgmm_config(config, k, out.dtype == torch.bfloat16)
+    out_gl = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
+    a_layout, b_layout, c_layout = tgmm_shared_layouts(config, out_gl)
+    a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
+    b_desc = TensorDescriptor.from_tensor(dout, [config.block_m, config.block_n], b_layout)
+    out_desc = TensorDescriptor.from_tensor(out.view(num_groups * k, n), [config.block_k, config.block_n], c_layout)
+    num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
+    tiles = num_groups * triton.cdiv(k, config.block_k) * triton.cdiv(n, config.block_n)
+    grid = (max(1, min(num_sms, tiles)), )
+    fixed = tgmm_constexprs(config)
+
+    def launch():
+        tgmm_sm90_kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
+                               num_warps=config.num_warps, maxnreg=config.maxnreg)
+
+    return launch
+
+
+def tgmm(lhs, dout, group_sizes, config: GluonTgmmConfig = next(iter(TGMM_CONFIGS.values())), num_sms: int | None = None,
+         out=None, out_dtype=None):
+    """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (see :func:`make_tgmm_launch`), into a new ``[E, K, N]``
+    ``out`` of ``out_dtype`` (``lhs``'s, as ``grouped_matmul.triton_launch.tgmm`` returns) unless one is given."""
+    import torch
+
+    if out is None:
+        out = torch.empty((group_sizes.shape[0], lhs.shape[1], dout.shape[1]), dtype=out_dtype or lhs.dtype,
+                          device=lhs.device)
+    make_tgmm_launch(lhs, dout, group_sizes, out, config, num_sms)()
     return out

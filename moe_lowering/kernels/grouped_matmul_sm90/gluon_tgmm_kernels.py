@@ -1,0 +1,204 @@
+"""The weight-gradient grouped product for Hopper (sm_90) in Gluon: ``dw[g] = lhs[rows of g]^T @ dout[rows of g]``.
+
+bf16 operands, float32 accumulation, bf16 or float32 output (``out``'s type); ``lhs [M, K]`` and ``dout
+[M, N]`` rows sorted by group, group sizes on the device (any sizes, empty groups included: their
+``dw[g]`` is zero), ``dw [E, K, N]`` written through its ``[E*K, N]`` view.
+
+Work items are the output tiles ``(group, k tile, n tile)`` (``schedule.weight_tiles``): ``E * k_tiles *
+n_tiles`` of them whatever the sizes, each reducing over its group's rows ``BLOCK_M`` at a time. The
+partitions meet at a ring of ``STAGES`` stages with ``ready`` / ``empty`` mbarriers, as in
+:mod:`.gluon_kernels`:
+
+* the producer (one warp) loads, per row block, the ``[BLOCK_M, BLOCK_K]`` box of ``lhs`` at ``(r,
+  k0)`` and the ``[BLOCK_M, BLOCK_N]`` box of ``dout`` at ``(r, n0)``;
+* the consumers (``num_warps`` warps, one 64-row warp group of the ``BLOCK_K`` output rows each 4)
+  issue ``wgmma(lhs_box^T, dout_box)``, the transpose a permuted view of the shared box (``wgmma``
+  reads a 16-bit A operand M-major as well as K-major), one MMA in flight.
+
+A group's last row block reaches past its end: TMA zero-fills rows past ``M`` only, so the rows there
+are the next group's (or whatever follows the groups). The consumers zero them in shared memory
+before that block's MMA (both boxes: a row past the groups may hold non-finite values, and
+``0 * inf`` is not 0), then fence the generic writes against the MMA's async proxy. That is one
+register round trip of two boxes per group per tile (1 step of ~``size / BLOCK_M``); the other way,
+a descriptor per group bounded at the group's end, needs descriptors made on the device (global
+scratch and a tensormap fence per group) for the same effect.
+
+An empty group's tiles take no ring steps: the producer skips them and the consumers store zeros.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
+                 GROUP_M: gl.constexpr):
+    """Walks the group cursor ``(group, its first row, its size)`` forward to ``tile``'s group and
+    returns ``(cursor, group, row0, row_end, k0, n0)``: ``schedule.weight_tiles``."""
+    group, group_row, group_size = cursor
+    tile_group = tile // (k_tiles * n_tiles)
+    while group < tile_group:
+        group_row += group_size
+        group += 1
+        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+    local = tile % (k_tiles * n_tiles)
+    band_width = GROUP_M * n_tiles
+    first_k_tile = (local // band_width) * GROUP_M
+    band_rows = gl.minimum(k_tiles - first_k_tile, GROUP_M)
+    within = local % band_width
+    pk = first_k_tile + within % band_rows
+    pn = within // band_rows
+    row0 = gl.minimum(group_row, M)
+    row_end = gl.minimum(group_row + group_size, M)
+    return (group, group_row, group_size), group, row0, row_end, pk * BLOCK_K, pn * BLOCK_N
+
+
+@gluon.jit
+def _walk_start(group_sizes_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(k tiles, n tiles, the group cursor at group 0)``."""
+    return gl.cdiv(K, BLOCK_K), gl.cdiv(N, BLOCK_N), (0, 0, gl.maximum(gl.load(group_sizes_ptr), 0))
+
+
+@gluon.jit
+def _tgmm_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr):
+    """One warp: both boxes of every row block of every tile into the ring, a stage at a time as it empties."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
+    counter = 0
+    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+        cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
+                                                            BLOCK_K, BLOCK_N, GROUP_M)
+        for r in range(row0, row_end, BLOCK_M):
+            stage = counter % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
+            mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), stage_bytes)
+            tma.async_copy_global_to_shared(a_desc, [r, k0], ready.index(stage), a_bufs.index(stage))
+            tma.async_copy_global_to_shared(b_desc, [r, n0], ready.index(stage), b_bufs.index(stage))
+            counter += 1
+
+
+@gluon.jit
+def _zero_rows_from(buf, first_zero_row):
+    """Rows ``first_zero_row`` on of a ``[rows, cols]`` bf16 shared box set to zero (a register round trip)."""
+    ROWS: gl.constexpr = buf.type.shape[0]
+    COLS: gl.constexpr = buf.type.shape[1]
+    LANES_C: gl.constexpr = 32 if COLS >= 256 else COLS // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_C, LANES_C], [gl.num_warps(), 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    values = buf.load(layout)
+    buf.store(gl.where((rows < first_zero_row)[:, None], values, gl.zeros_like(values)))
+
+
+@gluon.jit
+def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout: gl.constexpr):
+    """One tile's ``wgmma`` chain over its group's row blocks from ring use ``counter`` on, one MMA in
+    flight, each stage handed back once its MMA has retired; no steps (and zeros) for an empty group.
+    Returns ``(acc, counter)``."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+    for r in range(row0, row_end, BLOCK_M):
+        stage = counter % STAGES
+        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        if r + BLOCK_M > row_end:  # the group's last block: its rows past the group are another's
+            _zero_rows_from(a_bufs.index(stage), row_end - r)
+            _zero_rows_from(b_bufs.index(stage), row_end - r)
+            fence_async_shared()
+            gl.thread_barrier()
+        acc = warpgroup_mma(a_bufs.index(stage).permute((1, 0)), b_bufs.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        # the previous step's MMA has retired in this warp group; the barrier makes it so in all of them
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=r > row0)
+        counter += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=row_end > row0)
+    return acc, counter
+
+
+@gluon.jit
+def _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, out_row0, k0, n0, K, N, TMA_STORE: gl.constexpr,
+                   acc_layout: gl.constexpr):
+    """The ``[k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N]`` tile of one group's ``[K, N]`` output (whose first
+    row of the ``[E*K, N]`` view is ``out_row0``): through ``c_smem`` and a TMA store left in flight
+    (``TMA_STORE``: needs ``K % BLOCK_K == 0``; TMA clips columns past ``N``), else by masked stores."""
+    BLOCK_K: gl.constexpr = acc.type.shape[0]
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    tile_out = acc.to(out_ptr.dtype.element_ty)
+    if TMA_STORE:
+        tma.store_wait(0)  # the previous tile's store has read the staging buffer
+        gl.thread_barrier()
+        c_smem.store(tile_out)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [out_row0 + k0, n0], c_smem)
+    else:
+        ks = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        tile_ptr = out_ptr + (out_row0 + k0).to(gl.int64) * N + n0
+        mask = ((k0 + ks) < K)[:, None] & ((n0 + cols) < N)[None, :]
+        gl.store(tile_ptr + ks[:, None] * N + cols[None, :], tile_out, mask=mask)
+
+
+@gluon.jit
+def _tgmm_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                   GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
+    """Cooperative: all ``num_warps`` warps (a warp group per 64 output rows) on every tile."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
+    counter = 0
+    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+        cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
+                                                            BLOCK_K, BLOCK_N, GROUP_M)
+        acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout)
+        _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
+                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` for every group ``g < E`` (zero for empty ones).
+    ``a_desc``: ``lhs [M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``dout [M, N]`` in ``[BLOCK_M,
+    BLOCK_N]`` boxes; ``out_desc``: ``out [E, K, N]`` as ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes
+    (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    # without TMA_STORE the staging buffer is never used: a token 8 rows
+    C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_tgmm_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                          GROUP_M, TMA_STORE)),
+        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
+    ], [1], [PRODUCER_REGS])
