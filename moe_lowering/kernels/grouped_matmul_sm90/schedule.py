@@ -10,6 +10,11 @@ tiles (programs running at once share their weight block and their row block in 
 it used (its items only ever increase), so neither a tile table nor a search is needed on device.
 In the ping-pong kernel the program's two consumer warp groups take its items alternately (warp group
 ``w`` the program's items ``w, w + 2, ...``), each walking its own cursor.
+
+The weight gradient (``gluon_tgmm_kernels``) has items ``(group, k tile, n tile)`` of the ``[E, K, N]``
+output instead, ``E * k_tiles * n_tiles`` of them whatever the sizes (an empty group's items write
+zeros), banded the same way over k tiles; each reduces over its group's rows in ``block_m`` blocks
+(:func:`weight_tiles`).
 """
 
 from __future__ import annotations
@@ -65,4 +70,37 @@ def program_tiles(group_sizes, num_rows: int, n: int, block_m: int, block_n: int
             group_items = cdiv(group_size, block_m) * n_tiles
         pm, pn = band_swizzle(tile - group_first_tile, cdiv(group_size, block_m), n_tiles, group_m)
         work.append(TileWork(group, group_row + pm * block_m, min(group_row + group_size, num_rows), pn * block_n))
+    return work
+
+
+@dataclass(frozen=True)
+class WeightTileWork:
+    """One weight-gradient item: ``dw[group][k0 : k0 + block_k, col0 : col0 + block_n] = lhs[row0 :
+    row_end, k0 : ...]^T @ dout[row0 : row_end, col0 : ...]``, reduced in ``block_m``-row blocks from
+    ``row0`` (the group's rows, clamped to the rows there are; none for an empty group)."""
+
+    group: int
+    row0: int
+    row_end: int
+    k0: int
+    col0: int
+
+
+def weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_k: int, block_n: int, group_m: int, program: int,
+                 num_programs: int) -> list[WeightTileWork]:
+    """The weight-gradient items program ``program`` of ``num_programs`` computes, in order, found as
+    ``tgmm_sm90_kernel`` finds them (its group cursor only walks forward)."""
+    k_tiles, n_tiles = cdiv(k, block_k), cdiv(n, block_n)
+    per_group = k_tiles * n_tiles
+    group, group_row = 0, 0
+    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
+    work = []
+    for tile in range(program, len(group_sizes) * per_group, num_programs):
+        while group < tile // per_group:  # the kernel's cursor walk
+            group_row += group_size
+            group += 1
+            group_size = max(int(group_sizes[group]), 0)
+        pk, pn = band_swizzle(tile % per_group, k_tiles, n_tiles, group_m)
+        work.append(WeightTileWork(group, min(group_row, num_rows), min(group_row + group_size, num_rows),
+                                   pk * block_k, pn * block_n))
     return work

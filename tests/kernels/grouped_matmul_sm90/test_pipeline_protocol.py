@@ -47,7 +47,8 @@ def producer(ring: Ring, uses: int, stages: int):
 
 def mainloop(ring: Ring, first_use: int, k_steps: int, stages: int):
     """``_mainloop``: wait ready, issue the MMA (it reads the stage until retired), retire the previous one
-    (``warpgroup_mma_wait(1)``) and hand its stage back; at the end retire the last and hand it back."""
+    (``warpgroup_mma_wait(1)``) and hand its stage back; at the end retire the last and hand it back
+    (``_tgmm_mainloop``'s empty group: no steps, nothing handed back)."""
     in_flight = None
     for use in range(first_use, first_use + k_steps):
         stage = use % stages
@@ -58,8 +59,9 @@ def mainloop(ring: Ring, first_use: int, k_steps: int, stages: int):
             ring.reading[in_flight % stages] = None
             ring.empty[in_flight % stages].arrive()
         in_flight = use
-    ring.reading[in_flight % stages] = None
-    ring.empty[in_flight % stages].arrive()
+    if in_flight is not None:
+        ring.reading[in_flight % stages] = None
+        ring.empty[in_flight % stages].arrive()
 
 
 def cooperative_consumer(ring: Ring, tiles: int, k_steps: int, stages: int):
@@ -123,3 +125,19 @@ def test_pingpong_without_turns_is_caught():
         except AssertionError:
             failures += 1
     assert failures
+
+
+def tgmm_consumer(ring: Ring, steps_per_tile, stages: int):
+    """``_tgmm_mainloop`` over tiles of the given row-block counts (0: an empty group)."""
+    use = 0
+    for steps in steps_per_tile:
+        yield from mainloop(ring, use, steps, stages)
+        use += steps
+
+
+@pytest.mark.parametrize("steps_per_tile", [[0], [0, 0, 3], [1, 0, 2, 0, 0, 5], [4, 0, 1, 1, 0, 7, 2]])
+def test_tgmm_ring_with_empty_groups(steps_per_tile):
+    for seed in range(40):
+        ring = Ring(STAGES)
+        play([producer(ring, sum(steps_per_tile), STAGES), tgmm_consumer(ring, steps_per_tile, STAGES)], ring,
+             random.Random(seed))

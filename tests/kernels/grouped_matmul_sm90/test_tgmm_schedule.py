@@ -1,0 +1,114 @@
+"""The Hopper weight-gradient kernel's persistent schedule (``schedule.weight_tiles``, which ``tgmm_sm90_kernel``
+mirrors) on a CPU: every ``[K, N]`` element of every group, empty ones included, is written by exactly one item
+of exactly one program, and the product assembled item by item as the kernel computes it (whole ``block_m``-row
+boxes, zero-filled past the array as TMA fills them, the group's last box zeroed past the group's end) is
+``grouped_matmul.reference.tgmm``'s, with non-finite rows past the groups."""
+
+import numpy as np
+import pytest
+
+from moe_lowering.kernels.grouped_matmul_sm90 import reference, schedule
+
+
+def _random_sizes(rng, num_groups: int, rows: int):
+    """Group sizes summing to at most ``rows``, with empty groups and sizes off the block grid."""
+    sizes = rng.multinomial(rows - int(rng.integers(0, 40)), rng.dirichlet(np.full(num_groups, 0.5)))
+    sizes[rng.random(num_groups) < 0.25] = 0
+    return sizes.tolist()
+
+
+def _all_work(sizes, rows, k, n, block_k, block_n, group_m, programs):
+    return [(p, w) for p in range(programs)
+            for w in schedule.weight_tiles(sizes, rows, k, n, block_k, block_n, group_m, p, programs)]
+
+
+def _box(array, row, col, rows: int, cols: int):
+    """A TMA box: ``array[row : row + rows, col : col + cols]``, zero past the array's ends."""
+    padded = np.zeros((rows, cols), array.dtype)
+    part = array[row:row + rows, col:col + cols]
+    padded[:part.shape[0], :part.shape[1]] = part
+    return padded
+
+
+def _tile_product(lhs, dout, work: schedule.WeightTileWork, out, block_m: int, block_k: int, block_n: int,
+                  zero_past_group: bool = True):
+    """What the kernel does for one item: per row block both boxes, the group's last one zeroed past the
+    group's end (the consumers' shared-memory pass), ``a^T @ b`` accumulated, stored inside ``[K, N]``."""
+    acc = np.zeros((block_k, block_n), np.float32)
+    for r in range(work.row0, work.row_end, block_m):
+        a = _box(lhs, r, work.k0, block_m, block_k)
+        b = _box(dout, r, work.col0, block_m, block_n)
+        if zero_past_group:
+            a[work.row_end - r:] = 0
+            b[work.row_end - r:] = 0
+        acc += a.T @ b
+    k, n = out.shape[1:]
+    stored = acc[:k - work.k0, :n - work.col0]
+    out[work.group, work.k0:work.k0 + stored.shape[0], work.col0:work.col0 + stored.shape[1]] = stored
+
+
+def _operands(rng, rows, k, n, sizes):
+    """Random ``lhs`` and ``dout``, their rows past the groups non-finite (a buffer's unwritten tail)."""
+    lhs = rng.standard_normal((rows, k)).astype(np.float32)
+    dout = rng.standard_normal((rows, n)).astype(np.float32)
+    lhs[sum(sizes):] = np.inf
+    dout[sum(sizes):] = np.nan
+    return lhs, dout
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_m, block_k, block_n, group_m, programs", [
+    (64, 128, 256, 8, 7), (128, 128, 128, 2, 3), (16, 16, 32, 1, 1)])
+def test_every_element_once_and_the_product_is_the_references(seed, block_m, block_k, block_n, group_m, programs):
+    rng = np.random.default_rng(seed)
+    num_groups, rows = int(rng.integers(1, 9)), int(rng.integers(1, 700))
+    k, n = int(rng.choice([16, 200, 256])), int(rng.choice([32, 48, 300]))
+    sizes = _random_sizes(rng, num_groups, rows)
+    lhs, dout = _operands(rng, rows, k, n, sizes)
+    work = _all_work(sizes, rows, k, n, block_k, block_n, group_m, programs)
+
+    assert len(work) == num_groups * schedule.cdiv(k, block_k) * schedule.cdiv(n, block_n)
+    covered = np.zeros((num_groups, k, n), np.int32)
+    out = np.full((num_groups, k, n), np.nan, np.float32)
+    for _, item in work:
+        covered[item.group, item.k0:item.k0 + block_k, item.col0:item.col0 + block_n] += 1
+        _tile_product(lhs, dout, item, out, block_m, block_k, block_n)
+    assert (covered == 1).all()
+    np.testing.assert_allclose(out, reference.tgmm_rows(lhs, dout, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_the_rows_past_a_group_are_what_the_masking_keeps_out():
+    """Without the last block's zeroing the next group's rows (and the non-finite tail) reach the product."""
+    rng = np.random.default_rng(3)
+    sizes, rows, k, n = [40, 0, 33, 5], 128, 32, 32
+    lhs, dout = _operands(rng, rows, k, n, sizes)
+    out = np.zeros((len(sizes), k, n), np.float32)
+    for _, item in _all_work(sizes, rows, k, n, 32, 32, 8, 2):
+        _tile_product(lhs, dout, item, out, 64, 32, 32, zero_past_group=False)
+    expected = reference.tgmm_rows(lhs, dout, sizes)
+    assert not np.isfinite(out[3]).all()
+    assert np.abs(out[0] - expected[0]).max() > 1.0
+
+
+def test_tgmm_rows_is_the_jax_reference():
+    rng = np.random.default_rng(7)
+    sizes, rows, k, n = [0, 130, 1, 0, 257, 12], 420, 24, 40
+    lhs = rng.standard_normal((rows, k)).astype(np.float32)
+    dout = rng.standard_normal((rows, n)).astype(np.float32)
+    np.testing.assert_allclose(reference.tgmm_rows(lhs, dout, sizes),
+                               np.asarray(reference.tgmm_jax(lhs, dout, np.asarray(sizes, np.int32))), rtol=1e-5,
+                               atol=1e-4)
+
+
+def test_items_go_n_fastest_in_bands_of_k_tiles_and_each_program_walks_forward():
+    sizes = [300, 0, 1000]
+    items = schedule.weight_tiles(sizes, 1300, 512, 512, 128, 256, 2, 0, 1)
+    assert [(w.group, w.k0, w.col0) for w in items[:6]] == [
+        (0, 0, 0), (0, 128, 0), (0, 0, 256), (0, 128, 256), (0, 256, 0), (0, 384, 0)]
+    assert items[8] == schedule.WeightTileWork(1, 300, 300, 0, 0)  # the empty group: no rows, zeros stored
+    assert items[16] == schedule.WeightTileWork(2, 300, 1300, 0, 0)
+    later = schedule.weight_tiles(sizes, 1300, 512, 512, 128, 256, 2, 3, 4)
+    assert [w.group for w in later] == sorted(w.group for w in later)
+    # groups past the rows there are: clamped, so they reduce over nothing
+    assert schedule.weight_tiles([10, 50, 7], 40, 16, 16, 16, 16, 1, 0, 1)[1:] == [
+        schedule.WeightTileWork(1, 10, 40, 0, 0), schedule.WeightTileWork(2, 40, 40, 0, 0)]
