@@ -14,12 +14,26 @@ On an H100 / H200 with torch and triton 3.6, every configuration (``--configs``,
    ``torch._grouped_mm`` and a dense ``a @ b`` of the same FLOPs (the ceiling), each in TFLOP/s and
    checked against the per-group bf16 product.
 
+The weight gradient ``dw[g] = lhs[rows of g]^T @ dout[rows of g]`` (``--ops tgmm``; the Gluon
+``tgmm_sm90_kernel`` at every ``gluon_launch.TGMM_CONFIGS`` entry) gets the same two steps:
+
+1. checks against the float32 per-group torch product on ``TGMM_CHECK_PATTERNS`` (empty groups, whose
+   ``dw`` must be zeros over the sentinel it held; partial row blocks; one group holding every row;
+   ``K`` and ``N`` off the tile; a float32 output), the rows past the groups set to inf / NaN: a
+   group's last row block that let them in shows as a non-finite error;
+2. timings of the backward's two weight gradients at SonicMoE's d = 4096 shapes, ``dW_up = x^T @
+   d_h`` (``[T*K, d]^T [T*K, 2n]``) and ``dW_down = a^T @ d_y`` (``[T*K, n]^T [T*K, d]``), beside our
+   Triton ``tgmm_kernel`` (or ``tgmm_resident_kernel``, as ``triton_launch.tgmm_config`` picks) launched
+   the same way, ``torch._grouped_mm`` where it takes the ``[K, M] x [M, N]`` layout, and a dense product
+   of the same FLOPs.
+
 A configuration that fails to compile or launch is reported and skipped. Writes
 ``gluon_gmm_probe_<device>_<date>.json`` under ``--out``. ``--compile-only`` needs no GPU: it compiles
 every configuration offline for sm_90 and reports registers, spills and shared memory.
 
     python benchmarks/gluon_gmm_probe.py --smoke --out /tmp/probe
     python benchmarks/gluon_gmm_probe.py --out benchmarks/results
+    python benchmarks/gluon_gmm_probe.py --ops tgmm --out benchmarks/results
     python benchmarks/gluon_gmm_probe.py --compile-only --out /tmp/probe
 """
 
@@ -54,6 +68,17 @@ CHECK_PATTERNS = {
     "width not a tile multiple": (1200, 512, 320, [500, 0, 700]),
     "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0]),
 }
+TGMM_CHECK_PATTERNS = {
+    # name: (rows, K, N, group sizes, output dtype)
+    "empty groups": (2048, 256, 512, [0, 300, 0, 0, 1000, 129, 0, 619], "bfloat16"),
+    "ragged sizes": (3000, 256, 768, [1, 63, 65, 127, 129, 255, 257, 511, 1592], "bfloat16"),
+    "one group holds all": (2304, 512, 512, [0, 0, 2304, 0], "bfloat16"),
+    "rows past the groups": (1536, 256, 512, [100, 0, 700, 33], "bfloat16"),
+    "K and N not tile multiples": (1200, 200, 328, [500, 0, 650], "bfloat16"),
+    "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0], "bfloat16"),
+    "float32 output": (2048, 256, 512, [0, 1000, 48, 0, 900], "float32"),
+}
+"""Weight-gradient checks: rows past ``sum(sizes)`` hold inf (``lhs``) and NaN (``dout``)."""
 SENTINEL = 3.0
 TOLERANCE = 2e-2
 """Largest error relative to the largest product entry a bf16 output may show (one bf16 rounding is 4e-3)."""
@@ -65,14 +90,24 @@ def _load_sm90():
     return gluon_launch
 
 
-def _selected_configs(names):
+def _known_configs(ops) -> dict:
+    """Config name -> config of the ``ops`` (``gmm``: ``CONFIGS``; ``tgmm``: ``TGMM_CONFIGS``)."""
     launch = _load_sm90()
+    return {**(launch.CONFIGS if "gmm" in ops else {}), **(launch.TGMM_CONFIGS if "tgmm" in ops else {})}
+
+
+def _selected_configs(names, ops=("gmm", "tgmm")):
+    known = _known_configs(ops)
     if not names:
-        return list(launch.CONFIGS.values())
-    unknown = [name for name in names if name not in launch.CONFIGS]
+        return list(known.values())
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise SystemExit(f"unknown configs {unknown}; known: {list(launch.CONFIGS)}")
-    return [launch.CONFIGS[name] for name in names]
+        raise SystemExit(f"unknown configs {unknown}; known for {list(ops)}: {list(known)}")
+    return [known[name] for name in names]
+
+
+def _is_tgmm(config) -> bool:
+    return isinstance(config, _load_sm90().GluonTgmmConfig)
 
 
 def _error(message: str, exc: BaseException) -> dict:
@@ -92,7 +127,8 @@ def compile_report(configs, num_groups: int = 256) -> dict:
     report = {}
     for config in configs:
         try:
-            compiled = launch.compile_offline(config, num_groups)
+            compiled = (launch.compile_tgmm_offline(config) if _is_tgmm(config)
+                        else launch.compile_offline(config, num_groups))
             with tempfile.TemporaryDirectory() as scratch:
                 ptx = Path(scratch) / "kernel.ptx"
                 ptx.write_text(compiled.asm["ptx"])
@@ -181,6 +217,57 @@ def check_patterns(config, seed: int = 0) -> dict:
     return results
 
 
+def _tgmm_reference(lhs, dout, sizes, dtype):
+    """Per-group ``lhs[rows of g]^T @ dout[rows of g]`` in ``dtype``, ``[E, K, N]`` (zeros for empty groups)."""
+    torch = _torch()
+    out = torch.zeros(len(sizes), lhs.shape[1], dout.shape[1], dtype=dtype, device=lhs.device)
+    start = 0
+    for group, size in enumerate(sizes):
+        end = min(start + max(int(size), 0), lhs.shape[0])
+        if end > start:
+            out[group] = lhs[start:end].to(dtype).T @ dout[start:end].to(dtype)
+        start = end
+    return out
+
+
+def _weights_error(out, reference) -> float:
+    """:func:`_relative_error` over every group's ``[K, N]`` (as ``[E*K, N]`` rows)."""
+    n = reference.shape[2]
+    return _relative_error(out.reshape(-1, n), reference.reshape(-1, n), reference.shape[0] * reference.shape[1])
+
+
+def check_tgmm_patterns(config, seed: int = 0) -> dict:
+    """The weight-gradient kernel against the float32 reference on every ``TGMM_CHECK_PATTERNS`` entry:
+    rows past the groups inf / NaN, the output a sentinel before the launch (every group is written)."""
+    torch = _torch()
+    launch = _load_sm90()
+    results = {}
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for name, (rows, k, n, sizes, out_dtype) in TGMM_CHECK_PATTERNS.items():
+        try:
+            covered = min(sum(sizes), rows)
+            lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+            dout = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=generator)
+            dout /= max(covered, 1) ** 0.5
+            lhs[covered:] = float("inf")
+            dout[covered:] = float("nan")
+            group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+            out = torch.full((len(sizes), k, n), SENTINEL, device="cuda", dtype=getattr(torch, out_dtype))
+            launch.tgmm(lhs, dout, group_sizes, config, out=out)
+            torch.cuda.synchronize()
+            error = _weights_error(out, _tgmm_reference(lhs, dout, sizes, torch.float32))
+            empty = [g for g, size in enumerate(sizes) if size <= 0]
+            empty_zero = bool((out[empty] == 0).all().item()) if empty else True
+            results[name] = {"rows": rows, "K": k, "N": n, "group_sizes": sizes, "out_dtype": out_dtype,
+                             "max_rel_error": error, "empty_groups_zero": empty_zero,
+                             "ok": bool(error < TOLERANCE and empty_zero)}
+            print(f"  check {name:28s} max rel error {error:.2e}, empty groups zero {empty_zero}"
+                  f"{'' if results[name]['ok'] else '   <-- FAILED'}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            results[name] = _error(f"check {name}", exc)
+    return results
+
+
 def _group_sizes(rows: int, groups: int, seed: int) -> list[int]:
     """Seeded multinomial routing of ``rows`` copies over ``groups`` experts (uniform, as random routing is)."""
     return np.random.default_rng(seed).multinomial(rows, np.full(groups, 1.0 / groups)).astype(int).tolist()
@@ -224,6 +311,38 @@ def _gmm_kernel_launcher(lhs, rhs, group_sizes, out):
     return lambda: gmm_kernel[grid](lhs, rhs, group_sizes, offset, out, **kwargs), label
 
 
+def _tgmm_kernel_launch(rows: int, k: int, n: int, groups: int):
+    """``(kernel, grid, keyword arguments, label)`` of our current Triton weight gradient at its table tile
+    (``triton_launch.tgmm_config``): ``tgmm_resident_kernel`` for small groups, else ``tgmm_kernel``."""
+    torch = _torch()
+    import triton
+    from kernel_resources import _launchers
+
+    from moe_lowering.kernels.grouped_matmul.triton_kernels import tgmm_kernel, tgmm_resident_kernel
+
+    table = _launchers()
+    config = table.tgmm_config(rows, k, n, groups, False)
+    resident = table._small_groups(rows, groups)
+    work_items = groups * triton.cdiv(n, config.block_n) * (1 if resident else triton.cdiv(k, config.block_m))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    programs = min(work_items, config.programs_per_sm * sms) if config.persistent else work_items
+    kwargs = dict(M=rows, K=k, N=n, NUM_LOCAL_GROUPS=groups, NUM_GROUPS=groups,
+                  GROUPS_PAD=table._next_power_of_two(groups), BLOCK_K=config.block_m, BLOCK_N=config.block_n,
+                  BLOCK_R=config.block_k, NUM_PROGRAMS=programs, COMPUTE_F32=False, num_warps=config.num_warps,
+                  num_stages=config.num_stages, **({} if resident else {"GROUP_M": config.group_m}))
+    kernel = tgmm_resident_kernel if resident else tgmm_kernel
+    label = f"{kernel.fn.__name__} {config.block_m}x{config.block_n} r{config.block_k} s{config.num_stages}"
+    return kernel, (programs, ), kwargs, label
+
+
+def _tgmm_kernel_launcher(lhs, dout, group_sizes, out):
+    """Our Triton weight gradient on torch tensors: ``(run, label)``."""
+    torch = _torch()
+    kernel, grid, kwargs, label = _tgmm_kernel_launch(*lhs.shape, dout.shape[1], out.shape[0])
+    offset = torch.zeros(1, dtype=torch.int32, device=lhs.device)
+    return lambda: kernel[grid](lhs, dout, group_sizes, offset, out, **kwargs), label
+
+
 def _compile_job(job):
     """One compile, in a worker process of ``_warm_compile_cache``: a Gluon config for a group count (a launch
     on empty groups: nothing runs), or ``gmm_kernel`` for a product (``warmup``: compiled, not launched)."""
@@ -237,6 +356,16 @@ def _compile_job(job):
             rhs = torch.zeros(groups, config.block_k, config.block_n, device="cuda", dtype=torch.bfloat16)
             _load_sm90().gmm(lhs, rhs, torch.zeros(groups, dtype=torch.int32, device="cuda"), config)
             torch.cuda.synchronize()
+        elif kind == "gluon_tgmm":
+            name, groups = args
+            config = _load_sm90().TGMM_CONFIGS[name]
+            lhs = torch.zeros(config.block_m, config.block_k, device="cuda", dtype=torch.bfloat16)
+            dout = torch.zeros(config.block_m, config.block_n, device="cuda", dtype=torch.bfloat16)
+            _load_sm90().tgmm(lhs, dout, torch.zeros(groups, dtype=torch.int32, device="cuda"), config)
+            torch.cuda.synchronize()
+        elif kind == "tgmm_kernel":
+            kernel, grid, kwargs, _ = _tgmm_kernel_launch(*args)
+            kernel.warmup(torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, torch.bfloat16, grid=grid, **kwargs)
         else:
             from moe_lowering.kernels.grouped_matmul.triton_kernels import gmm_kernel
 
@@ -248,7 +377,7 @@ def _compile_job(job):
         return job, f"{type(exc).__name__}: {exc}"[:1000]
 
 
-def _warm_compile_cache(configs, products, workers: int = 16) -> dict:
+def _warm_compile_cache(configs, products, tgmm_products=(), workers: int = 16) -> dict:
     """Every kernel the run launches compiled at once, one process each, into Triton's disk cache: the
     run then loads them instead of compiling them one after another."""
     import concurrent.futures
@@ -256,8 +385,12 @@ def _warm_compile_cache(configs, products, workers: int = 16) -> dict:
     import time
 
     group_counts = sorted({len(sizes) for *_, sizes in CHECK_PATTERNS.values()} | {e for *_, e in products})
-    jobs = [("gluon", (config.name, groups)) for config in configs for groups in group_counts]
+    tgmm_group_counts = sorted({len(p[3]) for p in TGMM_CHECK_PATTERNS.values()} | {e for *_, e in tgmm_products})
+    jobs = [("gluon", (config.name, groups)) for config in configs if not _is_tgmm(config) for groups in group_counts]
+    jobs += [("gluon_tgmm", (config.name, groups)) for config in configs if _is_tgmm(config)
+             for groups in tgmm_group_counts]
     jobs += [("gmm_kernel", product) for product in dict.fromkeys(products)]
+    jobs += [("tgmm_kernel", product) for product in dict.fromkeys(tgmm_products)]
     began = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -333,6 +466,77 @@ def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, sm
     return entry
 
 
+def _tgmm_grouped_mm_launcher(lhs, dout, group_sizes):
+    """``torch._grouped_mm`` of ``lhs^T [K, M]`` and ``dout [M, N]`` split along ``M`` (the weight-gradient
+    layout), the transposed operand as a view or, where a release refuses that, a copy."""
+    torch = _torch()
+    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    try:
+        torch._grouped_mm(lhs.t(), dout, offs=offsets, out_dtype=torch.bfloat16)
+        lhs_t = lhs.t()
+    except Exception:  # noqa: BLE001
+        lhs_t = lhs.t().contiguous()
+    return lambda: torch._grouped_mm(lhs_t, dout, offs=offsets, out_dtype=torch.bfloat16)
+
+
+def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int) -> dict:
+    """Every weight-gradient kernel on ``dw[g] = lhs[g]^T @ dout[g]`` (``lhs [rows, k]``, ``dout [rows, n]``):
+    ms, TFLOP/s, relative error against the per-group bf16 product."""
+    torch = _torch()
+    launch = _load_sm90()
+    sizes = _group_sizes(rows, groups, seed)
+    flops = 2.0 * rows * k * n
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
+    dout = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16, generator=generator) / (rows / groups) ** 0.5
+    group_sizes = torch.tensor(sizes, dtype=torch.int32, device="cuda")
+    reference = _tgmm_reference(lhs, dout, sizes, torch.bfloat16)
+    entry = {"product": label, "M": rows, "K": k, "N": n, "E": groups, "flops": flops,
+             "group_sizes_min_max": [min(sizes), max(sizes)], "kernels": {}}
+
+    def measure(name, fn, out=None):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            result = {"ms": _bench_ms(fn, smoke)}
+            result["tflops"] = flops / result["ms"] / 1e9
+            if out is not None:
+                result["max_rel_error"] = _weights_error(out() if callable(out) else out, reference)
+            entry["kernels"][name] = result
+            error = f", rel err {result['max_rel_error']:.1e}" if "max_rel_error" in result else ""
+            print(f"    {name:36s} {result['ms']:8.3f} ms {result['tflops']:7.1f} TFLOP/s{error}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            entry["kernels"][name] = _error(f"  {name}", exc)
+
+    print(f"  {label}: [{rows}, {k}]^T x [{rows}, {n}] -> [{groups}, {k}, {n}], sizes {min(sizes)}-{max(sizes)}",
+          flush=True)
+    out = torch.empty(groups, k, n, device="cuda", dtype=torch.bfloat16)
+    for config in configs:
+        try:
+            run = launch.make_tgmm_launch(lhs, dout, group_sizes, out, config)
+        except Exception as exc:  # noqa: BLE001
+            entry["kernels"][f"gluon {config.name}"] = _error(f"  gluon {config.name}", exc)
+            continue
+        out.fill_(SENTINEL)
+        measure(f"gluon {config.name}", run, out)
+    try:
+        out.fill_(SENTINEL)
+        run, name = _tgmm_kernel_launcher(lhs, dout, group_sizes, out)
+        measure(name, run, out)
+    except Exception as exc:  # noqa: BLE001
+        entry["kernels"]["tgmm_kernel"] = _error("  tgmm_kernel", exc)
+    del out
+    try:
+        grouped = _tgmm_grouped_mm_launcher(lhs, dout, group_sizes)
+        measure("torch._grouped_mm", grouped, grouped)
+    except Exception as exc:  # noqa: BLE001
+        entry["kernels"]["torch._grouped_mm"] = _error("  torch._grouped_mm", exc)
+    measure("dense a^T @ b (ceiling)", lambda: lhs.t() @ dout)
+    del lhs, dout, reference
+    torch.cuda.empty_cache()
+    return entry
+
+
 def _checks_in_child(config, seed: int, timeout_s: int) -> dict:
     """``check_patterns`` in a process of its own: a kernel that deadlocks on its barriers is killed
     after ``timeout_s`` and reported, and the run goes on with the other configurations."""
@@ -354,9 +558,11 @@ def _passed(checks: dict) -> bool:
     return bool(checks) and all(check.get("ok") for check in checks.values())
 
 
-def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, check_timeout_s: int) -> dict:
-    """Checks every configuration (each in a child process), then times the ones that passed, writing
-    ``report`` to ``path`` after every step (a run cut short keeps what it measured)."""
+def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, check_timeout_s: int,
+            ops=("gmm", "tgmm")) -> dict:
+    """Checks every configuration (each in a child process), then times the ones that passed on the
+    forward's products (``gmm``) and the weight gradients (``tgmm``), writing ``report`` to ``path``
+    after every step (a run cut short keeps what it measured)."""
     torch = _torch()
     import triton
     from sonic import SHAPES
@@ -365,12 +571,18 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
                "smoke": smoke, "configs": {c.name: c.__dict__ | {"maxnreg": c.maxnreg} for c in configs},
                "checks": {}, "products": []}
     print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    products = []  # (shape, product, rows, K, N, E)
+    products, tgmm_products = [], []  # (shape, product, rows, K, N, E)
     for name in shapes:
         shape = SHAPES[name]
         rows = SMOKE_ROWS if smoke else shape.T * shape.K
-        products += [(name, "up", rows, shape.d, 2 * shape.n, shape.E), (name, "down", rows, shape.n, shape.d, shape.E)]
-    report["warm_compile"] = _warm_compile_cache(configs, [product[2:] for product in products])
+        if "gmm" in ops:
+            products += [(name, "up", rows, shape.d, 2 * shape.n, shape.E),
+                         (name, "down", rows, shape.n, shape.d, shape.E)]
+        if "tgmm" in ops:  # dW_up = x^T d_h, dW_down = a^T d_y
+            tgmm_products += [(name, "dW_up", rows, shape.d, 2 * shape.n, shape.E),
+                              (name, "dW_down", rows, shape.n, shape.d, shape.E)]
+    report["warm_compile"] = _warm_compile_cache(configs, [product[2:] for product in products],
+                                                 [product[2:] for product in tgmm_products])
     for config in configs:
         print(f"checks, {config.name}:", flush=True)
         report["checks"][config.name] = _checks_in_child(config, seed, check_timeout_s)
@@ -380,7 +592,12 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
         print(f"timing only the configs that passed: {[c.name for c in timed]}", flush=True)
     for name, label, rows, k, n, groups in products:
         print(f"{name}, {rows} rows:", flush=True)
-        entry = time_product(label, rows, k, n, groups, timed, smoke, seed)
+        entry = time_product(label, rows, k, n, groups, [c for c in timed if not _is_tgmm(c)], smoke, seed)
+        report["products"].append({"shape": name, **entry})
+        _write(report, path)
+    for name, label, rows, k, n, groups in tgmm_products:
+        print(f"{name}, {rows} rows:", flush=True)
+        entry = time_tgmm_product(label, rows, k, n, groups, [c for c in timed if _is_tgmm(c)], smoke, seed)
         report["products"].append({"shape": name, **entry})
         _write(report, path)
     return report
@@ -406,7 +623,10 @@ def _keep_triton_cache_dir() -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON result")
-    parser.add_argument("--configs", nargs="*", default=None, help="gluon_launch.CONFIGS names (default: all)")
+    parser.add_argument("--ops", nargs="+", choices=("gmm", "tgmm"), default=["gmm", "tgmm"],
+                        help="the forward product (gmm), the weight gradient (tgmm), or both (default)")
+    parser.add_argument("--configs", nargs="*", default=None,
+                        help="gluon_launch.CONFIGS / TGMM_CONFIGS names (default: all of the --ops)")
     parser.add_argument("--shapes", nargs="*", default=None, help=f"sonic.SHAPES names (default: {D4096_SHAPES})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"seconds: the first config, {SMOKE_SHAPE} at {SMOKE_ROWS} rows, short timings")
@@ -416,13 +636,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     _keep_triton_cache_dir()
-    configs = _selected_configs(args.configs)
+    configs = _selected_configs(args.configs, args.ops)
     if args.checks_only:
-        checks = check_patterns(configs[0], args.seed)
+        checks = (check_tgmm_patterns if _is_tgmm(configs[0]) else check_patterns)(configs[0], args.seed)
         print("CHECKS_JSON" + json.dumps(checks, default=str), flush=True)
         return
-    if args.smoke and args.configs is None:
-        configs = configs[:1]
+    if args.smoke and args.configs is None:  # the first config of each op
+        configs = list({_is_tgmm(config): config for config in reversed(configs)}.values())
     shapes = args.shapes or ([SMOKE_SHAPE] if args.smoke else list(D4096_SHAPES))
     stamp = datetime.datetime.now(datetime.timezone.utc)
     print("offline sm_90 compile:", flush=True)
@@ -435,7 +655,7 @@ def main(argv=None) -> None:
 
         device = torch.cuda.get_device_name(0).replace("NVIDIA ", "").split()[0]
         path = args.out / f"gluon_gmm_probe_{kind}{device}_{stamp.date().isoformat()}.json"
-        run_gpu(configs, shapes, args.smoke, args.seed, report, path, args.check_timeout)
+        run_gpu(configs, shapes, args.smoke, args.seed, report, path, args.check_timeout, args.ops)
     _write(report, path)
     failed = [(config, name) for config, checks in report.get("checks", {}).items()
               for name, check in checks.items() if not check.get("ok")]

@@ -292,8 +292,8 @@ def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_s
     return launch
 
 
-def tgmm(lhs, dout, group_sizes, config: GluonTgmmConfig = next(iter(TGMM_CONFIGS.values())), num_sms: int | None = None,
-         out=None, out_dtype=None):
+def tgmm(lhs, dout, group_sizes, config: GluonTgmmConfig = next(iter(TGMM_CONFIGS.values())),
+         num_sms: int | None = None, out=None, out_dtype=None):
     """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (see :func:`make_tgmm_launch`), into a new ``[E, K, N]``
     ``out`` of ``out_dtype`` (``lhs``'s, as ``grouped_matmul.triton_launch.tgmm`` returns) unless one is given."""
     import torch
