@@ -538,16 +538,17 @@ def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, config
 
 
 def _checks_in_child(config, seed: int, timeout_s: int) -> dict:
-    """``check_patterns`` in a process of its own: a kernel that deadlocks on its barriers is killed
-    after ``timeout_s`` and reported, and the run goes on with the other configurations."""
+    """``check_patterns`` (``check_tgmm_patterns``) in a process of its own: a kernel that deadlocks on its
+    barriers is killed after ``timeout_s`` and reported, and the run goes on with the other configurations.
+    Prints the child's lines as one block once it is done (the configurations' children run at once)."""
     command = [sys.executable, str(Path(__file__).resolve()), "--out", "-", "--configs", config.name,
                "--seed", str(seed), "--checks-only"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        print(f"  {config.name}: checks did not finish in {timeout_s} s (a hang?)", flush=True)
+        print(f"checks, {config.name}: did not finish in {timeout_s} s (a hang?)", flush=True)
         return {"hung": {"error": f"no result in {timeout_s} s", "stdout": str(exc.stdout)[-2000:]}}
-    print(done.stdout.split("CHECKS_JSON")[0].rstrip(), flush=True)
+    print(f"checks, {config.name}:\n" + done.stdout.split("CHECKS_JSON")[0].rstrip(), flush=True)
     if "CHECKS_JSON" not in done.stdout:
         print(done.stderr[-3000:], flush=True)
         return {"crashed": {"error": f"exit {done.returncode}", "stderr": done.stderr[-4000:]}}
@@ -583,10 +584,12 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
                               (name, "dW_down", rows, shape.n, shape.d, shape.E)]
     report["warm_compile"] = _warm_compile_cache(configs, [product[2:] for product in products],
                                                  [product[2:] for product in tgmm_products])
-    for config in configs:
-        print(f"checks, {config.name}:", flush=True)
-        report["checks"][config.name] = _checks_in_child(config, seed, check_timeout_s)
-        _write(report, path)
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:  # small products: one GPU holds them all
+        for config, checks in zip(configs, pool.map(lambda c: _checks_in_child(c, seed, check_timeout_s), configs)):
+            report["checks"][config.name] = checks
+            _write(report, path)
     timed = [config for config in configs if _passed(report["checks"][config.name])]
     if len(timed) < len(configs):
         print(f"timing only the configs that passed: {[c.name for c in timed]}", flush=True)
@@ -646,8 +649,8 @@ def main(argv=None) -> None:
     shapes = args.shapes or ([SMOKE_SHAPE] if args.smoke else list(D4096_SHAPES))
     stamp = datetime.datetime.now(datetime.timezone.utc)
     print("offline sm_90 compile:", flush=True)
-    report = {"date": stamp.isoformat(timespec="seconds"), "compile": compile_report(configs)}
-    kind = "smoke_" if args.smoke else ""
+    report = {"date": stamp.isoformat(timespec="seconds"), "ops": args.ops, "compile": compile_report(configs)}
+    kind = ("smoke_" if args.smoke else "") + ("" if {"gmm", "tgmm"} <= set(args.ops) else f"{args.ops[0]}_")
     if args.compile_only:
         path = args.out / f"gluon_gmm_probe_{kind}offline-sm90_{stamp.date().isoformat()}.json"
     else:
