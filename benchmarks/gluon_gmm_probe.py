@@ -411,6 +411,28 @@ def _grouped_mm_launcher(lhs, rhs, group_sizes):
     return lambda: torch._grouped_mm(lhs, weights, offs=offsets, out_dtype=torch.bfloat16)
 
 
+def _measurer(entry: dict, error_of, smoke: bool):
+    """``measure(name, fn, out=None)``: times ``fn`` into ``entry["kernels"][name]`` (ms, TFLOP/s of
+    ``entry["flops"]``) and, given ``out`` (a tensor, or a callable returning one), its ``error_of``."""
+    torch = _torch()
+
+    def measure(name, fn, out=None):
+        try:
+            fn()
+            torch.cuda.synchronize()
+            result = {"ms": _bench_ms(fn, smoke)}
+            result["tflops"] = entry["flops"] / result["ms"] / 1e9
+            if out is not None:
+                result["max_rel_error"] = error_of(out() if callable(out) else out)
+            entry["kernels"][name] = result
+            error = f", rel err {result['max_rel_error']:.1e}" if "max_rel_error" in result else ""
+            print(f"    {name:36s} {result['ms']:8.3f} ms {result['tflops']:7.1f} TFLOP/s{error}", flush=True)
+        except Exception as exc:  # noqa: BLE001
+            entry["kernels"][name] = _error(f"  {name}", exc)
+
+    return measure
+
+
 def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int) -> dict:
     """Every kernel on one grouped product: ms, TFLOP/s, relative error against the per-group bf16 product."""
     torch = _torch()
@@ -425,19 +447,7 @@ def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, sm
     entry = {"product": label, "M": rows, "K": k, "N": n, "E": groups, "flops": flops,
              "group_sizes_min_max": [min(sizes), max(sizes)], "kernels": {}}
 
-    def measure(name, fn, out=None):
-        try:
-            fn()
-            torch.cuda.synchronize()
-            result = {"ms": _bench_ms(fn, smoke)}
-            result["tflops"] = flops / result["ms"] / 1e9
-            if out is not None:
-                result["max_rel_error"] = _relative_error(out() if callable(out) else out, reference, rows)
-            entry["kernels"][name] = result
-            error = f", rel err {result['max_rel_error']:.1e}" if "max_rel_error" in result else ""
-            print(f"    {name:36s} {result['ms']:8.3f} ms {result['tflops']:7.1f} TFLOP/s{error}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            entry["kernels"][name] = _error(f"  {name}", exc)
+    measure = _measurer(entry, lambda out: _relative_error(out, reference, rows), smoke)
 
     print(f"  {label}: [{rows}, {k}] x [{groups}, {k}, {n}], sizes {min(sizes)}-{max(sizes)}", flush=True)
     for config in configs:
@@ -494,19 +504,7 @@ def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, config
     entry = {"product": label, "M": rows, "K": k, "N": n, "E": groups, "flops": flops,
              "group_sizes_min_max": [min(sizes), max(sizes)], "kernels": {}}
 
-    def measure(name, fn, out=None):
-        try:
-            fn()
-            torch.cuda.synchronize()
-            result = {"ms": _bench_ms(fn, smoke)}
-            result["tflops"] = flops / result["ms"] / 1e9
-            if out is not None:
-                result["max_rel_error"] = _weights_error(out() if callable(out) else out, reference)
-            entry["kernels"][name] = result
-            error = f", rel err {result['max_rel_error']:.1e}" if "max_rel_error" in result else ""
-            print(f"    {name:36s} {result['ms']:8.3f} ms {result['tflops']:7.1f} TFLOP/s{error}", flush=True)
-        except Exception as exc:  # noqa: BLE001
-            entry["kernels"][name] = _error(f"  {name}", exc)
+    measure = _measurer(entry, lambda out: _weights_error(out, reference), smoke)
 
     print(f"  {label}: [{rows}, {k}]^T x [{rows}, {n}] -> [{groups}, {k}, {n}], sizes {min(sizes)}-{max(sizes)}",
           flush=True)

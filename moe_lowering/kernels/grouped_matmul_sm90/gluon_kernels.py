@@ -206,6 +206,20 @@ def _pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out
 
 
 @gluon.jit
+def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The operand ring ``(a_bufs, b_bufs, ready, empty)``: ``STAGES`` boxes of each descriptor and their
+    barriers, initialised (the caller fences them, with any barriers of its own, before use)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_bufs, b_bufs, ready, empty
+
+
+@gluon.jit
 def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
                              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                              TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -215,16 +229,10 @@ def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr,
     boxes (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     # without TMA_STORE the staging buffer is never used: a token 8 rows
     C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
 
     gl.warp_specialize([
@@ -244,16 +252,10 @@ def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_s
     default partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(turn.index(i), count=1)
     fence_async_shared()

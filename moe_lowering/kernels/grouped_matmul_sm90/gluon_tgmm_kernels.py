@@ -38,6 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import allocate_ring
+
 
 @gluon.jit
 def _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -185,16 +187,10 @@ def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K
     (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     # without TMA_STORE the staging buffer is never used: a token 8 rows
     C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
 
     gl.warp_specialize([
