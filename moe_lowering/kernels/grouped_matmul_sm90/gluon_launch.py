@@ -17,7 +17,7 @@ from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import (
     grouped_gemm_sm90_kernel,
     grouped_gemm_sm90_pingpong_kernel,
 )
-from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import tgmm_sm90_kernel
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import tgmm_sm90_kernel, tgmm_sm90_pingpong_kernel
 
 SM90 = (90, 128)
 """(compute capability, warp size x 4 lanes) of ``GPUTarget("cuda", 90, ...)``: Hopper."""
@@ -176,31 +176,41 @@ class GluonTgmmConfig:
     ``num_warps`` consumer warps (a warp group per 64 of ``block_k``), a one-warp producer held to
     ``producer_regs``; ``tma_store``: tiles leave through a ``block_k x block_n`` staging buffer and a
     TMA store (bf16 output with ``K % block_k == 0`` only: the launch falls back to masked stores
-    otherwise); ``group_m``: k tiles per band of the swizzle (programs at once share row blocks)."""
+    otherwise); ``group_m``: k tiles per band of the swizzle (programs at once share row blocks).
+    ``pingpong``: two consumer warp groups of ``num_warps`` = 4 take whole tiles in turn, each held to
+    ``consumer_regs`` (as :class:`GluonTileConfig`'s)."""
 
     block_k: int = 128
     block_n: int = 256
     block_m: int = 64
     stages: int = 3
     tma_store: bool = True
+    pingpong: bool = False
     group_m: int = 8
     num_warps: int = 8
     producer_regs: int = 40
+    consumer_regs: int = 232
 
     @property
     def name(self) -> str:
         store = "tma" if self.tma_store else "direct"
-        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-w{self.num_warps}-{store}"
+        schedule = "pingpong" if self.pingpong else f"w{self.num_warps}"
+        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-{schedule}-{store}"
+
+    @property
+    def kernel(self):
+        return tgmm_sm90_pingpong_kernel if self.pingpong else tgmm_sm90_kernel
 
     @property
     def maxnreg(self) -> int:
         """As :attr:`GluonTileConfig.maxnreg`: the register file over the consumers and the producer's warp group."""
-        return min(255, REGISTER_FILE // (32 * (self.num_warps + 4))) // 8 * 8
+        return min(255, REGISTER_FILE // (32 * (self.num_warps * (2 if self.pingpong else 1) + 4))) // 8 * 8
 
     def shared_bytes(self) -> int:
-        """Shared memory the ring, the staging buffer and the barriers take (bf16)."""
+        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
         stage = 2 * self.block_m * (self.block_k + self.block_n)
-        return self.stages * stage + 2 * (self.block_k if self.tma_store else 8) * self.block_n + 16 * self.stages + 16
+        staging = 2 * (self.block_k if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
+        return self.stages * stage + staging + 16 * self.stages + 16
 
 
 TGMM_CONFIGS = {c.name: c for c in (
@@ -208,9 +218,12 @@ TGMM_CONFIGS = {c.name: c for c in (
     GluonTgmmConfig(128, 256, 64, stages=4, tma_store=False),
     GluonTgmmConfig(128, 128, 128, stages=3, tma_store=True),
     GluonTgmmConfig(128, 128, 64, stages=6, tma_store=True),
+    GluonTgmmConfig(128, 128, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
+    GluonTgmmConfig(64, 256, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
 )}
 """The weight-gradient configurations the probe times: ``tgmm_kernel``'s 128 x 256 tile over 64-row
-blocks (the first), and 128 x 128 tiles over longer row blocks or a deeper ring."""
+blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, and ping-pong ones (a
+tile's epilogue under the other warp group's MMAs)."""
 
 
 def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
@@ -221,8 +234,9 @@ def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
 
 
 def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
-    return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
-                PRODUCER_REGS=config.producer_regs)
+    fixed = dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
+                 PRODUCER_REGS=config.producer_regs)
+    return fixed | ({"CONSUMER_REGS": config.consumer_regs} if config.pingpong else {})
 
 
 def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):
@@ -240,9 +254,9 @@ def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):
     }
     fixed = tgmm_constexprs(config)
     signature.update({name: "constexpr" for name in fixed})
-    names = tgmm_sm90_kernel.arg_names
+    names = config.kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
-    source = GluonASTSource(fn=tgmm_sm90_kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    source = GluonASTSource(fn=config.kernel, signature=signature, constexprs=fixed, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", *SM90),
                           options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
 
@@ -286,8 +300,8 @@ def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_s
     fixed = tgmm_constexprs(config)
 
     def launch():
-        tgmm_sm90_kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
-                               num_warps=config.num_warps, maxnreg=config.maxnreg)
+        config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
+                            num_warps=config.num_warps, maxnreg=config.maxnreg)
 
     return launch
 

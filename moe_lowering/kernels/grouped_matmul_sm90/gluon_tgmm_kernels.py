@@ -24,6 +24,12 @@ a descriptor per group bounded at the group's end, needs descriptors made on the
 scratch and a tensormap fence per group) for the same effect.
 
 An empty group's tiles take no ring steps: the producer skips them and the consumers store zeros.
+
+``tgmm_sm90_pingpong_kernel`` splits the consumers as :mod:`.gluon_kernels`' ping-pong kernel does: two
+warp groups take the program's tiles alternately, whole, and take turns at the mainloop, so one's
+epilogue runs under the other's MMAs (short reductions: groups of a few row blocks). A tile's ring steps
+depend on its group's size, so each warp group walks all of the program's tiles and counts the other's
+steps to know where in the ring its own tile starts.
 """
 
 from __future__ import annotations
@@ -179,6 +185,35 @@ def _tgmm_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, grou
 
 
 @gluon.jit
+def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K,
+                            E, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program, whole, in turns at the
+    mainloop (``turn``, as ``gluon_kernels._pingpong_consumer``); the other's tiles only advance its ring count."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
+    counter = 0
+    program_tile = 0
+    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+        cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
+                                                            BLOCK_K, BLOCK_N, GROUP_M)
+        if program_tile % 2 == WG:
+            # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
+            mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
+            acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout)
+            mbarrier.arrive(turn.index(1 - WG))
+            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout)
+        else:
+            counter += gl.cdiv(row_end - row0, BLOCK_M)
+        program_tile += 1
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
 def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
                      STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` for every group ``g < E`` (zero for empty ones).
@@ -198,3 +233,28 @@ def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K
                           GROUP_M, TMA_STORE)),
         (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
     ], [1], [PRODUCER_REGS])
+
+
+@gluon.jit
+def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
+                              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr):
+    """:func:`tgmm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the default
+    partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
+    C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(0), out_desc, out_ptr,
+                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, 0)),
+        (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(1), out_desc, out_ptr,
+                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, 1)),
+        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

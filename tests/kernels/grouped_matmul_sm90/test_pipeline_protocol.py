@@ -141,3 +141,35 @@ def test_tgmm_ring_with_empty_groups(steps_per_tile):
         ring = Ring(STAGES)
         play([producer(ring, sum(steps_per_tile), STAGES), tgmm_consumer(ring, steps_per_tile, STAGES)], ring,
              random.Random(seed))
+
+
+def tgmm_pingpong_consumer(ring: Ring, turn, steps_per_tile, stages: int, wg: int, count_others: bool = True):
+    """``_tgmm_pingpong_consumer``: warp group ``wg`` takes tiles ``wg, wg + 2, ...`` in turns, counting the
+    other's tiles' steps (unless not ``count_others``) to find where its own start in the ring."""
+    use = 0
+    for program_tile, steps in enumerate(steps_per_tile):
+        if program_tile % 2 == wg:
+            yield turn[wg], ((program_tile // 2) & 1) ^ (1 - wg)
+            yield from mainloop(ring, use, steps, stages)
+            turn[1 - wg].arrive()
+        if count_others or program_tile % 2 == wg:
+            use += steps
+
+
+@pytest.mark.parametrize("steps_per_tile", [[0], [0, 3], [2, 0, 0, 5, 1], [1, 1, 0, 7, 2, 0, 3, 4], [6, 0, 0, 0, 2]])
+def test_tgmm_pingpong_with_empty_groups(steps_per_tile):
+    for seed in range(40):
+        ring, turn = Ring(STAGES), [Barrier(), Barrier()]
+        play([producer(ring, sum(steps_per_tile), STAGES),
+              *(tgmm_pingpong_consumer(ring, turn, steps_per_tile, STAGES, wg) for wg in (0, 1))], ring,
+             random.Random(seed))
+
+
+def test_tgmm_pingpong_counting_only_its_own_steps_is_caught():
+    steps_per_tile = [2, 0, 0, 5, 1]
+    for seed in range(10):
+        ring, turn = Ring(STAGES), [Barrier(), Barrier()]
+        with pytest.raises(AssertionError):
+            play([producer(ring, sum(steps_per_tile), STAGES),
+                  *(tgmm_pingpong_consumer(ring, turn, steps_per_tile, STAGES, wg, count_others=False)
+                    for wg in (0, 1))], ring, random.Random(seed))
