@@ -220,6 +220,15 @@ def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def allocate_turns():
+    """The ping-pong warp groups' two ``turn`` barriers, initialised (the caller fences them)."""
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    return turn
+
+
+@gluon.jit
 def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
                              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                              TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -255,9 +264,7 @@ def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_s
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    turn = allocate_turns()
     fence_async_shared()
 
     gl.warp_specialize([

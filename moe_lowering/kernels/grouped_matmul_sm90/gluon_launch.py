@@ -26,8 +26,34 @@ SHARED_LIMIT = 232448
 REGISTER_FILE = 65536
 
 
+class _WarpSpecialised:
+    """What both kernels' configs share: the partitions (``num_warps`` consumer warps, or with
+    ``pingpong`` two warp groups of them, and a one-warp producer), their register split, the store
+    path and the shared memory of the ring and the staging buffers (``staging_rows x block_n`` each)."""
+
+    @property
+    def schedule_store(self) -> str:
+        """The name's tail: the consumers' split and the store path."""
+        return f"{'pingpong' if self.pingpong else f'w{self.num_warps}'}-{'tma' if self.tma_store else 'direct'}"
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread at launch: the register file over all warps (the one-warp producer takes a
+        whole warp group's slots), a multiple of 8; the consumers get what the producer gives up."""
+        warps = self.num_warps * (2 if self.pingpong else 1) + 4
+        return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
+
+    def register_constexprs(self) -> dict:
+        return {"PRODUCER_REGS": self.producer_regs} | ({"CONSUMER_REGS": self.consumer_regs} if self.pingpong else {})
+
+    def ring_and_staging_bytes(self, stage_bytes: int, staging_rows: int) -> int:
+        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
+        staging = 2 * (staging_rows if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
+        return self.stages * stage_bytes + staging + 16 * self.stages + 16
+
+
 @dataclass(frozen=True)
-class GluonTileConfig:
+class GluonTileConfig(_WarpSpecialised):
     """One launch shape: ``block_m x block_n`` output tiles reduced ``block_k`` at a time through a ring of
     ``stages``; a one-warp producer held to ``producer_regs`` registers a thread; ``tma_store``: whole
     tiles leave through shared memory and a TMA store (a ``block_m x block_n`` staging buffer per
@@ -50,26 +76,14 @@ class GluonTileConfig:
 
     @property
     def name(self) -> str:
-        store = "tma" if self.tma_store else "direct"
-        schedule = "pingpong" if self.pingpong else f"w{self.num_warps}"
-        return f"{self.block_m}x{self.block_n}x{self.block_k}-s{self.stages}-{schedule}-{store}"
+        return f"{self.block_m}x{self.block_n}x{self.block_k}-s{self.stages}-{self.schedule_store}"
 
     @property
     def kernel(self):
         return grouped_gemm_sm90_pingpong_kernel if self.pingpong else grouped_gemm_sm90_kernel
 
-    @property
-    def maxnreg(self) -> int:
-        """Registers a thread at launch: the register file over all warps (the one-warp producer takes a
-        whole warp group's slots), a multiple of 8; the consumers get what the producer gives up."""
-        warps = self.num_warps * (2 if self.pingpong else 1) + 4
-        return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
-
     def shared_bytes(self) -> int:
-        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
-        stage = 2 * self.block_k * (self.block_m + self.block_n)
-        staging = 2 * (self.block_m if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
-        return self.stages * stage + staging + 16 * self.stages + 16
+        return self.ring_and_staging_bytes(2 * self.block_k * (self.block_m + self.block_n), self.block_m)
 
 
 CONFIGS = {c.name: c for c in (
@@ -95,9 +109,8 @@ def shared_layouts(config: GluonTileConfig):
 
 
 def constexprs(config: GluonTileConfig, num_groups: int) -> dict:
-    fixed = dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
-                 TMA_STORE=config.tma_store, PRODUCER_REGS=config.producer_regs)
-    return fixed | ({"CONSUMER_REGS": config.consumer_regs} if config.pingpong else {})
+    return dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
+                TMA_STORE=config.tma_store) | config.register_constexprs()
 
 
 def check_shapes(k: int, config: GluonTileConfig):
@@ -108,18 +121,23 @@ def check_shapes(k: int, config: GluonTileConfig):
 
 def compile_offline(config: GluonTileConfig, num_groups: int):
     """The kernel compiled for ``sm_90`` without a GPU (bf16 descriptors, 16-byte aligned ``int`` sizes)."""
+    a_layout, b_layout, c_layout = shared_layouts(config)
+    boxes = (("bf16", [config.block_m, config.block_k], a_layout), ("bf16", [config.block_k, config.block_n], b_layout),
+             ("bf16", [config.block_m, config.block_n], c_layout))
+    return _compile_sm90(config, boxes, constexprs(config, num_groups))
+
+
+def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
+    """``config.kernel`` (arguments ``a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E`` and
+    the constexprs ``fixed``) compiled for ``sm_90``; ``boxes``: each descriptor's ``(type, box, layout)``,
+    the output's type also ``out_ptr``'s; pointers, ``N`` and ``K`` taken 16-byte aligned."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    a_layout, b_layout, c_layout = shared_layouts(config)
-    signature = {
-        "a_desc": f"tensordesc<bf16[{config.block_m}, {config.block_k}],{a_layout!r}>",
-        "b_desc": f"tensordesc<bf16[{config.block_k}, {config.block_n}],{b_layout!r}>",
-        "out_desc": f"tensordesc<bf16[{config.block_m}, {config.block_n}],{c_layout!r}>",
-        "out_ptr": "*bf16", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
-    }
-    fixed = constexprs(config, num_groups)
-    signature.update({name: "constexpr" for name in fixed})
+    signature = {name: f"tensordesc<{dtype}{box},{layout!r}>"
+                 for name, (dtype, box, layout) in zip(("a_desc", "b_desc", "out_desc"), boxes)}
+    signature |= {"out_ptr": f"*{boxes[2][0]}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                  "E": "i32"} | {name: "constexpr" for name in fixed}
     names = config.kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
     source = GluonASTSource(fn=config.kernel, signature=signature, constexprs=fixed, attrs=attrs)
@@ -170,7 +188,7 @@ def gmm(lhs, rhs, group_sizes, config: GluonTileConfig = CONFIGS[next(iter(CONFI
 
 
 @dataclass(frozen=True)
-class GluonTgmmConfig:
+class GluonTgmmConfig(_WarpSpecialised):
     """One launch shape of ``tgmm_sm90_kernel``: ``block_k x block_n`` tiles of a group's ``[K, N]``
     weight gradient, reduced over the group's rows ``block_m`` at a time through a ring of ``stages``;
     ``num_warps`` consumer warps (a warp group per 64 of ``block_k``), a one-warp producer held to
@@ -193,24 +211,14 @@ class GluonTgmmConfig:
 
     @property
     def name(self) -> str:
-        store = "tma" if self.tma_store else "direct"
-        schedule = "pingpong" if self.pingpong else f"w{self.num_warps}"
-        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-{schedule}-{store}"
+        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-{self.schedule_store}"
 
     @property
     def kernel(self):
         return tgmm_sm90_pingpong_kernel if self.pingpong else tgmm_sm90_kernel
 
-    @property
-    def maxnreg(self) -> int:
-        """As :attr:`GluonTileConfig.maxnreg`: the register file over the consumers and the producer's warp group."""
-        return min(255, REGISTER_FILE // (32 * (self.num_warps * (2 if self.pingpong else 1) + 4))) // 8 * 8
-
     def shared_bytes(self) -> int:
-        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
-        stage = 2 * self.block_m * (self.block_k + self.block_n)
-        staging = 2 * (self.block_k if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
-        return self.stages * stage + staging + 16 * self.stages + 16
+        return self.ring_and_staging_bytes(2 * self.block_m * (self.block_k + self.block_n), self.block_k)
 
 
 TGMM_CONFIGS = {c.name: c for c in (
@@ -234,31 +242,16 @@ def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
 
 
 def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
-    fixed = dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
-                 PRODUCER_REGS=config.producer_regs)
-    return fixed | ({"CONSUMER_REGS": config.consumer_regs} if config.pingpong else {})
+    return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store) | config.register_constexprs()
 
 
 def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):
     """``tgmm_sm90_kernel`` compiled for ``sm_90`` without a GPU (bf16 operands, ``out_dtype`` ``"bf16"`` or
     ``"fp32"`` output, 16-byte aligned ``int`` sizes)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     a_layout, b_layout, c_layout = tgmm_shared_layouts(config, gl.bfloat16 if out_dtype == "bf16" else gl.float32)
-    signature = {
-        "a_desc": f"tensordesc<bf16[{config.block_m}, {config.block_k}],{a_layout!r}>",
-        "b_desc": f"tensordesc<bf16[{config.block_m}, {config.block_n}],{b_layout!r}>",
-        "out_desc": f"tensordesc<{out_dtype}[{config.block_k}, {config.block_n}],{c_layout!r}>",
-        "out_ptr": f"*{out_dtype}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32",
-    }
-    fixed = tgmm_constexprs(config)
-    signature.update({name: "constexpr" for name in fixed})
-    names = config.kernel.arg_names
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
-    source = GluonASTSource(fn=config.kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", *SM90),
-                          options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
+    boxes = (("bf16", [config.block_m, config.block_k], a_layout), ("bf16", [config.block_m, config.block_n], b_layout),
+             (out_dtype, [config.block_k, config.block_n], c_layout))
+    return _compile_sm90(config, boxes, tgmm_constexprs(config))
 
 
 def launched_tgmm_config(config: GluonTgmmConfig, k: int, out_dtype_is_bf16: bool) -> GluonTgmmConfig:

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import allocate_ring
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import allocate_ring, allocate_turns
 
 
 @gluon.jit
@@ -246,9 +246,7 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
+    turn = allocate_turns()
     fence_async_shared()
 
     gl.warp_specialize([
