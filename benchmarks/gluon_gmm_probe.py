@@ -385,7 +385,9 @@ def _warm_compile_cache(configs, products, tgmm_products=(), workers: int = 16) 
     import time
 
     group_counts = sorted({len(sizes) for *_, sizes in CHECK_PATTERNS.values()} | {e for *_, e in products})
-    tgmm_group_counts = sorted({len(p[3]) for p in TGMM_CHECK_PATTERNS.values()} | {e for *_, e in tgmm_products})
+    # the Gluon kernels take E as an argument: one compile per specialisation (a multiple of 16 or not)
+    tgmm_group_counts = sorted({16 if e % 16 == 0 else 8 for e in
+                                {len(p[3]) for p in TGMM_CHECK_PATTERNS.values()} | {e for *_, e in tgmm_products}})
     jobs = [("gluon", (config.name, groups)) for config in configs if not _is_tgmm(config) for groups in group_counts]
     jobs += [("gluon_tgmm", (config.name, groups)) for config in configs if _is_tgmm(config)
              for groups in tgmm_group_counts]
