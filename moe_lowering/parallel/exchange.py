@@ -118,6 +118,11 @@ class ExchangeConfig:
     # forward mode): the rounds loop runs the largest trip count over them, else a rank with more
     # rounds than its FSDP peer waits for it in the collective forever.
     lockstep_axes: tuple[str, ...] = ()
+    # The mesh's device ids in its flat order and its axis names, where the mesh is known: the
+    # peer heap's regions then name their device by the rank's run-time position
+    # (``peer_heap.placement``), so every process of a job traces the same program.
+    device_ids: tuple[int, ...] = ()
+    mesh_axes: tuple[str, ...] = ()
 
     @property
     def round_rows(self) -> int:
@@ -734,6 +739,20 @@ def _further_rounds(counts, cfg: ExchangeConfig, body, init, num_rows: int):
     return state
 
 
+def _placed(fn):
+    """``fn(cfg, ...)`` traced inside ``cfg``'s heap placement (see :class:`ExchangeConfig`)."""
+
+    @functools.wraps(fn)
+    def traced(cfg: ExchangeConfig, *args, **kwargs):
+        if not cfg.device_ids:
+            return fn(cfg, *args, **kwargs)
+        with peer_heap.placement(cfg.device_ids, cfg.mesh_axes):
+            return fn(cfg, *args, **kwargs)
+
+    return traced
+
+
+@_placed
 def _forward(cfg: ExchangeConfig, rows, payloads, params, group_sizes, token_of_row, keep_vjp: bool,
              row_source: RowSource | None = None):
     """``(results at home, round 0's vjps, counts)``."""
@@ -843,6 +862,7 @@ def _round_backward(cfg: ExchangeConfig, counts, round_index, vjps, rows, payloa
             tuple(_combine_home(r, counts, round_index, num_rows, cfg) for r in returned_payloads), d_params)
 
 
+@_placed
 def _exchange_bwd(cfg, residuals, d_out):
     rows, payloads, params, _, counts, vjps = residuals
     buffers = _preallocate(cfg, (d_out,), (rows, *payloads), rows.shape[0])

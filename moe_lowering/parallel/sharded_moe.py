@@ -203,7 +203,8 @@ def plan_exchange(layout: Layout, program: ExpertProgram, *, num_tokens: int, to
         config = exchange_config(program=program, axis_name=layout.expert_axis, ep_size=ep,
                                  local_experts=layout.local_experts, capacity=-(-rows_per_pair // chunks),
                                  chunks=chunks, backend=backend, transport=exchange_transport,
-                                 lockstep_axes=() if weight_gather_quant is None else (layout.fsdp_axis,))
+                                 lockstep_axes=() if weight_gather_quant is None else (layout.fsdp_axis,),
+                                 device_ids=tuple(d.id for d in layout.devices), mesh_axes=tuple(layout.mesh.axis_names))
     deduplicated = (config is not None and deduplication_pays(top_k, layout.padded_experts, ep)
                     and deduplicates(config, local_rows))
     return ExchangePlan(exchange_transport, local_tokens, rows_per_pair, chunks, config, deduplicated)

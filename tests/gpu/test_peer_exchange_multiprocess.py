@@ -6,16 +6,17 @@ two processes with a GPU each, one of one process with both GPUs (the one-proces
 layer, and the dense reference). Each runs every case: the sharded layer at EP=2 on transport
 ``"peer"``, forward and gradients, three calls in a row (the heap's epoch protocol: regions are
 reused call after call), and a program of two layers (two exchange sites), and writes the shards
-it holds. Here the two jobs must agree bit for bit, and the one-process layer must match the dense
+it holds. Here the two jobs must agree to float32 reordering, and the one-process layer must match the dense
 reference. The parent never touches a GPU (its own JAX would take the memory the jobs need).
+Both jobs run with XLA's defaults (sharded autotuning on: the processes must compile the same
+program, which the heap's placement gives).
 
-Measured on 2 x H200 (2026-11-28), the bare store alone: exact from the second call of a program
-on, wrong rows on one rank in the first (and a compile that never ended without
-``--xla_gpu_shard_autotuning=false``); the transport is an opt-in until that is fixed, so these
-tests are expected to fail (not strict).
+Measured on 2 x H200 (2026-11-28): every case within float32 reordering of the one-process layer
+(the DeepSeek-like case's sums change order from call to call in both jobs, ~4e-8 relative).
 
 Run by hand: ``python -m pytest -p no:xdist -q tests/gpu/test_peer_exchange_multiprocess.py -s``;
-``MOE_PEER_MP_CASES=mixtral_like,deepseek_like`` runs only the cases named (both jobs read it).
+``MOE_PEER_MP_CASES=mixtral_like,deepseek_like`` runs only the cases named (both jobs read it);
+``MOE_PEER_MP_REPORTS=path.json`` keeps the jobs' reports (errors, changes between calls).
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
 GPU_COUNT = len(glob.glob("/dev/nvidia[0-9]*"))  # no JAX backend in the parent
-pytestmark = [pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs of one host"),
-              pytest.mark.xfail(reason="the cross-process heap's first call was wrong on one rank (2 x H200, "
-                                "2026-11-28): experimental, opt-in", strict=False)]
+pytestmark = pytest.mark.skipif(GPU_COUNT < 2, reason="needs two GPUs of one host")
 
 
 @dataclass(frozen=True)
@@ -48,13 +47,16 @@ class Case:
     dtype: str = "float32"
     exchange_capacity: int | None = None  # small: several rounds (the overflow loop's sites, zeroed homes)
     dense_tolerance: float = 1e-5  # relative, the one-process layer against the dense reference
+    # Relative (norm) change allowed between calls and between the two jobs: float sums whose order
+    # can change from call to call (atomic accumulation on the GPU); a misplaced row is O(1).
+    reorder_tolerance: float = 1e-6
 
 
 CASES = (
     Case("mixtral_like", num_experts=8, top_k=2),
     Case("deepseek_like", num_experts=16, top_k=4),  # EP=2: the deduplicated dispatch (tokens once per rank)
     Case("mixtral_rounds", num_experts=8, top_k=2, exchange_capacity=5),
-    Case("mixtral_bf16", num_experts=8, top_k=2, dtype="bfloat16", dense_tolerance=2e-2),
+    Case("mixtral_bf16", num_experts=8, top_k=2, dtype="bfloat16", dense_tolerance=2e-2, reorder_tolerance=4e-3),
 )
 if os.environ.get("MOE_PEER_MP_CASES"):
     CASES = tuple(c for c in CASES if c.name in os.environ["MOE_PEER_MP_CASES"].split(","))
@@ -62,6 +64,11 @@ CALLS = 3
 
 
 # --------------------------------------------------------------------------- a job's process
+
+
+def _relative_change(x, y) -> float:
+    """How far ``x`` is from ``y``: the norm of the difference over ``y``'s."""
+    return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
 
 def _local(x) -> list:
@@ -109,8 +116,9 @@ def _worker(out_dir: Path) -> None:
 
         def store(backend, zeroed=zeroed, num_arrived=num_arrived):
             def body(v, s, d, r):
-                return peer_store(v[0], s[0], d[0], r[0], 500, num_arrived, axis_name="expert", axis_size=ranks,
-                                  zeroed=zeroed, backend=backend)[None]
+                with heap.placement([d.id for d in devices], ("expert",)):  # one program in every process
+                    return peer_store(v[0], s[0], d[0], r[0], 500, num_arrived, axis_name="expert",
+                                      axis_size=ranks, zeroed=zeroed, backend=backend)[None]
 
             return jax.jit(shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 4, out_specs=P("expert")))
 
@@ -151,7 +159,7 @@ def _worker(out_dir: Path) -> None:
 
         results = [step(tokens, weights, params, cotangent) for _ in range(CALLS)]
         again = [two_layers(tokens, weights, params, params2, cotangent) for _ in range(CALLS)]
-        drift = max(float(np.max(np.abs(x - y), initial=0.0))
+        drift = max(_relative_change(x, y)
                     for runs in (results, again) for later in runs[1:]
                     for a, b in zip(jax.tree.leaves(later), jax.tree.leaves(runs[0]))
                     for x, y in zip(_local(a), _local(b)))
@@ -161,8 +169,9 @@ def _worker(out_dir: Path) -> None:
             def dense(t, w, p):
                 return dense_reference(t, indices, w, p, num_experts=case.num_experts, token_scale=True)
 
-            out, vjp = jax.vjp(dense, tokens, weights, params)
-            entries.update(multiprocess.shard_entries(f"{case.name}|dense", (out, vjp(cotangent))))
+            with jax.default_matmul_precision("highest"):  # float32 products, not TF32 (the layer's are)
+                out, vjp = jax.vjp(dense, tokens, weights, params)
+                entries.update(multiprocess.shard_entries(f"{case.name}|dense", (out, vjp(cotangent))))
         live = heap.current_heap()
         report["cases"][case.name] = {
             "max_change_between_calls": drift,
@@ -181,7 +190,6 @@ def _run_job(out_dir: Path, num_processes: int, devices_per_process: int) -> Non
 
     path = [str(ROOT), str(ROOT / "tests" / "parallel")] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "MOE_LOWERING_PEER_HEAP_MB": "256",
-           "MOE_LOWERING_CROSS_PROCESS_PEER": "1", "XLA_FLAGS": "--xla_gpu_shard_autotuning=false",
            "PYTHONPATH": os.pathsep.join(path)}
     multiprocess.launch([sys.executable, __file__, str(out_dir)], num_processes=num_processes, platform="gpu",
                         devices_per_process=devices_per_process, timeout_s=JOB_TIMEOUT_S, env=env, cwd=ROOT)
@@ -205,6 +213,9 @@ def jobs():
         _run_job(out_dir, 1, 2)
         reports = {(n, p): json.loads((out_dir / f"report_{n}_{p}.json").read_text()) for n, p in
                    ((2, 0), (2, 1), (1, 0))}
+        if os.environ.get("MOE_PEER_MP_REPORTS"):  # a file to keep the jobs' reports in
+            Path(os.environ["MOE_PEER_MP_REPORTS"]).write_text(
+                json.dumps({f"{n}x{p}": r for (n, p), r in reports.items()}, indent=1))
         yield _merged(out_dir, 2), _merged(out_dir, 1), reports
 
 
@@ -222,17 +233,18 @@ def test_auto_picks_peer_across_processes_and_uses_the_heap(jobs):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("program", ["step", "two"])
-def test_process_per_gpu_matches_one_process_bit_for_bit(jobs, case, program):
+def test_process_per_gpu_matches_one_process(jobs, case, program):
     from moe_lowering.testing import multiprocess
 
     across, one, reports = jobs
     for report in reports.values():
-        assert report["cases"][case.name]["max_change_between_calls"] == 0.0, report
+        assert report["cases"][case.name]["max_change_between_calls"] <= case.reorder_tolerance, report
     got = multiprocess.assemble(across, f"{case.name}|{program}")
     want = multiprocess.assemble(one, f"{case.name}|{program}")
     assert got.keys() == want.keys() and got
     for leaf in want:
-        np.testing.assert_array_equal(got[leaf], want[leaf], err_msg=leaf)
+        assert np.isfinite(got[leaf]).all(), leaf
+        assert _relative_change(got[leaf], want[leaf]) <= case.reorder_tolerance, (leaf, got[leaf], want[leaf])
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -23,9 +23,11 @@ how clusters run) needs memory the other processes have mapped. The heap is that
   turns every rank's words into addresses valid here, (its mapped heap base) + (its offset)
   (:func:`peer_address_words`). The base table is one ``[viewer, target]`` constant, the same in
   every process (each publishes where it mapped every heap): the row read is the rank's own, at
-  run time. A constant that differed between processes would make their programs differ, and
-  XLA's multi-process compilation (autotuning results shared by program fingerprint) then waits
-  forever, as measured on 2 x H200. Regions need not sit at the same offset everywhere.
+  run time; and the device id is read at run time too, from the rank's position in the mesh
+  (:func:`placement`, :func:`device_id_here`). A constant that differed between processes would
+  make their programs differ, and XLA's multi-process compilation (autotuning results shared by
+  program fingerprint) then waits forever, as measured on 2 x H200. Region offsets are constants:
+  every process must trace the same exchange sites in the same order (SPMD programs do).
   The words then have the one-process layout (rows address, arrival counters address), so the
   ``push`` and ``gmm_push`` kernels run unchanged.
 
@@ -38,9 +40,11 @@ and one use ends before the next starts):
    rows of use ``e - 1``), so no store overwrites rows still to be read.
 2. ``push``: stores rows and bumps ``arrivals[me]`` in every peer's region (release, system scope).
 3. ``wait``: waits until every ``arrivals`` word is ``>= (e + 1) * signals_per_peer``
-   (:func:`arrival_target`; counters are monotonic), copies the arrived rows into its XLA output
-   (zeroing the region's rows again where the site needs zeros), then its last program bumps
-   ``consumed[me]`` in every peer's region (release, system scope) and the epoch to ``e + 1``.
+   (:func:`arrival_target`; counters are monotonic), copies the arrived rows into its XLA output,
+   then (where the site needs zeros) zeroes the region's rows again, each program only after it
+   has read all of its rows (zeroing a tile before reading the next returned zeroed sectors on
+   H200), then its last program bumps ``consumed[me]`` in every peer's region (release, system
+   scope) and the epoch to ``e + 1``.
 
 As in one process, a site that needs zeros relies on every store landing below the receiver's
 count of rows: only those rows are read, and zeroed again for the next use.
@@ -50,6 +54,8 @@ Across hosts CUDA IPC cannot map memory: there the exchange uses NCCL (``"all_to
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import glob
@@ -68,7 +74,6 @@ from moe_lowering import _compat
 logger = logging.getLogger(__name__)
 
 HEAP_SIZE_ENV = "MOE_LOWERING_PEER_HEAP_MB"
-CROSS_PROCESS_ENV = "MOE_LOWERING_CROSS_PROCESS_PEER"  # the experimental opt-in (job_obstacle)
 DEFAULT_HEAP_MB = 2048
 REGION_ALIGN = 256  # bytes; region offsets are published in these units (int32: heaps up to 512 GiB)
 KV_TIMEOUT_MS = 300_000  # every process of the mesh publishes before it waits, so this only catches a missing one
@@ -192,9 +197,53 @@ def peer_address_words(offset_words, views: Mapping[int, Mapping[int, int]], ran
     return jax.lax.bitcast_convert_type(out, jnp.int32)
 
 
-def offset_words(device_id: int, region: HeapRegion) -> tuple[int, int, int, int]:
-    """What a rank publishes for ``region`` (see :func:`peer_address_words`)."""
-    return device_id, region.rows_offset // REGION_ALIGN, region.control_offset // REGION_ALIGN, 0
+def offset_words(device_id, region: HeapRegion):
+    """What a rank publishes for ``region`` (see :func:`peer_address_words`): ``[4]`` int32;
+    ``device_id`` may be a traced value (:func:`device_id_here`)."""
+    import jax.numpy as jnp
+
+    offsets = jnp.asarray([region.rows_offset // REGION_ALIGN, region.control_offset // REGION_ALIGN, 0], jnp.int32)
+    return jnp.concatenate([jnp.reshape(jnp.asarray(device_id, jnp.int32), (1,)), offsets])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the program being traced runs: the mesh's device ids in its flat order and its axis
+    names (the ``shard_map`` around the exchange has them all manual)."""
+
+    device_ids: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+
+
+_placement: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("peer_heap_placement", default=None)
+
+
+@contextlib.contextmanager
+def placement(device_ids, mesh_axes):
+    """Exchange sites traced inside reserve heap regions that name their device at run time
+    (:func:`device_id_here`), so that every process traces the same program."""
+    token = _placement.set(Placement(tuple(int(i) for i in device_ids), tuple(mesh_axes)))
+    try:
+        yield
+    finally:
+        _placement.reset(token)
+
+
+def device_id_here(heap: "PeerHeap"):
+    """This rank's device id as the program computes it: the mesh's ids indexed by the rank's
+    position over every mesh axis (:func:`placement`), a value read at run time.
+
+    A constant would differ from process to process, and so would the programs; XLA's sharded
+    autotuning (on by default in multi-process jobs) shares results between the processes'
+    compilations by program fingerprint, and then waits forever (measured on 2 x H200). Outside a
+    :func:`placement` (a one-process program, tests) it is ``heap``'s constant."""
+    import jax
+    import jax.numpy as jnp
+
+    where = _placement.get()
+    if where is None:
+        return heap.device_id
+    return jnp.asarray(where.device_ids, jnp.int32)[jax.lax.axis_index(where.mesh_axes)]
 
 
 # ------------------------------------------------------------------ which meshes can use it
@@ -267,19 +316,9 @@ def process_host(process_index: int) -> str:
                            f"{error}") from error
 
 
-def job_obstacle(devices, environ: Mapping[str, str] = os.environ) -> str | None:
+def job_obstacle(devices) -> str | None:
     """:func:`cross_process_obstacle` for this job (every process of the mesh must call it: it
-    exchanges host identities through the key-value store), behind the opt-in
-    ``MOE_LOWERING_CROSS_PROCESS_PEER=1``: on 2 x H200 (2026-11-28) the heap's store returned wrong
-    rows on one rank in the first call of a program (exact from the second on), and XLA's
-    multi-process compile waited forever on its programs unless sharded autotuning was off. Until
-    both are understood, ``"auto"`` keeps NCCL across processes and an explicit ``"peer"`` says why."""
-    if environ.get(CROSS_PROCESS_ENV) != "1":
-        return (f"the cross-process peer heap is experimental (a wrong first call measured on one rank); "
-                f"{CROSS_PROCESS_ENV}=1 runs it anyway")
-    if "--xla_gpu_shard_autotuning=false" not in environ.get("XLA_FLAGS", "").split():
-        return ("XLA's sharded autotuning waits forever compiling programs with the heap's kernels: set "
-                "XLA_FLAGS=--xla_gpu_shard_autotuning=false in every process")
+    exchanges host identities through the key-value store)."""
     import jax
 
     per_process: dict[int, int] = {}

@@ -103,7 +103,7 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
                      ZEROED: tl.constexpr, ZERO_TAIL: tl.constexpr):
     """Waits for every peer's push of this use, copies rows ``[0, num_rows)`` of this rank's heap
     region into ``out`` (zeros after them with ``ZERO_TAIL``, else those rows are not written),
-    zeroing the region's rows again with ``ZEROED``; the last program to finish then tells every
+    then, with ``ZEROED``, zeroes the region's rows again; the last program to finish then tells every
     peer the rows are consumed and advances the region's epoch (see :mod:`.heap`)."""
     pid = tl.program_id(0)
     rank = tl.load(rank_ptr)
@@ -122,7 +122,6 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
         last_tile = tl.cdiv(num_rows, BLOCK_ROWS)
     in_rows = tl.arange(0, BLOCK_ROWS)
     in_d = tl.arange(0, BLOCK_D)
-    zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
     for tile in range(pid, last_tile, NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + in_rows
         arrived = rows < num_rows
@@ -133,8 +132,20 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
             values = tl.load(region + offsets + cols[None, :], mask=arrived[:, None] & in_cols, other=0,
                              volatile=True)
             tl.store(out_ptr + offsets + cols[None, :], values, mask=(rows < NUM_ROWS)[:, None] & in_cols)
-            if ZEROED:
-                tl.store(region + offsets + cols[None, :], zeros, mask=arrived[:, None] & in_cols)
+    if ZEROED:
+        # Only once the program has read all of its rows: zero stores interleaved with the reads
+        # (a tile zeroed, the next read) returned rows with zeroed 32-byte sectors in 3-30% of calls
+        # on 2 x H200 (2026-11-28), in rows read after the first zeroed tile; read-all-then-zero
+        # gave none in 108 calls per rank (benchmarks/results/peer_heap_zeroing_H200x2_2026-11-28.log).
+        tl.debug_barrier()
+        zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
+        for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
+            rows = tile * BLOCK_ROWS + in_rows
+            offsets = rows.to(tl.int64)[:, None] * D
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + in_d
+                tl.store(region + offsets + cols[None, :], zeros,
+                         mask=(rows < num_rows)[:, None] & (cols < D)[None, :])
     tl.debug_barrier()
     finished = tl.atomic_add(control + 2 * NUM_PEERS + 1, 1, sem="acq_rel", scope="gpu")
     if finished == NUM_PROGRAMS - 1:  # every program has read (and re-zeroed) its rows

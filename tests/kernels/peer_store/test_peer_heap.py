@@ -118,23 +118,39 @@ def gpus_one_per_process(monkeypatch):
     monkeypatch.setattr(heap, "_published_host", lambda: "here")
     monkeypatch.setattr(heap, "process_host", hosts.__getitem__)
     monkeypatch.setattr(heap, "agreed_open", lambda device_ids: None)
-    monkeypatch.setenv(heap.CROSS_PROCESS_ENV, "1")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_shard_autotuning=false")
     return gpus, hosts
 
 
-def test_the_cross_process_heap_is_opt_in_and_needs_sharded_autotuning_off(gpus_one_per_process, monkeypatch):
-    """A wrong first call and a compile that never ended were measured on 2 x H200: NCCL unless asked."""
-    gpus, _ = gpus_one_per_process
-    monkeypatch.delenv(heap.CROSS_PROCESS_ENV)
-    assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
-    with pytest.raises(ValueError, match="experimental.*MOE_LOWERING_CROSS_PROCESS_PEER=1"):
-        exchange.prepare_peer_transport(gpus, "auto")
-    monkeypatch.setenv(heap.CROSS_PROCESS_ENV, "1")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
-    assert exchange.resolve_transport("auto", gpus, "auto") == "all_to_all"
-    with pytest.raises(ValueError, match="xla_gpu_shard_autotuning=false"):
-        exchange.prepare_peer_transport(gpus, "auto")
+def test_every_process_traces_the_same_program(monkeypatch):
+    """Inside a placement a region names its device by the rank's run-time position, so two
+    processes (heaps of devices 5 and 7) lower the same program: XLA's sharded autotuning, on by
+    default, waits forever for processes whose programs differ (measured on 2 x H200)."""
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    from moe_lowering.parallel._jax_shim import shard_map
+
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:2])
+
+    def program_of(device_id, placed):
+        monkeypatch.setattr(heap, "_heap", SimpleNamespace(device_id=device_id, regions=heap.RegionAllocator(8192)))
+
+        def body(x):
+            words = allocate_buffer(4, (2,), jnp.float32, axis_size=2, zeroed=True).addresses
+            return words[None] + x
+
+        def traced(x):
+            if not placed:
+                return shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+            with heap.placement((5, 7), ("x",)):
+                return shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))(x)
+
+        zeros = jnp.zeros((2, 4), jnp.int32)
+        return jax.jit(traced).lower(zeros).as_text(), np.asarray(jax.jit(traced)(zeros))
+
+    (text_5, words), (text_7, _) = program_of(5, True), program_of(7, True)
+    assert text_5 == text_7
+    assert words[:, 0].tolist() == [5, 7]  # each rank's own device, read at run time
+    assert program_of(5, False)[0] != program_of(7, False)[0]  # a constant device id: programs differ
 
 
 def test_auto_picks_peer_for_one_gpu_per_process_on_this_host(gpus_one_per_process):
