@@ -64,7 +64,7 @@ def allocate_buffer(recv_rows: int, trailing_shape: tuple[int, ...], dtype, *, a
     heap = peer_heap.current_heap()
     if heap is not None:
         shape = (recv_rows, math.prod(trailing_shape))
-        region = heap.regions.reserve(math.prod(shape) * jnp.dtype(dtype).itemsize, axis_size)
+        region = peer_heap.reserve_site(heap, math.prod(shape) * jnp.dtype(dtype).itemsize, axis_size)
         words = peer_heap.offset_words(peer_heap.device_id_here(heap), region)
         return PeerBuffer(jax.ShapeDtypeStruct(shape, dtype), None, words, heap_zeroed=bool(zeroed))
     from moe_lowering.kernels.peer_store import triton_launch as peer

@@ -59,6 +59,7 @@ import contextvars
 import ctypes
 import functools
 import glob
+import itertools
 import json
 import logging
 import os
@@ -227,6 +228,53 @@ def placement(device_ids, mesh_axes):
         yield
     finally:
         _placement.reset(token)
+
+
+_site_counts: dict[tuple[int, ...], "itertools.count[int]"] = {}
+_site_lock = threading.Lock()
+
+
+def reserve_site(heap: "PeerHeap", rows_bytes: int, num_peers: int, client=None) -> HeapRegion:
+    """A region for the exchange site being traced; inside a :func:`placement` spanning processes,
+    checked against the other processes' region for the same site (the ``n``-th one traced on
+    this mesh): the offsets are constants of the program, so processes that traced different
+    sites would compile different programs, which XLA's sharded autotuning waits on forever. A
+    mismatch raises here, naming the cause, instead."""
+    import jax
+
+    region = heap.regions.reserve(rows_bytes, num_peers)
+    where = _placement.get()
+    if where is None:
+        return region
+    mesh = set(where.device_ids)
+    processes = sorted({d.process_index for d in jax.devices() if d.id in mesh})
+    me = jax.process_index()
+    if len(processes) < 2:
+        return region
+    client = client or _compat.distributed_client()
+    mesh_key = "-".join(map(str, sorted(mesh)))
+    with _site_lock:
+        site = next(_site_counts.setdefault(tuple(sorted(mesh)), itertools.count()))
+    mine = f"{region.rows_offset},{region.control_offset}"
+    client.key_value_set(f"{_KEY_PREFIX}/site/{mesh_key}/{site}/{me}", mine)
+    for process in processes:
+        if process == me:
+            continue
+        try:
+            theirs = client.blocking_key_value_get(f"{_KEY_PREFIX}/site/{mesh_key}/{site}/{process}", KV_TIMEOUT_MS)
+        except Exception as error:  # the client raises its own status errors
+            raise RuntimeError(
+                f"peer exchange: process {process} did not trace exchange site {site} within "
+                f"{KV_TIMEOUT_MS / 1000:.0f} s; every process must trace the same sharded layers in the same "
+                f"order (a layer traced on one process only, e.g. eval_shape on rank 0, breaks that): {error}"
+            ) from error
+        if theirs != mine:
+            raise RuntimeError(
+                f"peer exchange: exchange site {site} has heap region {mine} in process {me} but {theirs} in "
+                f"process {process}: the processes traced different exchange sites before it, so they would "
+                f"compile different programs (XLA's sharded autotuning then waits forever). Trace the same "
+                f"sharded layers in the same order on every process, or use exchange_transport='all_to_all'")
+    return region
 
 
 def device_id_here(heap: "PeerHeap"):

@@ -181,3 +181,40 @@ def test_heap_buffers_are_regions(monkeypatch):
     assert np.asarray(second.addresses).tolist() == [5, 2, 3, 0]
     with pytest.raises(heap.PeerHeapExhausted):
         allocate_buffer(10_000, (1,), jnp.float32, axis_size=2, zeroed=True)
+
+
+class FakeStore:
+    """``jax.distributed``'s key-value store as a dict; a missing key times out at once."""
+
+    def __init__(self, values=None):
+        self.values = dict(values or {})
+
+    def key_value_set(self, key, value):
+        assert key not in self.values, key
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.values:
+            raise TimeoutError(f"DEADLINE_EXCEEDED: {key}")
+        return self.values[key]
+
+
+def test_processes_agree_on_every_exchange_site_or_it_raises(monkeypatch):
+    """Region offsets are constants of the program: a process that traced other sites first
+    would compile another program, which XLA's sharded autotuning waits on forever."""
+    gpus = [FakeGpu(0, 0), FakeGpu(1, 1)]
+    monkeypatch.setattr(jax, "devices", lambda *backend: gpus)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(heap, "_site_counts", {})
+    fake = SimpleNamespace(regions=heap.RegionAllocator(1 << 16))
+    prefix = "moe_lowering/peer_heap/site/0-1"
+    store = FakeStore({f"{prefix}/0/1": "0,1024", f"{prefix}/1/1": "2048,2304"})
+    with heap.placement((0, 1), ("x",)):
+        assert heap.reserve_site(fake, 1000, 2, store).rows_offset == 0  # process 1 has the same site 0
+        with pytest.raises(RuntimeError, match="site 1 has heap region 1280,2304 in process 0 but 2048,2304"):
+            heap.reserve_site(fake, 1000, 2, store)
+        with pytest.raises(RuntimeError, match="process 1 did not trace exchange site 2.*same order"):
+            heap.reserve_site(fake, 1000, 2, store)
+    assert store.values[f"{prefix}/0/0"] == "0,1024"
+    outside = heap.reserve_site(fake, 8, 2, FakeStore())  # no placement (one process): nothing to agree on
+    assert outside.rows_offset == 3840
