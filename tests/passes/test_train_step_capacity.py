@@ -175,7 +175,7 @@ def test_bfloat16_step_as_close_to_float32_as_the_dense_step():
 
 # --------------------------------------------------------------------------- mutants of the capacity step
 
-MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)  # 30 mutants in CI
+MUTANTS_PER_KIND = max(1, int(os.environ.get("MOE_TRAIN_MUTANTS_PER_KIND", "10")) // 3)  # 30 locally, 10 in CI
 CASES = [(f"{mutate.TRAIN_STEP}switch", kind) for kind in TRAIN_KINDS] + [
     (f"{mutate.STEP_OF}switch", kind) for kind in STEP_OF_KINDS]
 
