@@ -105,6 +105,7 @@ def _worker(out_dir: Path) -> None:
     # The bare store first (no layer around it): its Triton path against the all-gather reference,
     # zeroed and not, three calls in a row; a failure here points at the heap, not at the layer.
     ranks = len(devices)
+    device_ids = [device.id for device in devices]
     prepare_peer_transport(devices, "auto")
     report["store_max_error"] = 0.0
     for zeroed in (True, False):
@@ -116,7 +117,7 @@ def _worker(out_dir: Path) -> None:
 
         def store(backend, zeroed=zeroed, num_arrived=num_arrived):
             def body(v, s, d, r):
-                with heap.placement([d.id for d in devices], ("expert",)):  # one program in every process
+                with heap.placement(device_ids, ("expert",)):  # one program in every process
                     return peer_store(v[0], s[0], d[0], r[0], 500, num_arrived, axis_name="expert",
                                       axis_size=ranks, zeroed=zeroed, backend=backend)[None]
 

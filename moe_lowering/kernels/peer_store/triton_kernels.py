@@ -136,7 +136,8 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
         # Only once the program has read all of its rows: zero stores interleaved with the reads
         # (a tile zeroed, the next read) returned rows with zeroed 32-byte sectors in 3-30% of calls
         # on 2 x H200 (2026-11-28), in rows read after the first zeroed tile; read-all-then-zero
-        # gave none in 108 calls per rank (benchmarks/results/peer_heap_zeroing_H200x2_2026-11-28.log).
+        # gave none in 144 calls per rank, 90 of them this kernel's
+        # (benchmarks/results/peer_heap_zeroing_H200x2_2026-11-28.log).
         tl.debug_barrier()
         zeros = tl.zeros((BLOCK_ROWS, BLOCK_D), out_ptr.dtype.element_ty)
         for tile in range(pid, tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
