@@ -26,7 +26,7 @@ NUM_PEERS = 2
 # (name, rows received, width): home rows (T_local * k) and dispatched rows of the layers at EP=2.
 SHAPES = [("deepseek-home-ep2", 16384, 7168), ("deepseek-tokens-ep2", 4096, 7168),
           ("mixtral-home-ep2", 16384, 4096), ("deepseek-home-ep4", 8192, 7168)]
-VARIANTS = [(32, 4, 8), (132, 4, 8), (132, 8, 8), (132, 8, 16), (264, 4, 8), (264, 8, 8), (528, 4, 8)]
+VARIANTS = [(32, 4, 8), (132, 4, 8), (132, 8, 8), (132, 8, 16), (264, 4, 8), (264, 8, 8)]
 
 
 def _words(address: int) -> list[int]:

@@ -108,6 +108,7 @@ def heap_wait_kernel(address_ptr, rank_ptr, num_rows_ptr, done_ptr, out_ptr, NUM
     pid = tl.program_id(0)
     rank = tl.load(rank_ptr)
     region = join_address(address_ptr + rank * 4).to(tl.pointer_type(out_ptr.dtype.element_ty))
+    region = tl.multiple_of(region, 16)  # REGION_ALIGN-aligned: vector loads and stores
     control = _control_block(address_ptr, rank)
     epoch = tl.load(control + 2 * NUM_PEERS, volatile=True)
     target = (epoch + 1) * SIGNALS_PER_PEER
