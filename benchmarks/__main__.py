@@ -53,6 +53,8 @@ kernel sweeps:
                                         offline for sm_90 (no GPU)
   gluon-gmm     gluon_gmm_probe.py      the Hopper-native Gluon grouped GEMM (grouped_matmul_sm90): checks, and
                                         TFLOP/s against gmm_kernel, torch._grouped_mm and dense at d = 4096
+  gluon-jax     gluon_jax.py            the Gluon grouped GEMMs launched from JAX against our Triton ones, d = 4096
+  peer-heap-copy peer_heap_copy.py      the peer heap receiver's copy alone against a device copy
 
 GPU machine:
   gpu           gpu_run.sh              install the carried wheels, then run gpu_run.sh's named steps

@@ -229,3 +229,13 @@ def nnx_is_graph_node(value) -> bool:
     """Whether ``value`` is a Flax NNX object (module, variable, RNG stream) with state of its own."""
     nnx = flax_nnx()
     return nnx is not None and nnx.graph.is_graph_node(value)
+
+
+def register_custom_call_lowering(primitive, lowering, platform: str) -> None:
+    """Lowers ``primitive`` on ``platform`` by ``lowering(ctx, *operands, **params)``, which may call
+    :func:`custom_call` (a target registered with ``jax.ffi.register_ffi_target``)."""
+    _mlir.register_lowering(primitive, lowering, platform=platform)
+
+
+custom_call = _mlir.custom_call  # an ``stablehlo.custom_call`` with a legacy API version and aliases
+aval_to_ir_type = _mlir.aval_to_ir_type

@@ -1,0 +1,138 @@
+"""The Gluon grouped GEMMs as JAX functions on Hopper GPUs: ``gmm`` (the forward product) and ``tgmm``
+(the weight gradient), each one ``moe_gluon_call`` custom call (:mod:`.xla_call`) whose kernel is
+compiled for ``sm_90`` at trace time and cached per (configuration, shapes).
+
+Contracts as :mod:`.reference`'s: ``gmm``'s rows past ``sum(group_sizes)`` are zero (the output starts
+from zeros aliased into the call: the kernel writes only the groups' rows); ``tgmm`` writes every
+group (zeros for empty ones).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+
+from moe_lowering import _compat
+from moe_lowering.kernels.grouped_matmul_sm90 import gluon_launch, xla_call
+
+gluon_call_p = _compat.jex_core.Primitive("moe_gluon_call")
+gluon_call_p.multiple_results = True
+
+
+@gluon_call_p.def_abstract_eval
+def _abstract_eval(*operands, opaque, out_avals, aliases):
+    del operands, opaque, aliases
+    return out_avals
+
+
+def _lowering(ctx, *operands, opaque, out_avals, aliases):
+    xla_call.register_target()
+    op = _compat.custom_call(xla_call.CUSTOM_CALL_TARGET,
+                             result_types=[_compat.aval_to_ir_type(a) for a in out_avals], operands=list(operands),
+                             backend_config=opaque, api_version=2, has_side_effect=False,
+                             operand_output_aliases=dict(aliases) or None)
+    return list(op.results)
+
+
+def _no_gpu(ctx, *operands, **params):
+    raise NotImplementedError("the Gluon grouped GEMMs run on Hopper GPUs (sm_90) only; use the 'triton' or "
+                              "'xla' backend elsewhere")
+
+
+_compat.register_custom_call_lowering(gluon_call_p, _lowering, "cuda")
+_compat.register_custom_call_lowering(gluon_call_p, _no_gpu, "cpu")
+
+
+def _num_sms() -> int:
+    device = jax.local_devices()[0]
+    return int(getattr(device, "core_count", 132))
+
+
+def _check_widths(op: str, k: int, n: int):
+    if k % 16 or n % 16:  # the kernels are compiled with K and N taken as multiples of 16
+        raise ValueError(f"gluon {op}: K = {k} and N = {n} must be multiples of 16")
+
+
+def _descriptor(buffer: int, shape, meta: dict) -> xla_call.Descriptor:
+    strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return xla_call.Descriptor(buffer, tuple(shape), strides, meta["swizzle"], meta["elem_size"], meta["elem_type"],
+                               tuple(meta["block_size"]))
+
+
+@functools.cache
+def _compiled_gmm(config: gluon_launch.GluonTileConfig, num_groups: int):
+    return gluon_launch.compile_offline(config, num_groups)
+
+
+@functools.cache
+def _compiled_tgmm(config: gluon_launch.GluonTgmmConfig, out_dtype: str):
+    return gluon_launch.compile_tgmm_offline(config, out_dtype)
+
+
+def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
+    """The plan for a kernel of arguments ``(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E)``:
+    ``buffers_shapes``: ``(a buffer, a shape), (b ...), (out ...)``, the group sizes' buffer index last."""
+    meta = compiled.metadata
+    (a, a_shape), (b, b_shape), (out, out_shape), group_sizes = buffers_shapes
+    descs = [("desc", _descriptor(buffer, shape, m))
+             for (buffer, shape), m in zip(((a, a_shape), (b, b_shape), (out, out_shape)), meta.tensordesc_meta)]
+    params = (*descs, ("ptr", out), ("ptr", group_sizes), *(("i32", int(s)) for s in scalars))
+    return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params)
+
+
+DEFAULT_GMM_CONFIG = next(iter(gluon_launch.CONFIGS.values()))
+DEFAULT_TGMM_CONFIG = next(iter(gluon_launch.TGMM_CONFIGS.values()))
+
+
+def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig = DEFAULT_GMM_CONFIG):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (bf16 ``[M, K]`` and ``[E, K, N]``, int32 ``[E]``), zeros past the groups."""
+    num_rows, k = lhs.shape
+    num_groups, _, n = rhs.shape
+    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
+        raise TypeError(f"gluon gmm: bf16 operands only, got {lhs.dtype} and {rhs.dtype}")
+    _check_widths("gmm", k, n)
+    gluon_launch.check_shapes(k, config)
+    out = jnp.zeros((num_rows, n), jnp.bfloat16)
+    if num_rows == 0 or num_groups == 0:
+        return out
+    compiled = _compiled_gmm(config, num_groups)
+    max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
+    grid = max(1, min(_num_sms(), max_tiles))
+    # operands: lhs 0, rhs 1, group_sizes 2, out 3 (aliased to result 0, buffer 3)
+    plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_groups * k, n)), (3, (num_rows, n)), 2),
+                 (num_rows, n, k, num_groups))
+    (result,) = gluon_call_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), out, opaque=xla_call.register_plan(plan),
+                                  out_avals=(_compat.ShapedArray(out.shape, out.dtype),), aliases=((3, 0),))
+    return result
+
+
+def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmConfig = DEFAULT_TGMM_CONFIG):
+    """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (bf16 ``[M, K]`` and ``[M, N]``) as ``[E, K, N]`` of
+    ``out_dtype`` (bf16 or float32; ``lhs``'s by default), zeros for empty groups."""
+    num_rows, k = lhs.shape
+    (num_groups,) = group_sizes.shape
+    n = dout.shape[1]
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if lhs.dtype != jnp.bfloat16 or dout.dtype != jnp.bfloat16 or out_dtype not in (jnp.bfloat16, jnp.float32):
+        raise TypeError(f"gluon tgmm: bf16 operands and a bf16 or float32 output, got {lhs.dtype}, {dout.dtype}, "
+                        f"{out_dtype}")
+    if dout.shape[0] != num_rows:
+        raise ValueError(f"gluon tgmm: lhs {lhs.shape} and dout {dout.shape} disagree on rows")
+    _check_widths("tgmm", k, n)
+    if num_groups == 0 or num_rows == 0:
+        return jnp.zeros((num_groups, k, n), out_dtype)
+    bf16_out = out_dtype == jnp.bfloat16
+    config = gluon_launch.launched_tgmm_config(config, k, bf16_out)
+    compiled = _compiled_tgmm(config, "bf16" if bf16_out else "fp32")
+    tiles = num_groups * triton.cdiv(k, config.block_k) * triton.cdiv(n, config.block_n)
+    grid = max(1, min(_num_sms(), tiles))
+    # operands: lhs 0, dout 1, group_sizes 2; result 0 is buffer 3
+    plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n)), 2),
+                 (num_rows, n, k, num_groups))
+    (result,) = gluon_call_p.bind(lhs, dout, group_sizes.astype(jnp.int32), opaque=xla_call.register_plan(plan),
+                                  out_avals=(_compat.ShapedArray((num_groups, k, n), out_dtype),), aliases=())
+    return result

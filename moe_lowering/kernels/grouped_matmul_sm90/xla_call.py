@@ -1,0 +1,221 @@
+"""The Gluon kernels launched from XLA: a GPU custom call whose handler encodes the TMA descriptors on
+the host, from the buffers' addresses at run time, and launches the cubin.
+
+A host-side TMA descriptor is a 128-byte kernel parameter that holds the tensor's address, which XLA
+knows only when the call runs; jaxlib's Triton call passes pointers and scalars only, and Triton's
+device-side descriptors need a global scratch buffer it does not allocate. So the handler here is a
+``ctypes`` callback registered as a legacy custom-call target (status-returning API): it reads the
+buffer pointers, fills the descriptors with the driver's ``cuTensorMapEncodeTiled`` exactly as
+Triton's own launcher does (``tensordesc_meta`` of the compiled kernel: box, swizzle, element type),
+and calls ``cuLaunchKernel`` on XLA's stream. Nothing is allocated or synchronised per launch; the
+handler costs a few tens of microseconds of host time, against GEMMs of milliseconds.
+
+A launch is a :class:`LaunchPlan` (the compiled kernel, grid, and each parameter's source) registered
+once per trace; the custom call's opaque bytes name it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import struct
+import threading
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+CUSTOM_CALL_TARGET = "moe_lowering_gluon_call"
+_TMA_DTYPE_DEVICE_TO_HOST = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}  # as Triton's driver.py
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_L2_PROMOTION_128B = 2
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """A TMA descriptor parameter over buffer ``buffer`` (custom-call operands first, then results) seen
+    as the row-major ``shape`` with element ``strides``; ``meta``: the kernel's ``tensordesc_meta`` entry."""
+
+    buffer: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    swizzle: int
+    elem_size: int
+    elem_type: int
+    block_size: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one launch needs but the buffer addresses. ``params``: the kernel's parameters in
+    order, each ``("desc", Descriptor)``, ``("ptr", buffer index)`` or ``("i32", value)``; Triton's two
+    scratch pointers follow them (null: the kernels use no scratch)."""
+
+    cubin: bytes
+    name: str
+    num_warps: int
+    shared: int
+    grid: int
+    params: tuple
+
+
+class _Driver:
+    """The CUDA driver entry points the handler needs (``libcuda``, loaded on first use)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = lib
+        lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                                               ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                               ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                                               ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
+                                                                                 ctypes.POINTER(ctypes.c_void_p),
+                                                                                 ctypes.c_void_p]
+        lib.cuStreamGetCtx.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.functions: dict[tuple[int, int], ctypes.c_void_p] = {}
+        self.lock = threading.Lock()
+
+    def check(self, result: int, what: str):
+        if result != 0:
+            message = ctypes.c_char_p()
+            self.lib.cuGetErrorString(result, ctypes.byref(message))
+            raise RuntimeError(f"{what}: CUDA error {result} ({(message.value or b'?').decode()})")
+
+    def function(self, plan_key: int, plan: LaunchPlan, context: int):
+        """The plan's kernel loaded in ``context`` (once per plan and context)."""
+        with self.lock:
+            if (plan_key, context) not in self.functions:
+                module, function = ctypes.c_void_p(), ctypes.c_void_p()
+                self.check(self.lib.cuModuleLoadData(ctypes.byref(module), plan.cubin), "cuModuleLoadData")
+                self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, plan.name.encode()),
+                           "cuModuleGetFunction")
+                if plan.shared > 48 * 1024:
+                    self.check(self.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, plan.shared),
+                               "cuFuncSetAttribute")
+                self.functions[plan_key, context] = function
+            return self.functions[plan_key, context]
+
+    def tensor_map(self, desc: Descriptor, address: int):
+        """The 128-byte ``CUtensorMap`` (64-byte aligned, as a kernel parameter must be)."""
+        storage = (ctypes.c_uint8 * 192)()
+        aligned = (ctypes.addressof(storage) + 63) // 64 * 64
+        rank = len(desc.shape)
+        dims = (ctypes.c_uint64 * rank)(*reversed(desc.shape))
+        strides = (ctypes.c_uint64 * rank)(*[desc.elem_size * s for s in reversed(desc.strides[:-1])], 0)
+        box = (ctypes.c_uint32 * rank)(*reversed(desc.block_size))
+        element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+        self.check(self.lib.cuTensorMapEncodeTiled(aligned, _TMA_DTYPE_DEVICE_TO_HOST[desc.elem_type], rank,
+                                                   ctypes.c_void_p(address), dims, strides, box, element_strides, 0,
+                                                   desc.swizzle, _L2_PROMOTION_128B, 0), "cuTensorMapEncodeTiled")
+        return storage, aligned
+
+
+_plans: list[LaunchPlan] = []
+_plan_keys: dict[LaunchPlan, int] = {}
+_driver: _Driver | None = None
+
+
+def register_plan(plan: LaunchPlan) -> bytes:
+    """The custom call's opaque bytes naming ``plan`` (registered once per distinct plan)."""
+    if plan not in _plan_keys:
+        _plan_keys[plan] = len(_plans)
+        _plans.append(plan)
+    return struct.pack("<q", _plan_keys[plan])
+
+
+def _launch(stream: int, buffers, opaque: bytes):
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    driver = _driver
+    (plan_key,) = struct.unpack("<q", opaque)
+    plan = _plans[plan_key]
+    context = ctypes.c_void_p()
+    driver.check(driver.lib.cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(context)), "cuStreamGetCtx")
+    driver.check(driver.lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+    try:
+        function = driver.function(plan_key, plan, context.value or 0)
+        keep, pointers = [], []
+        for kind, value in plan.params:
+            if kind == "desc":
+                storage, aligned = driver.tensor_map(value, buffers[value.buffer])
+                keep.append(storage)
+                pointers.append(aligned)
+                scalars = [ctypes.c_int32(s) for s in value.shape] + [ctypes.c_int64(s) for s in value.strides]
+            elif kind == "ptr":
+                scalars = [ctypes.c_uint64(buffers[value] or 0)]
+            else:
+                scalars = [ctypes.c_int32(value)]
+            for scalar in scalars:
+                keep.append(scalar)
+                pointers.append(ctypes.addressof(scalar))
+        for _ in range(2):  # global and profile scratch: none
+            scalar = ctypes.c_uint64(0)
+            keep.append(scalar)
+            pointers.append(ctypes.addressof(scalar))
+        params = (ctypes.c_void_p * len(pointers))(*pointers)
+        driver.check(driver.lib.cuLaunchKernel(function, plan.grid, 1, 1, 32 * plan.num_warps, 1, 1, plan.shared,
+                                               ctypes.c_void_p(stream), params, None), f"launch {plan.name}")
+    finally:
+        driver.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+_HANDLER_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                 ctypes.c_size_t, ctypes.c_void_p)
+
+
+@functools.cache
+def _status_setter():
+    """jaxlib's ``XlaCustomCallStatusSetFailure``, if its library exports it (else failures are logged)."""
+    import jaxlib
+
+    for path in sorted(__import__("pathlib").Path(jaxlib.__file__).parent.glob("*.so")):
+        try:
+            setter = ctypes.CDLL(str(path)).XlaCustomCallStatusSetFailure
+        except (OSError, AttributeError):
+            continue
+        setter.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        return setter
+    return None
+
+
+def _handler(stream, buffers, opaque, opaque_len, status):
+    try:
+        count = max(plan_buffers(_plans[struct.unpack("<q", ctypes.string_at(opaque, 8))[0]]), 0) + 1
+        _launch(stream or 0, [buffers[i] for i in range(count)], ctypes.string_at(opaque, opaque_len))
+    except Exception as error:  # noqa: BLE001 - reported to XLA, which fails the execution
+        logger.error("Gluon kernel launch failed: %s", error)
+        setter = _status_setter()
+        if setter is not None:
+            message = str(error).encode()
+            setter(status, message, len(message))
+
+
+def plan_buffers(plan: LaunchPlan) -> int:
+    """The highest buffer index the plan reads."""
+    indices = [value.buffer if kind == "desc" else value for kind, value in plan.params if kind in ("desc", "ptr")]
+    return max(indices, default=-1)
+
+
+_handler_pointer = _HANDLER_TYPE(_handler)
+
+
+@functools.cache
+def register_target() -> None:
+    """Registers the handler with XLA for CUDA (once)."""
+    import jax
+
+    capsule_new = ctypes.pythonapi.PyCapsule_New
+    capsule_new.restype = ctypes.py_object
+    capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    address = ctypes.cast(_handler_pointer, ctypes.c_void_p).value
+    capsule = capsule_new(address, b"xla._CUSTOM_CALL_TARGET", None)
+    jax.ffi.register_ffi_target(CUSTOM_CALL_TARGET, capsule, platform="CUDA", api_version=0)
+    logger.debug("registered %s", CUSTOM_CALL_TARGET)
