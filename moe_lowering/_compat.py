@@ -238,4 +238,12 @@ def register_custom_call_lowering(primitive, lowering, platform: str) -> None:
 
 
 custom_call = _mlir.custom_call  # an ``stablehlo.custom_call`` with a legacy API version and aliases
-aval_to_ir_type = _mlir.aval_to_ir_type
+
+
+def aval_to_ir_type(ctx, aval):
+    """The MLIR type of ``aval`` in lowering context ``ctx`` (newer JAX takes the module context)."""
+    import inspect
+
+    if "ctx" in inspect.signature(_mlir.aval_to_ir_type).parameters:
+        return _mlir.aval_to_ir_type(ctx.module_context, aval)
+    return _mlir.aval_to_ir_type(aval)

@@ -32,7 +32,7 @@ def _abstract_eval(*operands, opaque, out_avals, aliases):
 def _lowering(ctx, *operands, opaque, out_avals, aliases):
     xla_call.register_target()
     op = _compat.custom_call(xla_call.CUSTOM_CALL_TARGET,
-                             result_types=[_compat.aval_to_ir_type(a) for a in out_avals], operands=list(operands),
+                             result_types=[_compat.aval_to_ir_type(ctx, a) for a in out_avals], operands=list(operands),
                              backend_config=opaque, api_version=2, has_side_effect=False,
                              operand_output_aliases=dict(aliases) or None)
     return list(op.results)
