@@ -18,6 +18,7 @@ import jax.numpy as jnp
 if not any(d.platform == "gpu" for d in jax.devices()) or getattr(jax.devices()[0], "compute_capability", "") != "9.0":
     pytest.skip("needs a Hopper GPU (sm_90)", allow_module_level=True)
 
+from moe_lowering.kernels.grouped_matmul import triton_launch  # noqa: E402,F401 - imports jax_triton, which clears TRITON_CACHE_DIR
 from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch, reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu

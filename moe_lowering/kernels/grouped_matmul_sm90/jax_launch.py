@@ -9,8 +9,11 @@ group (zeros for empty ones).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +66,30 @@ def _descriptor(buffer: int, shape, meta: dict) -> xla_call.Descriptor:
                                tuple(meta["block_size"]))
 
 
+@contextlib.contextmanager
+def _triton_cache_dir():
+    """A real Triton cache folder while compiling: importing ``jax_triton`` sets ``TRITON_CACHE_DIR=""``,
+    after which ``triton.compile`` fails ("Could not create or locate cache dir")."""
+    if os.environ.get("TRITON_CACHE_DIR", None) != "":
+        yield
+        return
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "moe_lowering_triton_cache")
+    try:
+        yield
+    finally:
+        os.environ["TRITON_CACHE_DIR"] = ""
+
+
 @functools.cache
 def _compiled_gmm(config: gluon_launch.GluonTileConfig, num_groups: int):
-    return gluon_launch.compile_offline(config, num_groups)
+    with _triton_cache_dir():
+        return gluon_launch.compile_offline(config, num_groups)
 
 
 @functools.cache
 def _compiled_tgmm(config: gluon_launch.GluonTgmmConfig, out_dtype: str):
-    return gluon_launch.compile_tgmm_offline(config, out_dtype)
+    with _triton_cache_dir():
+        return gluon_launch.compile_tgmm_offline(config, out_dtype)
 
 
 def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
