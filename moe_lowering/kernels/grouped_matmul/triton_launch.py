@@ -590,6 +590,11 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
     resident = _small_groups(rows_for_shape, num_local_groups)
+    if gather is None and not resident and config is None:
+        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch as sm90
+
+        if sm90.tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype):
+            return sm90.tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
     if config is None:
         config = tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
         if gather is not None and not resident and not compute_f32:

@@ -15,12 +15,16 @@ import math
 import os
 import tempfile
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import triton
 
 from moe_lowering import _compat
 from moe_lowering.kernels.grouped_matmul_sm90 import gluon_launch, xla_call
+
+logger = logging.getLogger(__name__)
 
 gluon_call_p = _compat.jex_core.Primitive("moe_gluon_call")
 gluon_call_p.multiple_results = True
@@ -155,3 +159,32 @@ def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmC
     (result,) = gluon_call_p.bind(lhs, dout, group_sizes.astype(jnp.int32), opaque=xla_call.register_plan(plan),
                                   out_avals=(_compat.ShapedArray((num_groups, k, n), out_dtype),), aliases=())
     return result
+
+
+def tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype) -> bool:
+    """Whether the weight gradient runs the Hopper Gluon kernel (``grouped_matmul_sm90``: 1.03-1.12x
+    Triton's ``tgmm_kernel`` at d = 4096 on an H200, ``benchmarks/results/gluon_jax_*``): bf16 operands, a bf16
+    or float32 result, every group local, K and N multiples of 16, and every GPU an sm_90 one."""
+    if lhs.dtype != jnp.bfloat16 or grad.dtype != jnp.bfloat16 or out_dtype not in (jnp.bfloat16, jnp.float32):
+        return False
+    if not (isinstance(group_offset, int) and group_offset == 0):
+        return False
+    if num_groups not in (None, group_sizes.shape[0]) or lhs.shape[1] % 16 or grad.shape[1] % 16:
+        return False
+    return _all_gpus_sm90() and _gluon_available()
+
+
+@functools.cache
+def _all_gpus_sm90() -> bool:
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return bool(gpus) and all(getattr(d, "compute_capability", "") == "9.0" for d in gpus)
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError as error:
+        logger.info("Hopper weight gradient unavailable (%s): tgmm_kernel runs instead", error)
+        return False
+    return True

@@ -1,0 +1,145 @@
+"""The Gluon kernels' XLA custom call without a GPU: plan registration, the kernel-parameter packing
+(the ABI Triton's launcher uses: each TMA descriptor then its shape as int32 and strides as int64,
+pointers, int32 scalars, two null scratch pointers), failures reported to XLA, the CPU lowering's
+error, and when the backend's weight gradient takes the Hopper kernel."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch, xla_call
+
+DESC = xla_call.Descriptor(buffer=0, shape=(1000, 256), strides=(256, 1), swizzle=3, elem_size=2, elem_type=10,
+                           block_size=(64, 64))
+PLAN = xla_call.LaunchPlan(cubin=b"\x7fELF", name="k", num_warps=12, shared=200_000, grid=132,
+                           params=(("desc", DESC), ("ptr", 2), ("ptr", 1), ("i32", 1000), ("i32", -5)))
+
+
+class _FakeLib:
+    def __init__(self):
+        self.launches = []
+
+    def cuStreamGetCtx(self, stream, context):
+        context._obj.value = 77
+        return 0
+
+    def cuCtxPushCurrent_v2(self, context):
+        return 0
+
+    def cuCtxPopCurrent_v2(self, context):
+        return 0
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        count = len(params)  # decoded now: the handler frees the parameters' storage once the launch returns
+        values = [ctypes.c_uint64.from_address(params[i]).value for i in range(count)]
+        int32 = [ctypes.c_int32.from_address(params[i]).value for i in range(count)]
+        self.launches.append(dict(grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream.value,
+                                  values=values, int32=int32, descriptor_aligned=params[0] % 64 == 0))
+        return 0
+
+
+class _FakeDriver:
+    def __init__(self):
+        self.lib = _FakeLib()
+        self.maps = []
+
+    def check(self, result, what):
+        assert result == 0, what
+
+    def function(self, plan_key, plan, context):
+        return ctypes.c_void_p(context)
+
+    def tensor_map(self, desc, address):
+        storage = (ctypes.c_uint8 * 192)()
+        aligned = (ctypes.addressof(storage) + 63) // 64 * 64
+        ctypes.c_uint64.from_address(aligned).value = address  # stands in for the encoded map
+        self.maps.append((desc, address))
+        return storage, aligned
+
+
+def test_plans_register_once_and_the_opaque_names_them():
+    first = xla_call.register_plan(PLAN)
+    assert xla_call.register_plan(PLAN) == first
+    other = xla_call.register_plan(xla_call.LaunchPlan(b"x", "k2", 4, 0, 1, ()))
+    assert other != first and xla_call._plans[struct.unpack("<q", first)[0]] is PLAN
+    assert xla_call.plan_buffers(PLAN) == 2
+
+
+def test_parameters_packed_in_the_kernel_abi_order(monkeypatch):
+    driver = _FakeDriver()
+    monkeypatch.setattr(xla_call, "_driver", driver)
+    buffers = [0x1000, 0x2000, 0x3000]
+    xla_call._launch(0xABC, buffers, xla_call.register_plan(PLAN))
+    (launch,) = driver.lib.launches
+    assert launch["grid"] == (132, 1, 1) and launch["block"] == (384, 1, 1) and launch["shared"] == 200_000
+    assert launch["stream"] == 0xABC
+    assert driver.maps == [(DESC, 0x1000)]
+    values, int32 = launch["values"], launch["int32"]
+    assert len(values) == 11
+    assert values[0] == 0x1000 and launch["descriptor_aligned"]  # the descriptor
+    assert int32[1:3] == [1000, 256] and values[3:5] == [256, 1]  # its shape (int32), strides (int64)
+    assert values[5:7] == [0x3000, 0x2000]  # ("ptr", 2), ("ptr", 1)
+    assert int32[7:9] == [1000, -5]
+    assert values[9:11] == [0, 0]  # the scratch pointers
+
+
+def test_a_failed_launch_is_reported_to_xla_not_raised(monkeypatch, caplog):
+    driver = _FakeDriver()
+    driver.lib.cuLaunchKernel = lambda *args: 1
+    driver.check = lambda result, what: (_ for _ in ()).throw(RuntimeError(f"{what}: CUDA error {result}"))
+    monkeypatch.setattr(xla_call, "_driver", driver)
+    reported = []
+    monkeypatch.setattr(xla_call, "_status_setter", lambda: lambda status, message, size: reported.append(message))
+    opaque = xla_call.register_plan(PLAN)
+    buffers = (ctypes.c_void_p * 3)(0x1000, 0x2000, 0x3000)
+    opaque_buffer = ctypes.create_string_buffer(opaque, len(opaque))
+    driver.lib.cuStreamGetCtx = lambda stream, context: 0
+    xla_call._handler(0xABC, buffers, ctypes.addressof(opaque_buffer), len(opaque), None)
+    assert reported and b"CUDA error" in reported[0]
+    assert "Gluon kernel launch failed" in caplog.text
+
+
+def test_the_call_off_a_gpu_raises_naming_the_requirement():
+    operand = jnp.zeros((4,), jnp.float32)
+    call = jax.jit(lambda x: jax_launch.gluon_call_p.bind(
+        x, opaque=b"\0" * 8, out_avals=(jax.core.ShapedArray((4,), jnp.float32),), aliases=()))
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        call(operand)
+
+
+@pytest.mark.parametrize("change, applies", [
+    ({}, True),
+    ({"lhs_dtype": jnp.float32}, False),
+    ({"out_dtype": jnp.float16}, False),
+    ({"group_offset": 1}, False),
+    ({"group_offset": jnp.int32(0)}, False),  # a traced offset: not provably 0
+    ({"num_groups": 3}, False),
+    ({"k": 120}, False),
+    ({"sm90": False}, False),
+])
+def test_when_the_weight_gradient_takes_the_hopper_kernel(monkeypatch, change, applies):
+    case = dict(lhs_dtype=jnp.bfloat16, out_dtype=jnp.float32, group_offset=0, num_groups=None, k=128, sm90=True)
+    case.update(change)
+    monkeypatch.setattr(jax_launch, "_all_gpus_sm90", lambda: case["sm90"])
+    monkeypatch.setattr(jax_launch, "_gluon_available", lambda: True)
+    lhs = jax.ShapeDtypeStruct((256, case["k"]), case["lhs_dtype"])
+    grad = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert jax_launch.tgmm_applies(lhs, grad, sizes, case["num_groups"], case["group_offset"],
+                                              jnp.dtype(case["out_dtype"])) is applies
+
+
+def test_no_gpu_means_no_hopper_kernel():
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is present")
+    assert not jax_launch._all_gpus_sm90()
+    np.testing.assert_equal(jax_launch._check_widths("tgmm", 128, 64), None)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        jax_launch._check_widths("tgmm", 120, 64)
