@@ -2,7 +2,7 @@
 offline ``sm_90`` compile for register / shared-memory checks on a machine without a GPU.
 
 The launch here is Triton's own launcher on torch tensors (the probe ``benchmarks/gluon_gmm_probe.py``);
-no JAX path launches this kernel yet. Descriptors are host-side (``TensorDescriptor``): the launcher
+:mod:`.jax_launch` launches the same compiled kernels from JAX. Descriptors are host-side (``TensorDescriptor``): the launcher
 encodes each into a kernel parameter, so no global scratch is allocated per launch.
 """
 
