@@ -237,7 +237,9 @@ def register_custom_call_lowering(primitive, lowering, platform: str) -> None:
     _mlir.register_lowering(primitive, lowering, platform=platform)
 
 
-custom_call = _mlir.custom_call  # an ``stablehlo.custom_call`` with a legacy API version and aliases
+def custom_call(call_target_name: str, **kwargs):
+    """A ``stablehlo.custom_call`` (legacy API versions, operand-result aliases), looked up when used."""
+    return _mlir.custom_call(call_target_name, **kwargs)
 
 
 def aval_to_ir_type(ctx, aval):
