@@ -1,7 +1,8 @@
 """The Gluon grouped GEMMs launched from JAX (``grouped_matmul_sm90.jax_launch``) beside our Triton
 ``gmm`` / ``tgmm`` launched from JAX, at SonicMoE's d = 4096 shapes, on one Hopper GPU.
 
-For each shape: the forward's up and down products and the two weight gradients, each checked
+For each shape: the forward's up and down products (rows past the groups zeroed, and not: every row
+here is in a group, so both give the same product) and the two weight gradients, each checked
 against the other launch (relative error) and timed in one jitted loop of back-to-back calls (the
 custom call's host-side descriptor encoding included). Writes ``gluon_jax_<device>_<date>.json``.
 """
@@ -72,6 +73,9 @@ def main(argv=None) -> None:
             ours = {
                 f"gmm {product}": ((lambda a, b, g: jax_launch.gmm(a, b, g)),
                                    (lambda a, b, g: triton_launch.gmm(a, b, g)), (lhs, rhs, sizes)),
+                f"gmm {product} unzeroed": ((lambda a, b, g: jax_launch.gmm(a, b, g, zero_outside=False)),
+                                            (lambda a, b, g: triton_launch.gmm(a, b, g, zero_outside=False)),
+                                            (lhs, rhs, sizes)),
                 f"tgmm dW_{product}": ((lambda a, b, g: jax_launch.tgmm(a, b, g)),
                                        (lambda a, b, g: triton_launch.tgmm(a, b, g)), (lhs, dout, sizes)),
             }
@@ -86,7 +90,7 @@ def main(argv=None) -> None:
                        "triton_tflops": flops / triton_ms / 1e9, "gluon_over_triton_speed": triton_ms / gluon_ms,
                        "max_rel_err_vs_triton": error}
                 rows_out.append(row)
-                print(f"{name:11s} {label:12s} gluon {gluon_ms:7.3f} ms {row['gluon_tflops']:6.1f} TFLOP/s | triton "
+                print(f"{name:11s} {label:21s} gluon {gluon_ms:7.3f} ms {row['gluon_tflops']:6.1f} TFLOP/s | triton "
                       f"{triton_ms:7.3f} ms {row['triton_tflops']:6.1f} | speed-up {row['gluon_over_triton_speed']:.3f}"
                       f" | rel err {error:.1e}", flush=True)
     now = datetime.datetime.now(datetime.timezone.utc)

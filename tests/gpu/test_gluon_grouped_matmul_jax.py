@@ -62,6 +62,18 @@ def test_gmm_matches_reference(name):
         assert np.all(np.asarray(got, np.float32)[sum(sizes):] == 0)
 
 
+@pytest.mark.parametrize("config", ["default", "64x256x64-s4-pingpong-tma", "128x256x64-s3-w8-tma"])
+def test_gmm_unzeroed_keeps_the_groups_rows(config):
+    """Without ``zero_outside`` the groups' rows are the product; the rest is unspecified."""
+    sizes, rows, k, n = CASES["rows-past-groups"]
+    chosen = None if config == "default" else jax_launch.gluon_launch.CONFIGS[config]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    lhs, rhs, _ = _data(5, rows, k, n, len(sizes))
+    out = jax.jit(lambda a, b, g: jax_launch.gmm(a, b, g, config=chosen, zero_outside=False))(lhs, rhs, group_sizes)
+    want = reference.gmm_rows(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32), sizes)
+    assert _relative_error(np.asarray(out, np.float32)[:sum(sizes)], want[:sum(sizes)]) < 1e-2
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tgmm_matches_reference(name, out_dtype):

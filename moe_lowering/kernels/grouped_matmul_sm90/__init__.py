@@ -10,7 +10,8 @@ lhs[rows of g]^T @ dout[rows of g]`` as Hopper-native Gluon kernels.
 * :mod:`.xla_call` and :mod:`.jax_launch`: the kernels as JAX functions (a custom call that encodes the TMA
   descriptors from the run-time addresses). The Triton backend's ``tgmm`` runs the Gluon weight gradient on
   sm_90 GPUs where :func:`.jax_launch.tgmm_applies`; the forward ``gmm`` is not routed to it (from JAX it ran
-  0.58-0.96x ``gmm_kernel``, its output zeroed first and one config for every shape).
+  0.58-0.96x ``gmm_kernel`` with its output zeroed first and one config for every shape; the per-K config
+  and ``zero_outside=False`` that followed are not yet measured).
 
 ``benchmarks/gluon_gmm_probe.py`` (torch) and ``benchmarks/gluon_jax.py`` (JAX) check and time them on a GPU.
 Importing this package imports neither Triton nor JAX.

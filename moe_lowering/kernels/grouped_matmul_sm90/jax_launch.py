@@ -107,29 +107,42 @@ def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
     return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params)
 
 
-DEFAULT_GMM_CONFIG = next(iter(gluon_launch.CONFIGS.values()))
 DEFAULT_TGMM_CONFIG = next(iter(gluon_launch.TGMM_CONFIGS.values()))
 
 
-def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig = DEFAULT_GMM_CONFIG):
-    """``out[r] = lhs[r] @ rhs[group(r)]`` (bf16 ``[M, K]`` and ``[E, K, N]``, int32 ``[E]``), zeros past the groups."""
+def gmm_config(k: int) -> gluon_launch.GluonTileConfig:
+    """The probe's best configuration by contraction length (``gluon_gmm_probe_H200_2026-11-28.json``, d =
+    4096): ping-pong 64 x 256 tiles for the short contractions of down projections (K < 1024: 480-529
+    against 400-505 TFLOP/s for the cooperative 128 x 256), the cooperative 128 x 256 tile otherwise."""
+    return gluon_launch.CONFIGS["64x256x64-s4-pingpong-tma" if k < 1024 else "128x256x64-s3-w8-tma"]
+
+
+def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig | None = None, zero_outside: bool = True):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (bf16 ``[M, K]`` and ``[E, K, N]``, int32 ``[E]``); rows past the
+    groups are zero (the output starts as zeros aliased into the call), or unspecified without
+    ``zero_outside`` (no zeroing pass over the output). ``config``: :func:`gmm_config`'s by default."""
     num_rows, k = lhs.shape
     num_groups, _, n = rhs.shape
     if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
         raise TypeError(f"gluon gmm: bf16 operands only, got {lhs.dtype} and {rhs.dtype}")
     _check_widths("gmm", k, n)
+    config = config or gmm_config(k)
     gluon_launch.check_shapes(k, config)
-    out = jnp.zeros((num_rows, n), jnp.bfloat16)
     if num_rows == 0 or num_groups == 0:
-        return out
+        return jnp.zeros((num_rows, n), jnp.bfloat16)
     compiled = _compiled_gmm(config, num_groups)
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = max(1, min(_num_sms(), max_tiles))
-    # operands: lhs 0, rhs 1, group_sizes 2, out 3 (aliased to result 0, buffer 3)
+    # operands: lhs 0, rhs 1, group_sizes 2 (and with zero_outside the zeros 3, aliased to the result); the
+    # result is buffer 3 either way
     plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_groups * k, n)), (3, (num_rows, n)), 2),
                  (num_rows, n, k, num_groups))
-    (result,) = gluon_call_p.bind(lhs, rhs, group_sizes.astype(jnp.int32), out, opaque=xla_call.register_plan(plan),
-                                  out_avals=(_compat.ShapedArray(out.shape, out.dtype),), aliases=((3, 0),))
+    operands = (lhs, rhs, group_sizes.astype(jnp.int32))
+    if zero_outside:
+        operands += (jnp.zeros((num_rows, n), jnp.bfloat16),)
+    (result,) = gluon_call_p.bind(*operands, opaque=xla_call.register_plan(plan),
+                                  out_avals=(_compat.ShapedArray((num_rows, n), jnp.bfloat16),),
+                                  aliases=((3, 0),) if zero_outside else ())
     return result
 
 
