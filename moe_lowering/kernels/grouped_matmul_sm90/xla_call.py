@@ -119,15 +119,17 @@ class _Driver:
 
 _plans: list[LaunchPlan] = []
 _plan_keys: dict[LaunchPlan, int] = {}
+_plans_lock = threading.Lock()  # threads tracing at once must not hand out one key twice
 _driver: _Driver | None = None
 
 
 def register_plan(plan: LaunchPlan) -> bytes:
     """The custom call's opaque bytes naming ``plan`` (registered once per distinct plan)."""
-    if plan not in _plan_keys:
-        _plan_keys[plan] = len(_plans)
-        _plans.append(plan)
-    return struct.pack("<q", _plan_keys[plan])
+    with _plans_lock:
+        if plan not in _plan_keys:
+            _plan_keys[plan] = len(_plans)
+            _plans.append(plan)
+        return struct.pack("<q", _plan_keys[plan])
 
 
 def _launch(stream: int, buffers, opaque: bytes):

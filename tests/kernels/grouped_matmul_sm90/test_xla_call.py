@@ -72,6 +72,16 @@ def test_plans_register_once_and_the_opaque_names_them():
     assert xla_call.plan_buffers(PLAN) == 2
 
 
+def test_plans_registered_from_many_threads_get_distinct_keys():
+    import concurrent.futures
+
+    plans = [xla_call.LaunchPlan(b"t", f"thread-{i}", 4, 0, 1, ()) for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        keys = list(pool.map(xla_call.register_plan, plans))
+    assert len(set(keys)) == len(plans)
+    assert all(xla_call._plans[struct.unpack("<q", key)[0]] is plan for key, plan in zip(keys, plans))
+
+
 def test_parameters_packed_in_the_kernel_abi_order(monkeypatch):
     driver = _FakeDriver()
     monkeypatch.setattr(xla_call, "_driver", driver)
