@@ -137,8 +137,8 @@ def _launch(stream: int, buffers, opaque: bytes):
     if _driver is None:
         _driver = _Driver()
     driver = _driver
+    plan = _plan(opaque)
     (plan_key,) = struct.unpack("<q", opaque)
-    plan = _plans[plan_key]
     context = ctypes.c_void_p()
     driver.check(driver.lib.cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(context)), "cuStreamGetCtx")
     driver.check(driver.lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
@@ -188,9 +188,17 @@ def _status_setter():
     return None
 
 
+def _plan(opaque: bytes) -> LaunchPlan:
+    (plan_key,) = struct.unpack("<q", opaque[:8])
+    if not 0 <= plan_key < len(_plans):
+        raise RuntimeError(f"Gluon launch plan {plan_key} is not registered in this process: the executable was "
+                           "compiled in another one (a serialized or exported program); trace it here instead")
+    return _plans[plan_key]
+
+
 def _handler(stream, buffers, opaque, opaque_len, status):
     try:
-        count = max(plan_buffers(_plans[struct.unpack("<q", ctypes.string_at(opaque, 8))[0]]), 0) + 1
+        count = max(plan_buffers(_plan(ctypes.string_at(opaque, opaque_len))), 0) + 1
         _launch(stream or 0, [buffers[i] for i in range(count)], ctypes.string_at(opaque, opaque_len))
     except Exception as error:  # noqa: BLE001 - reported to XLA, which fails the execution
         logger.error("Gluon kernel launch failed: %s", error)

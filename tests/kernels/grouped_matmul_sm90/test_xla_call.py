@@ -153,3 +153,12 @@ def test_no_gpu_means_no_hopper_kernel():
     np.testing.assert_equal(jax_launch._check_widths("tgmm", 128, 64), None)
     with pytest.raises(ValueError, match="multiples of 16"):
         jax_launch._check_widths("tgmm", 120, 64)
+
+
+def test_an_unknown_plan_is_reported_naming_the_cause(monkeypatch):
+    reported = []
+    monkeypatch.setattr(xla_call, "_status_setter", lambda: lambda status, message, size: reported.append(message))
+    opaque = ctypes.create_string_buffer(struct.pack("<q", 10**9), 8)
+    xla_call._handler(0, (ctypes.c_void_p * 1)(0), ctypes.addressof(opaque), 8, None)
+    assert reported and b"not registered in this process" in reported[0]
+
