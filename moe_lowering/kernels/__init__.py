@@ -191,6 +191,7 @@ def triton_kernels() -> KernelBackend:
     on a CUDA GPU, and on a CPU the tests that launch the kernels through Triton's interpreter."""
     try:
         from moe_lowering.kernels.grouped_matmul import triton_launch as grouped_matmul
+        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch as grouped_matmul_sm90
         from moe_lowering.kernels.swiglu_gmm import triton_launch as swiglu_gmm
         from moe_lowering.kernels.swiglu_rows import triton_launch as swiglu_rows
     except ImportError as err:
@@ -204,7 +205,7 @@ def triton_kernels() -> KernelBackend:
         swiglu_gmm_max_n=swiglu_gmm.FUSED_MAX_N,
         gmm_sum=sequential_under_vmap(grouped_matmul.gmm_sum),
         gmm=sequential_under_vmap(grouped_matmul.gmm),
-        tgmm=sequential_under_vmap(grouped_matmul.tgmm),
+        tgmm=sequential_under_vmap(grouped_matmul_sm90.backend_tgmm),  # Gluon on Hopper where it applies
         swiglu_rows=sequential_under_vmap(swiglu_rows.swiglu_rows),
         swiglu_rows_grads=sequential_under_vmap(swiglu_rows.swiglu_rows_grads),
         gmm_pair=sequential_under_vmap(grouped_matmul.gmm_pair),

@@ -99,6 +99,11 @@ def _small_groups(num_rows: int, num_groups: int) -> bool:
     return num_rows / max(num_groups, 1) < SMALL_GROUP_ROWS
 
 
+def runs_resident_tgmm(num_rows: int, num_groups: int, expected_rows: int | None = None) -> bool:
+    """Whether ``tgmm`` of ``num_rows`` rows in ``num_groups`` groups takes ``tgmm_resident_kernel``."""
+    return _small_groups(_rows_for_shape(num_rows, expected_rows), num_groups)
+
+
 def _rows_for_shape(num_rows: int, expected_rows: int | None) -> int:
     """The rows a shape class is picked for: ``expected_rows`` where the operand is a buffer sized for
     the worst case (an expert-parallel receive buffer holds ``ep`` times a balanced arrival)."""
@@ -590,11 +595,6 @@ def _tgmm_call(lhs, grad, gather, group_sizes, num_groups, group_offset, preferr
     compute_f32 = _compute_f32(lhs.dtype, grad.dtype)
     rows_for_shape = _rows_for_shape(num_rows, expected_rows)
     resident = _small_groups(rows_for_shape, num_local_groups)
-    if gather is None and not resident and config is None:
-        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch as sm90
-
-        if sm90.tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype):
-            return sm90.tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
     if config is None:
         config = tgmm_config(rows_for_shape, k, n, num_local_groups, compute_f32)
         if gather is not None and not resident and not compute_f32:

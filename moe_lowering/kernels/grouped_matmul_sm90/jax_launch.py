@@ -182,6 +182,8 @@ def tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype) ->
         return False
     if not (isinstance(group_offset, int) and group_offset == 0):
         return False
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        return False  # the Triton path raises, naming the problem
     if num_groups not in (None, group_sizes.shape[0]) or lhs.shape[1] % 16 or grad.shape[1] % 16:
         return False
     return _all_gpus_sm90() and _gluon_available()
@@ -201,3 +203,21 @@ def _gluon_available() -> bool:
         logger.info("Hopper weight gradient unavailable (%s): tgmm_kernel runs instead", error)
         return False
     return True
+
+
+def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, preferred_element_type=None,
+                 config=None, expected_rows=None):
+    """The Triton backend's ``tgmm`` (``grouped_matmul.triton_launch.tgmm``'s arguments): the Gluon kernel
+    where :func:`tgmm_applies` and the groups are too large for ``tgmm_resident_kernel`` (small groups keep
+    it: the Gluon kernel was measured at ~2000 rows a group only), Triton's kernels otherwise."""
+    from moe_lowering.kernels.grouped_matmul import triton_launch
+
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
+    if (config is None and lhs.ndim == 2 and grad.ndim == 2 and lhs.shape[0] == grad.shape[0]
+            and not triton_launch.runs_resident_tgmm(lhs.shape[0], group_sizes.shape[0], expected_rows)
+            and tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype)):
+        return tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
+    return triton_launch.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
+                              preferred_element_type=preferred_element_type, config=config,
+                              expected_rows=expected_rows)
+
