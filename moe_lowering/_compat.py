@@ -8,6 +8,8 @@ identify them by identity, never by name.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint
 from jax._src import ad_util as _ad_util
@@ -244,8 +246,13 @@ def custom_call(call_target_name: str, **kwargs):
 
 def aval_to_ir_type(ctx, aval):
     """The MLIR type of ``aval`` in lowering context ``ctx`` (newer JAX takes the module context)."""
-    import inspect
-
-    if "ctx" in inspect.signature(_mlir.aval_to_ir_type).parameters:
+    if _aval_to_ir_type_takes_context():
         return _mlir.aval_to_ir_type(ctx.module_context, aval)
     return _mlir.aval_to_ir_type(aval)
+
+
+@functools.cache
+def _aval_to_ir_type_takes_context() -> bool:
+    import inspect
+
+    return "ctx" in inspect.signature(_mlir.aval_to_ir_type).parameters

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import tempfile
-
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -46,8 +45,8 @@ def _lowering(ctx, *operands, opaque, out_avals, aliases):
 
 
 def _no_gpu(ctx, *operands, **params):
-    raise NotImplementedError("the Gluon grouped GEMMs run on Hopper GPUs (sm_90) only; use the 'triton' or "
-                              "'xla' backend elsewhere")
+    raise RuntimeError("the Gluon grouped GEMMs run on Hopper GPUs (sm_90) only; use the 'triton' or 'xla' "
+                       "backend elsewhere")
 
 
 _compat.register_custom_call_lowering(gluon_call_p, _lowering, "cuda")
@@ -104,7 +103,8 @@ def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
     descs = [("desc", _descriptor(buffer, shape, m))
              for (buffer, shape), m in zip(((a, a_shape), (b, b_shape), (out, out_shape)), meta.tensordesc_meta)]
     params = (*descs, ("ptr", out), ("ptr", group_sizes), *(("i32", int(s)) for s in scalars))
-    return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params)
+    result = (out, math.prod(out_shape) * meta.tensordesc_meta[2]["elem_size"])
+    return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params, result)
 
 
 DEFAULT_TGMM_CONFIG = next(iter(gluon_launch.TGMM_CONFIGS.values()))

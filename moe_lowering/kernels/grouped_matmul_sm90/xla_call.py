@@ -49,7 +49,8 @@ class Descriptor:
 class LaunchPlan:
     """Everything one launch needs but the buffer addresses. ``params``: the kernel's parameters in
     order, each ``("desc", Descriptor)``, ``("ptr", buffer index)`` or ``("i32", value)``; Triton's two
-    scratch pointers follow them (null: the kernels use no scratch)."""
+    scratch pointers follow them (null: the kernels use no scratch). ``result``: the output's buffer
+    index and bytes, filled with NaN when a launch fails and XLA's status cannot say so."""
 
     cubin: bytes
     name: str
@@ -57,6 +58,7 @@ class LaunchPlan:
     shared: int
     grid: int
     params: tuple
+    result: tuple[int, int] = (-1, 0)
 
 
 class _Driver:
@@ -79,6 +81,7 @@ class _Driver:
         lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
         lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
         self.functions: dict[tuple[int, int], ctypes.c_void_p] = {}
         self.lock = threading.Lock()
 
@@ -132,13 +135,15 @@ def register_plan(plan: LaunchPlan) -> bytes:
         return struct.pack("<q", _plan_keys[plan])
 
 
-def _launch(stream: int, buffers, opaque: bytes):
+def _loaded_driver() -> _Driver:
     global _driver
     if _driver is None:
         _driver = _Driver()
-    driver = _driver
-    plan = _plan(opaque)
-    (plan_key,) = struct.unpack("<q", opaque)
+    return _driver
+
+
+def _launch(stream: int, buffers, plan_key: int, plan: LaunchPlan):
+    driver = _loaded_driver()
     context = ctypes.c_void_p()
     driver.check(driver.lib.cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(context)), "cuStreamGetCtx")
     driver.check(driver.lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
@@ -175,10 +180,16 @@ _HANDLER_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_
 
 @functools.cache
 def _status_setter():
-    """jaxlib's ``XlaCustomCallStatusSetFailure``, if its library exports it (else failures are logged)."""
-    import jaxlib
+    """XLA's ``XlaCustomCallStatusSetFailure`` where a loaded jaxlib or CUDA-plugin library exports it
+    (jaxlib 0.11's do not), else ``None``."""
+    import importlib.util
+    import pathlib
 
-    for path in sorted(__import__("pathlib").Path(jaxlib.__file__).parent.glob("*.so")):
+    folders = []
+    for package in ("jaxlib", "jax_plugins", "jax_cuda13_plugin", "jax_cuda12_plugin"):
+        spec = importlib.util.find_spec(package)
+        folders += [pathlib.Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    for path in sorted(p for folder in folders for p in folder.rglob("*.so")):
         try:
             setter = ctypes.CDLL(str(path)).XlaCustomCallStatusSetFailure
         except (OSError, AttributeError):
@@ -188,8 +199,10 @@ def _status_setter():
     return None
 
 
-def _plan(opaque: bytes) -> LaunchPlan:
-    (plan_key,) = struct.unpack("<q", opaque[:8])
+_NAN_WORDS = 0x7FC07FC0  # two bf16 NaNs, and a float32 NaN
+
+
+def _plan(plan_key: int) -> LaunchPlan:
     if not 0 <= plan_key < len(_plans):
         raise RuntimeError(f"Gluon launch plan {plan_key} is not registered in this process: the executable was "
                            "compiled in another one (a serialized or exported program); trace it here instead")
@@ -197,21 +210,36 @@ def _plan(opaque: bytes) -> LaunchPlan:
 
 
 def _handler(stream, buffers, opaque, opaque_len, status):
+    plan = None
     try:
-        count = max(plan_buffers(_plan(ctypes.string_at(opaque, opaque_len))), 0) + 1
-        _launch(stream or 0, [buffers[i] for i in range(count)], ctypes.string_at(opaque, opaque_len))
-    except Exception as error:  # noqa: BLE001 - reported to XLA, which fails the execution
+        (plan_key,) = struct.unpack("<q", ctypes.string_at(opaque, min(opaque_len, 8)))
+        plan = _plan(plan_key)
+        _launch(stream or 0, [buffers[i] for i in range(plan_buffers(plan) + 1)], plan_key, plan)
+    except Exception as error:  # noqa: BLE001 - a Python exception cannot cross into XLA: reported instead
         logger.error("Gluon kernel launch failed: %s", error)
         setter = _status_setter()
         if setter is not None:
             message = str(error).encode()
             setter(status, message, len(message))
+        elif plan is not None and plan.result[1]:
+            _poison(stream or 0, buffers[plan.result[0]], plan.result[1])
+
+
+def _poison(stream: int, address: int, size: int):
+    """Fills a failed launch's output with NaN, so that the failure shows in the results where XLA's
+    status cannot carry it (best effort: the driver may be what failed)."""
+    try:
+        driver = _loaded_driver()
+        driver.check(driver.lib.cuMemsetD32Async(address or 0, _NAN_WORDS, size // 4, ctypes.c_void_p(stream)),
+                     "cuMemsetD32Async")
+    except Exception as error:  # noqa: BLE001
+        logger.error("could not fill the failed launch's output with NaN: %s", error)
 
 
 def plan_buffers(plan: LaunchPlan) -> int:
-    """The highest buffer index the plan reads."""
+    """The highest buffer index the plan reads or writes."""
     indices = [value.buffer if kind == "desc" else value for kind, value in plan.params if kind in ("desc", "ptr")]
-    return max(indices, default=-1)
+    return max(indices + [plan.result[0]], default=-1)
 
 
 _handler_pointer = _HANDLER_TYPE(_handler)

@@ -19,12 +19,14 @@ from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch, xla_call
 DESC = xla_call.Descriptor(buffer=0, shape=(1000, 256), strides=(256, 1), swizzle=3, elem_size=2, elem_type=10,
                            block_size=(64, 64))
 PLAN = xla_call.LaunchPlan(cubin=b"\x7fELF", name="k", num_warps=12, shared=200_000, grid=132,
-                           params=(("desc", DESC), ("ptr", 2), ("ptr", 1), ("i32", 1000), ("i32", -5)))
+                           params=(("desc", DESC), ("ptr", 2), ("ptr", 1), ("i32", 1000), ("i32", -5)),
+                           result=(2, 1000 * 256 * 2))
 
 
 class _FakeLib:
     def __init__(self):
         self.launches = []
+        self.memsets = []
 
     def cuStreamGetCtx(self, stream, context):
         context._obj.value = 77
@@ -34,6 +36,10 @@ class _FakeLib:
         return 0
 
     def cuCtxPopCurrent_v2(self, context):
+        return 0
+
+    def cuMemsetD32Async(self, address, value, count, stream):
+        self.memsets.append((address, value, count, stream.value))
         return 0
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
@@ -70,6 +76,7 @@ def test_plans_register_once_and_the_opaque_names_them():
     other = xla_call.register_plan(xla_call.LaunchPlan(b"x", "k2", 4, 0, 1, ()))
     assert other != first and xla_call._plans[struct.unpack("<q", first)[0]] is PLAN
     assert xla_call.plan_buffers(PLAN) == 2
+    assert xla_call.plan_buffers(xla_call.LaunchPlan(b"x", "k3", 4, 0, 1, (("ptr", 1),), result=(4, 16))) == 4
 
 
 def test_plans_registered_from_many_threads_get_distinct_keys():
@@ -86,7 +93,8 @@ def test_parameters_packed_in_the_kernel_abi_order(monkeypatch):
     driver = _FakeDriver()
     monkeypatch.setattr(xla_call, "_driver", driver)
     buffers = [0x1000, 0x2000, 0x3000]
-    xla_call._launch(0xABC, buffers, xla_call.register_plan(PLAN))
+    (key,) = struct.unpack("<q", xla_call.register_plan(PLAN))
+    xla_call._launch(0xABC, buffers, key, PLAN)
     (launch,) = driver.lib.launches
     assert launch["grid"] == (132, 1, 1) and launch["block"] == (384, 1, 1) and launch["shared"] == 200_000
     assert launch["stream"] == 0xABC
@@ -114,13 +122,29 @@ def test_a_failed_launch_is_reported_to_xla_not_raised(monkeypatch, caplog):
     xla_call._handler(0xABC, buffers, ctypes.addressof(opaque_buffer), len(opaque), None)
     assert reported and b"CUDA error" in reported[0]
     assert "Gluon kernel launch failed" in caplog.text
+    assert driver.lib.memsets == []  # XLA was told: nothing to poison
+
+
+def test_a_failed_launch_fills_its_output_with_nan_where_xla_cannot_be_told(monkeypatch):
+    driver = _FakeDriver()
+    driver.lib.cuLaunchKernel = lambda *args: 1
+    monkeypatch.setattr(xla_call, "_driver", driver)
+    monkeypatch.setattr(xla_call, "_status_setter", lambda: None)
+    opaque = ctypes.create_string_buffer(xla_call.register_plan(PLAN), 8)
+    buffers = (ctypes.c_void_p * 3)(0x1000, 0x2000, 0x3000)
+    xla_call._handler(0xABC, buffers, ctypes.addressof(opaque), 8, None)
+    assert driver.lib.memsets == [(0x3000, 0x7FC07FC0, 1000 * 256 * 2 // 4, 0xABC)]
+    word = np.array([0x7FC07FC0], np.uint32)
+    assert np.isnan(word.view(np.float32)).all()
+    halves = word.view(np.uint16).astype(np.uint32) << 16  # each bf16 half as the float32 it widens to
+    assert np.isnan(halves.view(np.float32)).all()
 
 
 def test_the_call_off_a_gpu_raises_naming_the_requirement():
     operand = jnp.zeros((4,), jnp.float32)
     call = jax.jit(lambda x: jax_launch.gluon_call_p.bind(
         x, opaque=b"\0" * 8, out_avals=(jax.core.ShapedArray((4,), jnp.float32),), aliases=()))
-    with pytest.raises(NotImplementedError, match="Hopper"):
+    with pytest.raises(RuntimeError, match="Hopper GPUs"):
         call(operand)
 
 
