@@ -54,6 +54,8 @@ kernel sweeps:
   gluon-gmm     gluon_gmm_probe.py      the Hopper-native Gluon grouped GEMM (grouped_matmul_sm90): checks, and
                                         TFLOP/s against gmm_kernel, torch._grouped_mm and dense at d = 4096
   gluon-jax     gluon_jax.py            the Gluon grouped GEMMs launched from JAX against our Triton ones, d = 4096
+  gluon-layer-ops gluon_layer_ops.py    the layer's grouped products (gathered weight gradients included) at
+                                        the benchmark layers' shapes, Triton's kernels beside every Gluon config
   peer-heap-copy peer_heap_copy.py      the peer heap receiver's copy alone against a device copy
 
 GPU machine:

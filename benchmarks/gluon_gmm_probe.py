@@ -57,6 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax is imported (the tile table), never run
 
 D4096_SHAPES = ("30B-n256", "30B-n512", "30B-n1024", "120B-n512", "120B-n1024", "120B-n2048")
+LAYER_SHAPES = ("mixtral", "qwen3", "deepseek", "deepseek-equal")
+"""``moe_layer.CONFIGS``' layers (``T*k`` rows, one expert weight a product: ``dW_up`` is ``[rows, d]^T
+[rows, f]``, as the layer's gate and up gradients each are); ``deepseek-equal``: DeepSeek with every
+group exactly ``T*k/E`` = 128 rows (no partial row block: the tail handling's share)."""
 SMOKE_SHAPE = "30B-n512"
 SMOKE_ROWS = 16384
 CHECK_PATTERNS = {
@@ -497,12 +501,14 @@ def _tgmm_grouped_mm_launcher(lhs, dout, group_sizes):
         return (lambda: torch._grouped_mm(a, b, offs=offsets, out_dtype=torch.bfloat16)), f"torch._grouped_mm ({name})"
 
 
-def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int) -> dict:
+def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int,
+                      equal_groups: bool = False) -> dict:
     """Every weight-gradient kernel on ``dw[g] = lhs[g]^T @ dout[g]`` (``lhs [rows, k]``, ``dout [rows, n]``):
-    ms, TFLOP/s, relative error against the per-group bf16 product."""
+    ms, TFLOP/s, relative error against the per-group bf16 product. ``equal_groups``: every group
+    ``rows / groups`` rows, else seeded multinomial sizes."""
     torch = _torch()
     launch = _load_sm90()
-    sizes = _group_sizes(rows, groups, seed)
+    sizes = [rows // groups] * groups if equal_groups else _group_sizes(rows, groups, seed)
     flops = 2.0 * rows * k * n
     generator = torch.Generator(device="cuda").manual_seed(seed)
     lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -531,6 +537,7 @@ def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, config
         measure(name, run, out)
     except Exception as exc:  # noqa: BLE001
         entry["kernels"]["tgmm_kernel"] = _error("  tgmm_kernel", exc)
+    measure("output fill (HBM write floor)", lambda: out.fill_(0))
     del out
     try:
         grouped, name = _tgmm_grouped_mm_launcher(lhs, dout, group_sizes)
@@ -581,6 +588,15 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
     print(f"{report['device']}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     products, tgmm_products = [], []  # (shape, product, rows, K, N, E)
     for name in shapes:
+        if name in LAYER_SHAPES:
+            from moe_layer import CONFIGS as LAYERS
+
+            layer = LAYERS[name.removesuffix("-equal")]
+            rows = SMOKE_ROWS if smoke else layer.T * layer.k
+            products += [(name, "up", rows, layer.d, layer.f, layer.E), (name, "down", rows, layer.f, layer.d, layer.E)]
+            tgmm_products += [(name, "dW_up", rows, layer.d, layer.f, layer.E),
+                              (name, "dW_down", rows, layer.f, layer.d, layer.E)]
+            continue
         shape = SHAPES[name]
         rows = SMOKE_ROWS if smoke else shape.T * shape.K
         if "gmm" in ops:
@@ -607,7 +623,8 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
         _write(report, path)
     for name, label, rows, k, n, groups in tgmm_products:
         print(f"{name}, {rows} rows:", flush=True)
-        entry = time_tgmm_product(label, rows, k, n, groups, [c for c in timed if _is_tgmm(c)], smoke, seed)
+        entry = time_tgmm_product(label, rows, k, n, groups, [c for c in timed if _is_tgmm(c)], smoke, seed,
+                                  equal_groups=name.endswith("-equal"))
         report["products"].append({"shape": name, **entry})
         _write(report, path)
     return report
@@ -637,7 +654,8 @@ def main(argv=None) -> None:
                         help="the forward product (gmm), the weight gradient (tgmm), or both (default)")
     parser.add_argument("--configs", nargs="*", default=None,
                         help="gluon_launch.CONFIGS / TGMM_CONFIGS names (default: all of the --ops)")
-    parser.add_argument("--shapes", nargs="*", default=None, help=f"sonic.SHAPES names (default: {D4096_SHAPES})")
+    parser.add_argument("--shapes", nargs="*", default=None,
+                        help=f"sonic.SHAPES names or layers {LAYER_SHAPES} (default: {D4096_SHAPES})")
     parser.add_argument("--smoke", action="store_true",
                         help=f"seconds: the first config, {SMOKE_SHAPE} at {SMOKE_ROWS} rows, short timings")
     parser.add_argument("--compile-only", action="store_true", help="compile offline for sm_90 (no GPU) and report")

@@ -354,7 +354,14 @@ def main(argv=None):
     parser.add_argument("--dense-max-gflop", type=float, default=float("inf"),
                         help="skip the dense reference above this many forward GFLOP (it computes every expert)")
     parser.add_argument("--plot-only", type=Path, help="redraw the chart and table of an existing JSON and exit")
+    parser.add_argument("--weight-gradient", choices=("auto", "triton"), default="auto",
+                        help="the backend's weight-gradient kernel: its own choice (the Hopper Gluon kernel where it "
+                             "applies) or Triton's kernels only (an A/B of the Gluon kernel)")
     args = parser.parse_args(argv)
+    if args.weight_gradient == "triton":
+        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
+
+        jax_launch.tgmm_applies = lambda *_, **__: False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())

@@ -91,6 +91,27 @@ def test_tgmm_matches_reference(name, out_dtype):
                 assert np.all(np.asarray(got[group], np.float32) == 0)
 
 
+TAIL_CONFIGS = [name for name, c in jax_launch.gluon_launch.TGMM_CONFIGS.items() if c.tail_rows or c.staging > 1]
+
+
+@pytest.mark.parametrize("config", ["default", *TAIL_CONFIGS])
+def test_tgmm_small_groups_keep_the_rows_past_them_out(config):
+    """Groups of a few row blocks, sizes off the 16-row chunks, and non-finite rows past the groups: every
+    tile's last block is partial, and only the group's rows may reach the product."""
+    sizes = [97, 128, 0, 113, 1, 150, 64, 79, 16, 17]
+    rows, k, n = sum(sizes) + 37, 256, 512
+    chosen = jax_launch.DEFAULT_TGMM_CONFIG if config == "default" else jax_launch.gluon_launch.TGMM_CONFIGS[config]
+    lhs, _, dout = _data(6, rows, k, n, len(sizes))
+    lhs = lhs.at[sum(sizes):].set(jnp.inf)
+    dout = dout.at[sum(sizes):].set(jnp.nan)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    dw = jax.jit(lambda a, b, g: jax_launch.tgmm(a, b, g, config=chosen))(lhs, dout, group_sizes)
+    covered = sum(sizes)
+    want = reference.tgmm_rows(np.asarray(lhs, np.float32)[:covered], np.asarray(dout, np.float32)[:covered], sizes)
+    assert np.isfinite(np.asarray(dw, np.float32)).all()
+    assert _relative_error(dw, want) < 1e-2
+
+
 def test_bad_shapes_raise_naming_the_problem():
     lhs = jnp.zeros((64, 100), jnp.bfloat16)
     with pytest.raises(ValueError, match="multiples of 16"):

@@ -46,9 +46,11 @@ class _WarpSpecialised:
     def register_constexprs(self) -> dict:
         return {"PRODUCER_REGS": self.producer_regs} | ({"CONSUMER_REGS": self.consumer_regs} if self.pingpong else {})
 
-    def ring_and_staging_bytes(self, stage_bytes: int, staging_rows: int) -> int:
-        """Shared memory the ring, the staging buffers and the barriers take (bf16)."""
-        staging = 2 * (staging_rows if self.tma_store else 8) * self.block_n * (2 if self.pingpong else 1)
+    def ring_and_staging_bytes(self, stage_bytes: int, staging_rows: int, staging_buffers: int = 1) -> int:
+        """Shared memory the ring, the staging buffers (``staging_buffers`` a consumer) and the barriers
+        take (bf16)."""
+        buffers = (staging_buffers if self.tma_store else 1) * (2 if self.pingpong else 1)
+        staging = 2 * (staging_rows if self.tma_store else 8) * self.block_n * buffers
         return self.stages * stage_bytes + staging + 16 * self.stages + 16
 
 
@@ -196,7 +198,12 @@ class GluonTgmmConfig(_WarpSpecialised):
     TMA store (bf16 output with ``K % block_k == 0`` only: the launch falls back to masked stores
     otherwise); ``group_m``: k tiles per band of the swizzle (programs at once share row blocks).
     ``pingpong``: two consumer warp groups of ``num_warps`` = 4 take whole tiles in turn, each held to
-    ``consumer_regs`` (as :class:`GluonTileConfig`'s)."""
+    ``consumer_regs`` (as :class:`GluonTileConfig`'s).
+
+    ``tail_rows``: a group's last, partial row block is multiplied in chunks of this many rows, only
+    those holding the group's rows, and zeroed past the group in one chunk (``None``: the whole block,
+    zeroed past the group); small groups take such a block every tile. ``staging``: the TMA store's
+    staging buffers (cooperative only), taken in turn so a tile's store drains under the next ones."""
 
     block_k: int = 128
     block_n: int = 256
@@ -208,17 +215,28 @@ class GluonTgmmConfig(_WarpSpecialised):
     num_warps: int = 8
     producer_regs: int = 40
     consumer_regs: int = 232
+    tail_rows: int | None = None
+    staging: int = 1
+
+    def __post_init__(self):
+        if self.tail_rows is not None and (self.tail_rows % 16 or self.block_m % self.tail_rows):
+            raise ValueError(f"tail_rows = {self.tail_rows}: a multiple of 16 (a wgmma's K) dividing block_m")
+        if self.staging not in (1, 2) or (self.pingpong and self.staging != 1):
+            raise ValueError(f"staging = {self.staging}: 1 or 2 buffers, 1 with ping-pong")
 
     @property
     def name(self) -> str:
-        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}-{self.schedule_store}"
+        tail = "" if self.tail_rows is None else f"-t{self.tail_rows}"
+        staging = "" if self.staging == 1 else f"-c{self.staging}"
+        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}{tail}{staging}-{self.schedule_store}"
 
     @property
     def kernel(self):
         return tgmm_sm90_pingpong_kernel if self.pingpong else tgmm_sm90_kernel
 
     def shared_bytes(self) -> int:
-        return self.ring_and_staging_bytes(2 * self.block_m * (self.block_k + self.block_n), self.block_k)
+        return self.ring_and_staging_bytes(2 * self.block_m * (self.block_k + self.block_n), self.block_k,
+                                           self.staging)
 
 
 TGMM_CONFIGS = {c.name: c for c in (
@@ -228,6 +246,11 @@ TGMM_CONFIGS = {c.name: c for c in (
     GluonTgmmConfig(128, 128, 64, stages=6, tma_store=True),
     GluonTgmmConfig(128, 128, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
     GluonTgmmConfig(64, 256, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
+    GluonTgmmConfig(128, 256, 64, stages=3, tma_store=True, tail_rows=16),
+    GluonTgmmConfig(128, 256, 64, stages=2, tma_store=True, tail_rows=16, staging=2),
+    GluonTgmmConfig(128, 256, 32, stages=4, tma_store=True, tail_rows=16, staging=2),
+    GluonTgmmConfig(128, 256, 32, stages=4, tma_store=True, tail_rows=16),
+    GluonTgmmConfig(128, 128, 64, stages=4, tma_store=True, tail_rows=16, staging=2),
 )}
 """The weight-gradient configurations the probe times: ``tgmm_kernel``'s 128 x 256 tile over 64-row
 blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, and ping-pong ones (a
@@ -242,7 +265,8 @@ def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
 
 
 def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
-    return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store) | config.register_constexprs()
+    return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
+                TAIL_ROWS=config.tail_rows or config.block_m, STAGING=config.staging) | config.register_constexprs()
 
 
 def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):

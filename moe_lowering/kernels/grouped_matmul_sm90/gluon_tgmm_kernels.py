@@ -112,10 +112,27 @@ def _zero_rows_from(buf, first_zero_row):
 
 
 @gluon.jit
-def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout: gl.constexpr):
+def _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS: gl.constexpr):
+    """Rows ``rows_left`` on of the ``TAIL_ROWS``-row chunk of both boxes that holds row ``rows_left``
+    set to zero (nothing when ``rows_left`` ends a chunk): the chunks past it take no MMA."""
+    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+    for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+        if chunk == rows_left // TAIL_ROWS:
+            _zero_rows_from(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
+            _zero_rows_from(b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
+
+
+@gluon.jit
+def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout: gl.constexpr,
+                   TAIL_ROWS: gl.constexpr):
     """One tile's ``wgmma`` chain over its group's row blocks from ring use ``counter`` on, one MMA in
     flight, each stage handed back once its MMA has retired; no steps (and zeros) for an empty group.
-    Returns ``(acc, counter)``."""
+
+    The group's last block, where it reaches past the group: with ``TAIL_ROWS == BLOCK_M`` its rows
+    past the group are zeroed and the whole block multiplied; with a smaller ``TAIL_ROWS`` only the
+    ``TAIL_ROWS``-row chunks holding the group's rows are multiplied (one ``wgmma`` each) and only the
+    last of them is zeroed past the group, a fraction of the register round trip (groups of a few
+    blocks take one such block per tile). Returns ``(acc, counter)``."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -124,13 +141,30 @@ def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_lay
     for r in range(row0, row_end, BLOCK_M):
         stage = counter % STAGES
         mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        a_buf = a_bufs.index(stage)
+        b_buf = b_bufs.index(stage)
         if r + BLOCK_M > row_end:  # the group's last block: its rows past the group are another's
-            _zero_rows_from(a_bufs.index(stage), row_end - r)
-            _zero_rows_from(b_bufs.index(stage), row_end - r)
+            rows_left = row_end - r
+            if TAIL_ROWS == BLOCK_M:
+                _zero_rows_from(a_buf, rows_left)
+                _zero_rows_from(b_buf, rows_left)
+            else:
+                _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS)
             fence_async_shared()
             gl.thread_barrier()
-        acc = warpgroup_mma(a_bufs.index(stage).permute((1, 0)), b_bufs.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # (each branch waits for all but its last MMA: an accumulator in flight cannot leave one)
+            if TAIL_ROWS == BLOCK_M:
+                acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+            else:
+                for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+                    if chunk * TAIL_ROWS < rows_left:
+                        acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
+                                            b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
+                        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        else:
+            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
         # the previous step's MMA has retired in this warp group; the barrier makes it so in all of them
         gl.thread_barrier()
         mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=r > row0)
@@ -143,15 +177,17 @@ def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_lay
 
 @gluon.jit
 def _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, out_row0, k0, n0, K, N, TMA_STORE: gl.constexpr,
-                   acc_layout: gl.constexpr):
+                   acc_layout: gl.constexpr, PENDING: gl.constexpr):
     """The ``[k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N]`` tile of one group's ``[K, N]`` output (whose first
-    row of the ``[E*K, N]`` view is ``out_row0``): through ``c_smem`` and a TMA store left in flight
-    (``TMA_STORE``: needs ``K % BLOCK_K == 0``; TMA clips columns past ``N``), else by masked stores."""
+    row of the ``[E*K, N]`` view is ``out_row0``): through the staging buffer ``c_smem`` and a TMA store
+    left in flight (``TMA_STORE``: needs ``K % BLOCK_K == 0``; TMA clips columns past ``N``), else by
+    masked stores. ``PENDING``: the stores that may stay in flight when ``c_smem`` is written (the
+    staging buffers past this one: each tile's store has that many tiles' time to drain)."""
     BLOCK_K: gl.constexpr = acc.type.shape[0]
     BLOCK_N: gl.constexpr = acc.type.shape[1]
     tile_out = acc.to(out_ptr.dtype.element_ty)
     if TMA_STORE:
-        tma.store_wait(0)  # the previous tile's store has read the staging buffer
+        tma.store_wait(PENDING)  # the store that last used this staging buffer has read it
         gl.thread_barrier()
         c_smem.store(tile_out)
         fence_async_shared()
@@ -167,26 +203,32 @@ def _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, out_row0, k0, n0, K, N, TMA_S
 
 @gluon.jit
 def _tgmm_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                   GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
-    """Cooperative: all ``num_warps`` warps (a warp group per 64 output rows) on every tile."""
+                   GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
+    """Cooperative: all ``num_warps`` warps (a warp group per 64 output rows) on every tile, its staging
+    buffers (``c_smem [STAGING, ...]``) taken in turn."""
+    STAGING: gl.constexpr = c_smem.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
     counter = 0
+    program_tile = 0
     for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
         cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
                                                             BLOCK_K, BLOCK_N, GROUP_M)
-        acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout)
-        _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout)
+        acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout, TAIL_ROWS)
+        _tgmm_epilogue(acc, c_smem.index(program_tile % STAGING), out_desc, out_ptr, group * K, k0, n0, K, N,
+                       TMA_STORE, acc_layout, STAGING - 1)
+        program_tile += 1
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K,
-                            E, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
+                            E, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
+                            WG: gl.constexpr):
     """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program, whole, in turns at the
     mainloop (``turn``, as ``gluon_kernels._pingpong_consumer``); the other's tiles only advance its ring count."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -203,9 +245,10 @@ def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc
         if program_tile % 2 == WG:
             # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
             mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
-            acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout)
+            acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout,
+                                          TAIL_ROWS)
             mbarrier.arrive(turn.index(1 - WG))
-            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout)
+            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout, 0)
         else:
             counter += gl.cdiv(row_end - row0, BLOCK_M)
         program_tile += 1
@@ -215,32 +258,37 @@ def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc
 
 @gluon.jit
 def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr, STAGING: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
     """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` for every group ``g < E`` (zero for empty ones).
     ``a_desc``: ``lhs [M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``dout [M, N]`` in ``[BLOCK_M,
     BLOCK_N]`` boxes; ``out_desc``: ``out [E, K, N]`` as ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes
-    (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
+    (read only with ``TMA_STORE``); ``out_ptr``: the same output. ``TAIL_ROWS``: the granularity of a
+    group's last row block (see ``_tgmm_mainloop``); ``STAGING``: staging buffers of the TMA store."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     # without TMA_STORE the staging buffer is never used: a token 8 rows
     C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
-    c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [STAGING if TMA_STORE else 1, C_ROWS, BLOCK_N],
+                                       out_desc.layout)
     fence_async_shared()
 
     gl.warp_specialize([
         (_tgmm_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                          GROUP_M, TMA_STORE)),
+                          GROUP_M, TMA_STORE, TAIL_ROWS)),
         (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
     ], [1], [PRODUCER_REGS])
 
 
 @gluon.jit
 def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
-                              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr):
+                              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
+                              STAGING: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """:func:`tgmm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the default
-    partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
+    partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer (``STAGING``
+    must be 1)."""
+    gl.static_assert(STAGING == 1, "the ping-pong weight gradient stages each warp group's tile in one buffer")
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
@@ -251,8 +299,8 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
 
     gl.warp_specialize([
         (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(0), out_desc, out_ptr,
-                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, 0)),
+                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, TAIL_ROWS, 0)),
         (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(1), out_desc, out_ptr,
-                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, 1)),
+                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, TAIL_ROWS, 1)),
         (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -107,7 +107,11 @@ def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
     return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params, result)
 
 
-DEFAULT_TGMM_CONFIG = next(iter(gluon_launch.TGMM_CONFIGS.values()))
+DEFAULT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s3-t16-w8-tma"]
+"""The probe's best weight-gradient configuration at every measured shape (``gluon_gmm_probe_tgmm_H200_2026-11-28``):
+128 x 256 tiles over 64-row blocks, a group's last block in 16-row chunks. At DeepSeek-V3's ~128-row groups
+3.11-3.19 ms a product against 3.35-3.38 for whole-block zeroing and 3.31-3.42 for ``tgmm_resident_kernel``;
+at Mixtral's and Qwen3's within 1% of whole-block zeroing."""
 
 
 def gmm_config(k: int) -> gluon_launch.GluonTileConfig:
@@ -208,13 +212,13 @@ def _gluon_available() -> bool:
 def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, preferred_element_type=None,
                  config=None, expected_rows=None):
     """The Triton backend's ``tgmm`` (``grouped_matmul.triton_launch.tgmm``'s arguments): the Gluon kernel
-    where :func:`tgmm_applies` and the groups are too large for ``tgmm_resident_kernel`` (small groups keep
-    it: the Gluon kernel was measured at ~2000 rows a group only), Triton's kernels otherwise."""
+    where :func:`tgmm_applies`, whatever the group sizes (at DeepSeek-V3's ~128-row groups it runs
+    1.04-1.10x ``tgmm_resident_kernel``, at Mixtral's ~2000 1.10-1.15x ``tgmm_kernel``:
+    ``gluon_gmm_probe_tgmm_H200_2026-11-28``), Triton's kernels otherwise."""
     from moe_lowering.kernels.grouped_matmul import triton_launch
 
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
     if (config is None and lhs.ndim == 2 and grad.ndim == 2 and lhs.shape[0] == grad.shape[0]
-            and not triton_launch.runs_resident_tgmm(lhs.shape[0], group_sizes.shape[0], expected_rows)
             and tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype)):
         return tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
     return triton_launch.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,

@@ -31,17 +31,29 @@ def _box(array, row, col, rows: int, cols: int):
 
 
 def _tile_product(lhs, dout, work: schedule.WeightTileWork, out, block_m: int, block_k: int, block_n: int,
-                  zero_past_group: bool = True):
-    """What the kernel does for one item: per row block both boxes, the group's last one zeroed past the
-    group's end (the consumers' shared-memory pass), ``a^T @ b`` accumulated, stored inside ``[K, N]``."""
+                  zero_past_group: bool = True, tail_rows: int | None = None, tail_chunks_all: bool = False):
+    """What the kernel does for one item: per row block both boxes, ``a^T @ b`` accumulated, stored inside
+    ``[K, N]``. The group's last block (``_tgmm_mainloop``): with ``tail_rows`` None zeroed past the
+    group's end and multiplied whole; with ``tail_rows`` only the ``tail_rows``-row chunks holding the
+    group's rows are multiplied, the last of them zeroed past the group's end (``tail_chunks_all``: the
+    mutant multiplying every chunk)."""
     acc = np.zeros((block_k, block_n), np.float32)
     for r in range(work.row0, work.row_end, block_m):
         a = _box(lhs, r, work.k0, block_m, block_k)
         b = _box(dout, r, work.col0, block_m, block_n)
-        if zero_past_group:
-            a[work.row_end - r:] = 0
-            b[work.row_end - r:] = 0
-        acc += a.T @ b
+        rows_left = work.row_end - r
+        if rows_left >= block_m or tail_rows is None:
+            if zero_past_group:
+                a[rows_left:] = 0
+                b[rows_left:] = 0
+            acc += a.T @ b
+            continue
+        chunk = rows_left // tail_rows * tail_rows
+        a[rows_left:chunk + tail_rows] = 0
+        b[rows_left:chunk + tail_rows] = 0
+        for c0 in range(0, block_m, tail_rows):
+            if c0 < rows_left or tail_chunks_all:
+                acc += a[c0:c0 + tail_rows].T @ b[c0:c0 + tail_rows]
     k, n = out.shape[1:]
     stored = acc[:k - work.k0, :n - work.col0]
     out[work.group, work.k0:work.k0 + stored.shape[0], work.col0:work.col0 + stored.shape[1]] = stored
@@ -57,9 +69,11 @@ def _operands(rng, rows, k, n, sizes):
 
 
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("block_m, block_k, block_n, group_m, programs", [
-    (64, 128, 256, 8, 7), (128, 128, 128, 2, 3), (16, 16, 32, 1, 1)])
-def test_every_element_once_and_the_product_is_the_references(seed, block_m, block_k, block_n, group_m, programs):
+@pytest.mark.parametrize("block_m, block_k, block_n, group_m, programs, tail_rows", [
+    (64, 128, 256, 8, 7, None), (128, 128, 128, 2, 3, None), (16, 16, 32, 1, 1, None), (64, 128, 256, 8, 7, 16),
+    (32, 16, 32, 2, 3, 16), (64, 16, 32, 1, 2, 32)])
+def test_every_element_once_and_the_product_is_the_references(seed, block_m, block_k, block_n, group_m, programs,
+                                                              tail_rows):
     rng = np.random.default_rng(seed)
     num_groups, rows = int(rng.integers(1, 9)), int(rng.integers(1, 700))
     k, n = int(rng.choice([16, 200, 256])), int(rng.choice([32, 48, 300]))
@@ -72,7 +86,7 @@ def test_every_element_once_and_the_product_is_the_references(seed, block_m, blo
     out = np.full((num_groups, k, n), np.nan, np.float32)
     for _, item in work:
         covered[item.group, item.k0:item.k0 + block_k, item.col0:item.col0 + block_n] += 1
-        _tile_product(lhs, dout, item, out, block_m, block_k, block_n)
+        _tile_product(lhs, dout, item, out, block_m, block_k, block_n, tail_rows=tail_rows)
     assert (covered == 1).all()
     np.testing.assert_allclose(out, reference.tgmm_rows(lhs, dout, sizes), rtol=1e-5, atol=1e-4)
 
@@ -88,6 +102,24 @@ def test_the_rows_past_a_group_are_what_the_masking_keeps_out():
     expected = reference.tgmm_rows(lhs, dout, sizes)
     assert not np.isfinite(out[3]).all()
     assert np.abs(out[0] - expected[0]).max() > 1.0
+
+
+def test_a_tail_chunk_past_the_group_must_not_be_multiplied():
+    """With 16-row tail chunks only the chunk holding the group's end is zeroed: multiplying the chunks
+    past it (the mutant) lets the next group's rows and the non-finite tail in."""
+    rng = np.random.default_rng(4)
+    sizes, rows, k, n = [40, 0, 33, 5], 128, 32, 32
+    lhs, dout = _operands(rng, rows, k, n, sizes)
+    expected = reference.tgmm_rows(lhs, dout, sizes)
+    for chunks_all in (False, True):
+        out = np.zeros((len(sizes), k, n), np.float32)
+        for _, item in _all_work(sizes, rows, k, n, 32, 32, 8, 2):
+            _tile_product(lhs, dout, item, out, 64, 32, 32, tail_rows=16, tail_chunks_all=chunks_all)
+        if chunks_all:
+            assert not np.isfinite(out[3]).all()
+            assert np.abs(out[0] - expected[0]).max() > 1.0
+        else:
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_tgmm_rows_is_the_jax_reference():
