@@ -246,7 +246,7 @@ def check_against_dense(config: LayerConfig, impl_fn, dense_fn, params, x) -> fl
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
-def run(config_names, impls, reps: int, out_dir: Path, dense_max_gflop: float):
+def run(config_names, impls, reps: int, out_dir: Path, dense_max_gflop: float, back_to_back: bool = False):
     from moe_lowering.testing.zoo import Sizes, build_mixtral
 
     device = jax.devices()[0]
@@ -264,7 +264,7 @@ def run(config_names, impls, reps: int, out_dir: Path, dense_max_gflop: float):
                 rows.append({"config": name, "impl": impl, "skipped": f"dense forward is {dense_gflop:.0f} GFLOP"})
                 continue
             try:
-                row = bench_one(config, impl, model.fn, params, x, cotangent, reps, matmul_tflops)
+                row = bench_one(config, impl, model.fn, params, x, cotangent, reps, matmul_tflops, back_to_back)
             except ImportError as err:
                 row = {"config": name, "impl": impl, "skipped": f"not importable: {err}"}
             except Exception as err:  # noqa: BLE001 - a failing baseline (OOM, missing package) is a result
@@ -354,6 +354,9 @@ def main(argv=None):
     parser.add_argument("--dense-max-gflop", type=float, default=float("inf"),
                         help="skip the dense reference above this many forward GFLOP (it computes every expert)")
     parser.add_argument("--plot-only", type=Path, help="redraw the chart and table of an existing JSON and exit")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help=f"also time {BACK_TO_BACK_CALLS} calls issued back to back with one sync (the GPU's time "
+                             "per step, as a training loop sees it)")
     parser.add_argument("--weight-gradient", choices=("auto", "triton"), default="auto",
                         help="the backend's weight-gradient kernel: its own choice (the Hopper Gluon kernel where it "
                              "applies) or Triton's kernels only (an A/B of the Gluon kernel)")
@@ -368,7 +371,7 @@ def main(argv=None):
         plot(result, args.plot_only.with_suffix(".png"))
         print_table(result)
         return
-    run(args.configs, args.impls, args.reps, args.out, args.dense_max_gflop)
+    run(args.configs, args.impls, args.reps, args.out, args.dense_max_gflop, args.back_to_back)
 
 
 if __name__ == "__main__":
