@@ -233,6 +233,12 @@ def nnx_is_graph_node(value) -> bool:
     return nnx is not None and nnx.graph.is_graph_node(value)
 
 
+def def_compiled_impl(primitive) -> None:
+    """``primitive`` evaluated outside ``jit`` (eager ``jax.grad``, op-by-op) by compiling it alone, as
+    JAX's own primitives are: for a primitive that only lowers (a custom call)."""
+    primitive.def_impl(functools.partial(_dispatch.apply_primitive, primitive))
+
+
 def register_custom_call_lowering(primitive, lowering, platform: str) -> None:
     """Lowers ``primitive`` on ``platform`` by ``lowering(ctx, *operands, **params)``, which may call
     :func:`custom_call` (a target registered with ``jax.ffi.register_ffi_target``)."""

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 gluon_call_p = _compat.jex_core.Primitive("moe_gluon_call")
 gluon_call_p.multiple_results = True
+_compat.def_compiled_impl(gluon_call_p)
 
 
 @gluon_call_p.def_abstract_eval

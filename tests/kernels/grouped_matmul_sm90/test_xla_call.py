@@ -140,12 +140,23 @@ def test_a_failed_launch_fills_its_output_with_nan_where_xla_cannot_be_told(monk
     assert np.isnan(halves.view(np.float32)).all()
 
 
+def _bind_on_cpu(x):
+    return jax_launch.gluon_call_p.bind(x, opaque=b"\0" * 8, out_avals=(jax.core.ShapedArray((4,), jnp.float32),),
+                                        aliases=())
+
+
 def test_the_call_off_a_gpu_raises_naming_the_requirement():
-    operand = jnp.zeros((4,), jnp.float32)
-    call = jax.jit(lambda x: jax_launch.gluon_call_p.bind(
-        x, opaque=b"\0" * 8, out_avals=(jax.core.ShapedArray((4,), jnp.float32),), aliases=()))
+    operand = jax.device_put(jnp.zeros((4,), jnp.float32), jax.devices("cpu")[0])  # compiled for the CPU
     with pytest.raises(RuntimeError, match="Hopper GPUs"):
-        call(operand)
+        jax.jit(_bind_on_cpu)(operand)
+
+
+def test_the_call_evaluates_outside_jit():
+    """Evaluated op by op (an un-jitted ``jax.grad`` reaches it so) the call is compiled alone: off a GPU
+    that gives the lowering's error, not JAX's missing evaluation rule."""
+    operand = jax.device_put(jnp.zeros((4,), jnp.float32), jax.devices("cpu")[0])
+    with pytest.raises(RuntimeError, match="Hopper GPUs"):
+        _bind_on_cpu(operand)
 
 
 @pytest.mark.parametrize("change, applies", [
