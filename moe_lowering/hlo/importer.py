@@ -41,6 +41,7 @@ from jax._src.interpreters import mlir as jax_mlir_internal
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
+from moe_lowering import _compat
 from moe_lowering.hlo import scan_loops
 from moe_lowering.hlo.locations import Locations
 
@@ -148,6 +149,7 @@ def _passthrough_lowering(ctx, *operands, op_name, attributes, result_types, res
 stablehlo_passthrough_p = jex_core.Primitive("stablehlo_passthrough")
 stablehlo_passthrough_p.multiple_results = True
 stablehlo_passthrough_p.def_abstract_eval(_passthrough_abstract_eval)
+_compat.def_compiled_impl(stablehlo_passthrough_p)  # run outside jit too (an imported program called as is)
 jax_mlir.register_lowering(stablehlo_passthrough_p, _passthrough_lowering)
 
 
@@ -162,6 +164,7 @@ def _verbatim_lowering(ctx, *operands, asm, result_avals):
 stablehlo_verbatim_p = jex_core.Primitive("stablehlo_verbatim")
 stablehlo_verbatim_p.multiple_results = True
 stablehlo_verbatim_p.def_abstract_eval(_passthrough_abstract_eval)
+_compat.def_compiled_impl(stablehlo_verbatim_p)  # run outside jit too (an imported program called as is)
 jax_mlir.register_lowering(stablehlo_verbatim_p, _verbatim_lowering)
 
 

@@ -101,6 +101,22 @@ def test_unknown_custom_call_is_kept_verbatim():
     assert 'stablehlo.custom_call @Sharding' in relowered and 'mhlo.sharding = "{replicated}"' in relowered
 
 
+def test_an_imported_program_runs_outside_jit():
+    """Ops kept verbatim evaluate op by op too (compiled alone), so the imported program can be called as is."""
+    text = """
+    module @m {
+      func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+        %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4xf32>) -> tensor<4xf32>
+        %1 = stablehlo.add %0, %0 : tensor<4xf32>
+        return %1 : tensor<4xf32>
+      }
+    }"""
+    program = _import(text)
+    with jax.disable_jit():
+        out = program.fn(np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(out).reshape(-1), 2 * np.arange(4, dtype=np.float32))
+
+
 def test_unsupported_region_op_is_reported():
     text = """
     module @m {
