@@ -7,7 +7,8 @@
 # and `kernel-tests` (tests/kernels without the interpreter cases, which CI runs) about 3: `tests` in a
 # call of its own within the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
-#             gathered-rows
+#             gathered-rows gluon-tests gluon-layers (the Hopper weight gradient: its GPU tests; every
+#             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer with and without it)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
 #             ep-multiprocess (one process per GPU against one process, issue 36: EP=4; EP_SIZES=2 in a
@@ -99,6 +100,14 @@ for step in "$@"; do
     ep-multiprocess) mkdir -p "$OUT/ep_multiprocess"; timeout 590 python3 benchmarks/ep_multiprocess.py \
         --ep ${EP_SIZES:-4} --reps 5 --timeout 290 --out "$OUT/ep_multiprocess" 2>&1 \
         | tee "$OUT/ep_multiprocess${EP_SIZES:-4}.log" | tail -60 ;;
+    gluon-tests) timeout 300 python3 -m pytest tests/gpu/test_gluon_grouped_matmul_jax.py tests/gpu/test_triton_grouped_matmul.py \
+        -k "tgmm or gluon or expected_rows" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gluon_tgmm_tests.log" | tail -4 ;;
+    gluon-layers) timeout 300 python3 benchmarks/gluon_gmm_probe.py --ops tgmm --out "$OUT" \
+        --shapes deepseek deepseek-equal qwen3 mixtral 2>&1 | grep -v "INFO\|Unable" | tee "$OUT/gluon_probe_layers.log" | tail -50
+      for variant in auto triton; do
+        timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --weight-gradient $variant \
+          --out "$OUT/layer_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
+      done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -1,0 +1,39 @@
+"""The Hopper kernels' launch configurations on a CPU: what a configuration may ask for, and that every
+listed one fits a Hopper SM's shared memory (the offline compile's numbers, ``kernel_resources``, agree
+within the barriers' bytes)."""
+
+import pytest
+
+from moe_lowering.kernels.grouped_matmul_sm90 import gluon_launch, jax_launch
+
+
+@pytest.mark.parametrize("config", [*gluon_launch.CONFIGS.values(), *gluon_launch.TGMM_CONFIGS.values()],
+                         ids=lambda c: c.name)
+def test_every_listed_config_fits_shared_memory(config):
+    assert config.shared_bytes() <= gluon_launch.SHARED_LIMIT
+
+
+def test_two_staging_buffers_are_counted():
+    one = gluon_launch.GluonTgmmConfig(128, 256, 32, stages=4, tail_rows=16)
+    two = gluon_launch.GluonTgmmConfig(128, 256, 32, stages=4, tail_rows=16, staging=2)
+    assert two.shared_bytes() - one.shared_bytes() == 128 * 256 * 2
+    assert two.name != one.name and "-c2" in two.name and "-t16" in one.name
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(tail_rows=24), "multiple of 16"),
+    (dict(tail_rows=128), "dividing block_m"),
+    (dict(staging=3), "1 or 2 buffers"),
+    (dict(staging=2, pingpong=True, num_warps=4), "1 with ping-pong"),
+])
+def test_a_config_the_kernel_cannot_run_is_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        gluon_launch.GluonTgmmConfig(128, 128, 64, **options)
+
+
+def test_the_default_weight_gradient_config_is_a_listed_one_with_tail_chunks():
+    assert jax_launch.DEFAULT_TGMM_CONFIG in gluon_launch.TGMM_CONFIGS.values()
+    assert jax_launch.DEFAULT_TGMM_CONFIG.tail_rows == 16
+    constexprs = gluon_launch.tgmm_constexprs(jax_launch.DEFAULT_TGMM_CONFIG)
+    assert constexprs["TAIL_ROWS"] == 16 and constexprs["STAGING"] == 1
+    assert gluon_launch.tgmm_constexprs(gluon_launch.GluonTgmmConfig())["TAIL_ROWS"] == 64
