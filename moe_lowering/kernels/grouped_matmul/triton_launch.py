@@ -99,6 +99,11 @@ def _small_groups(num_rows: int, num_groups: int) -> bool:
     return num_rows / max(num_groups, 1) < SMALL_GROUP_ROWS
 
 
+def runs_resident_tgmm(num_rows: int, num_groups: int, expected_rows: int | None = None) -> bool:
+    """Whether ``tgmm`` of ``num_rows`` rows in ``num_groups`` groups takes ``tgmm_resident_kernel``."""
+    return _small_groups(_rows_for_shape(num_rows, expected_rows), num_groups)
+
+
 def _rows_for_shape(num_rows: int, expected_rows: int | None) -> int:
     """The rows a shape class is picked for: ``expected_rows`` where the operand is a buffer sized for
     the worst case (an expert-parallel receive buffer holds ``ep`` times a balanced arrival)."""

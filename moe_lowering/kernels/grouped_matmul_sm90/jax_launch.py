@@ -213,13 +213,17 @@ def _gluon_available() -> bool:
 def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, preferred_element_type=None,
                  config=None, expected_rows=None):
     """The Triton backend's ``tgmm`` (``grouped_matmul.triton_launch.tgmm``'s arguments): the Gluon kernel
-    where :func:`tgmm_applies`, whatever the group sizes (at DeepSeek-V3's ~128-row groups it runs
-    1.04-1.10x ``tgmm_resident_kernel``, at Mixtral's ~2000 1.10-1.15x ``tgmm_kernel``:
-    ``gluon_gmm_probe_tgmm_H200_2026-11-28``), Triton's kernels otherwise."""
+    where :func:`tgmm_applies` (at DeepSeek-V3's ~128-row groups it runs 1.04-1.10x ``tgmm_resident_kernel``,
+    at Mixtral's ~2000 1.10-1.15x ``tgmm_kernel``: ``gluon_gmm_probe_tgmm_H200_2026-11-28``), except a float32
+    gradient of small groups, Triton's kernels otherwise. A float32 tile leaves by masked stores (its staging
+    buffer does not fit beside the ring), which with a few row blocks a tile ran 2.4x slower than the
+    resident kernel (the ``s4-direct`` config at DeepSeek's shapes)."""
     from moe_lowering.kernels.grouped_matmul import triton_launch
 
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, grad.dtype))
     if (config is None and lhs.ndim == 2 and grad.ndim == 2 and lhs.shape[0] == grad.shape[0]
+            and not (out_dtype != jnp.bfloat16
+                     and triton_launch.runs_resident_tgmm(lhs.shape[0], group_sizes.shape[0], expected_rows))
             and tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype)):
         return tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
     return triton_launch.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,

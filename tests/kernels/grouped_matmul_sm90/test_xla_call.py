@@ -197,3 +197,48 @@ def test_an_unknown_plan_is_reported_naming_the_cause(monkeypatch):
     xla_call._handler(0, (ctypes.c_void_p * 1)(0), ctypes.addressof(opaque), 8, None)
     assert reported and b"not registered in this process" in reported[0]
 
+
+
+
+@pytest.fixture
+def triton_launch():
+    """``grouped_matmul.triton_launch`` (its tile table), importable without ``jax_triton`` (a placeholder
+    while the test runs; the modules are put back as they were, so no later test sees the placeholder)."""
+    import importlib
+    import sys
+    import types
+
+    from moe_lowering.kernels import grouped_matmul
+
+    names = ("jax_triton", "moe_lowering.kernels.grouped_matmul.triton_launch")
+    saved = {name: sys.modules.get(name) for name in names}
+    had_attribute = hasattr(grouped_matmul, "triton_launch")
+    try:
+        importlib.import_module("jax_triton")
+    except ImportError:
+        sys.modules["jax_triton"] = types.ModuleType("jax_triton")
+    yield importlib.import_module(names[1])
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
+    if not had_attribute and hasattr(grouped_matmul, "triton_launch"):
+        delattr(grouped_matmul, "triton_launch")
+
+
+@pytest.mark.parametrize("rows, groups, out_dtype, kernel", [
+    (512, 8, jnp.bfloat16, "gluon"),  # small groups, bf16: the Gluon kernel's TMA-store path
+    (512, 8, jnp.float32, "triton"),  # small groups, float32: masked stores, the resident kernel is faster
+    (4096, 4, jnp.float32, "gluon"),  # large groups: the stores are a small share whatever the path
+])
+def test_which_kernel_the_backends_weight_gradient_takes(monkeypatch, triton_launch, rows, groups, out_dtype,
+                                                         kernel):
+    taken = []
+    monkeypatch.setattr(jax_launch, "tgmm_applies", lambda *_: True)
+    monkeypatch.setattr(jax_launch, "tgmm", lambda *_, **__: taken.append("gluon"))
+    monkeypatch.setattr(triton_launch, "tgmm", lambda *_, **__: taken.append("triton"))
+    lhs, grad = jnp.zeros((rows, 32), jnp.bfloat16), jnp.zeros((rows, 48), jnp.bfloat16)
+    jax_launch.backend_tgmm(lhs, grad, jnp.full((groups,), rows // groups, jnp.int32),
+                            preferred_element_type=out_dtype)
+    assert taken == [kernel]
