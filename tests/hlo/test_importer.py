@@ -87,31 +87,26 @@ def test_jaxpr_reads_like_traced_jax():
     assert "0.5:f32[]" in printed
 
 
+SHARDING_CALL_MODULE = """
+module @m {
+  func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4xf32>) -> tensor<4xf32>
+    %1 = stablehlo.add %0, %0 : tensor<4xf32>
+    return %1 : tensor<4xf32>
+  }
+}"""
+"""A custom call the importer has no lax op for (kept verbatim), then an add."""
+
+
 def test_unknown_custom_call_is_kept_verbatim():
-    text = """
-    module @m {
-      func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
-        %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4xf32>) -> tensor<4xf32>
-        %1 = stablehlo.add %0, %0 : tensor<4xf32>
-        return %1 : tensor<4xf32>
-      }
-    }"""
-    program = _import(text)
+    program = _import(SHARDING_CALL_MODULE)
     relowered = jax.jit(program.fn).lower(*program.in_avals).as_text()
     assert 'stablehlo.custom_call @Sharding' in relowered and 'mhlo.sharding = "{replicated}"' in relowered
 
 
 def test_an_imported_program_runs_outside_jit():
     """Ops kept verbatim evaluate op by op too (compiled alone), so the imported program can be called as is."""
-    text = """
-    module @m {
-      func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
-        %0 = stablehlo.custom_call @Sharding(%arg0) {mhlo.sharding = "{replicated}"} : (tensor<4xf32>) -> tensor<4xf32>
-        %1 = stablehlo.add %0, %0 : tensor<4xf32>
-        return %1 : tensor<4xf32>
-      }
-    }"""
-    program = _import(text)
+    program = _import(SHARDING_CALL_MODULE)
     with jax.disable_jit():
         out = program.fn(np.arange(4, dtype=np.float32))
     np.testing.assert_array_equal(np.asarray(out).reshape(-1), 2 * np.arange(4, dtype=np.float32))
