@@ -265,8 +265,9 @@ def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
 
 
 def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
+    staging = {} if config.pingpong else {"STAGING": config.staging}  # ping-pong: a buffer per warp group
     return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
-                TAIL_ROWS=config.tail_rows or config.block_m, STAGING=config.staging) | config.register_constexprs()
+                TAIL_ROWS=config.tail_rows or config.block_m) | staging | config.register_constexprs()
 
 
 def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):

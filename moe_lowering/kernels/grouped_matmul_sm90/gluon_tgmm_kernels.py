@@ -128,11 +128,11 @@ def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_lay
     """One tile's ``wgmma`` chain over its group's row blocks from ring use ``counter`` on, one MMA in
     flight, each stage handed back once its MMA has retired; no steps (and zeros) for an empty group.
 
-    The group's last block, where it reaches past the group: with ``TAIL_ROWS == BLOCK_M`` its rows
-    past the group are zeroed and the whole block multiplied; with a smaller ``TAIL_ROWS`` only the
-    ``TAIL_ROWS``-row chunks holding the group's rows are multiplied (one ``wgmma`` each) and only the
-    last of them is zeroed past the group, a fraction of the register round trip (groups of a few
-    blocks take one such block per tile). Returns ``(acc, counter)``."""
+    The group's last block, where it reaches past the group: only its ``TAIL_ROWS``-row chunks holding
+    the group's rows are multiplied (one ``wgmma`` each), and only the last of them is zeroed past the
+    group (with ``TAIL_ROWS == BLOCK_M``: the whole block, zeroed past the group). A smaller chunk is a
+    fraction of the register round trip, which groups of a few blocks pay every tile. Returns ``(acc,
+    counter)``."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -145,23 +145,15 @@ def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_lay
         b_buf = b_bufs.index(stage)
         if r + BLOCK_M > row_end:  # the group's last block: its rows past the group are another's
             rows_left = row_end - r
-            if TAIL_ROWS == BLOCK_M:
-                _zero_rows_from(a_buf, rows_left)
-                _zero_rows_from(b_buf, rows_left)
-            else:
-                _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS)
+            _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS)
             fence_async_shared()
             gl.thread_barrier()
-            # (each branch waits for all but its last MMA: an accumulator in flight cannot leave one)
-            if TAIL_ROWS == BLOCK_M:
-                acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc, ))
-            else:
-                for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
-                    if chunk * TAIL_ROWS < rows_left:
-                        acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
-                                            b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
-                        acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # each MMA waited for down to one in flight inside its branch: an accumulator in flight cannot leave one
+            for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+                if chunk * TAIL_ROWS < rows_left:
+                    acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
+                                        b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
         else:
             acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
@@ -284,11 +276,9 @@ def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K
 @gluon.jit
 def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
                               STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
-                              STAGING: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """:func:`tgmm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the default
-    partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer (``STAGING``
-    must be 1)."""
-    gl.static_assert(STAGING == 1, "the ping-pong weight gradient stages each warp group's tile in one buffer")
+    partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)

@@ -37,3 +37,5 @@ def test_the_default_weight_gradient_config_is_a_listed_one_with_tail_chunks():
     constexprs = gluon_launch.tgmm_constexprs(jax_launch.DEFAULT_TGMM_CONFIG)
     assert constexprs["TAIL_ROWS"] == 16 and constexprs["STAGING"] == 1
     assert gluon_launch.tgmm_constexprs(gluon_launch.GluonTgmmConfig())["TAIL_ROWS"] == 64
+    pingpong = gluon_launch.GluonTgmmConfig(128, 128, 64, stages=4, pingpong=True, num_warps=4)
+    assert "STAGING" not in gluon_launch.tgmm_constexprs(pingpong)  # its kernel stages a tile per warp group
