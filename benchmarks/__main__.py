@@ -31,6 +31,8 @@ layer configs:
 SonicMoE:
   sonic         sonic.py                SonicMoE's twelve layer shapes (arXiv 2512.14080, Figure 14) beside its numbers
   sonic-ab      sonic_ab.py             kernel-backend variants A/B on those shapes, alternated, with a per-kernel profile
+  sonic-side-by-side sonic_side_by_side.py  SonicMoE itself (the shared harness, carried as .sonic) and ours on
+                                        those shapes in one run on one GPU, with each side's clock under load
 
 expert parallelism:
   ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles

@@ -9,6 +9,8 @@
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
 #             gathered-rows gluon-tests gluon-layers (the Hopper weight gradient: its GPU tests; every
 #             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer with and without it)
+#             sonic-small sonic-large (SonicMoE itself and ours side by side, six shapes a call: carry the
+#             shared harness as .sonic, `cp -r ../shared/sonic .sonic`, beside .whl without tokamax)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
 #             ep-multiprocess (one process per GPU against one process, issue 36: EP=4; EP_SIZES=2 in a
@@ -23,6 +25,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/.gpu_stubs:$PWD
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv | tee "$OUT/device.txt"
+side_by_side() {  # SonicMoE itself, then ours, on six shapes: sonic_side_by_side.py's one result
+  timeout 580 python3 benchmarks/sonic_side_by_side.py --shapes $2 --sonic-budget-s 370 --reps 5 --tag "$1" \
+    --out "$OUT" 2>&1 | tee "$OUT/side_by_side_$1.log" | grep -v "INFO\|Unable" | tail -20
+}
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
@@ -108,6 +114,8 @@ for step in "$@"; do
         timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --weight-gradient $variant \
           --out "$OUT/layer_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
       done ;;
+    sonic-small) side_by_side small "1.4B-n256 1.4B-n512 1.4B-n1024 7B-n256 7B-n512 7B-n1024" ;;
+    sonic-large) side_by_side large "30B-n256 30B-n512 30B-n1024 120B-n512 120B-n1024 120B-n2048" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

@@ -3,9 +3,8 @@
 SonicMoE (Dao-AILab/sonic-moe; arXiv 2512.14080, Figure 14) reports forward and backward TFLOP/s
 on an H100 for twelve MoE layers: softmax top-K router, renormalised, SwiGLU experts of width n,
 bf16, router included. TFLOP/s there count ``6 T K d n`` forward and twice that backward, as
-``moe_layer.py`` does. SonicMoE's bars below were read off that figure (about +-10 TFLOP/s); it
-cannot run on our GPU machines (its CUTLASS DSL wheels are over what a call may carry), so the
-comparison is against the published figure, on the figure's hardware (``nvidia-h100-x1``).
+``moe_layer.py`` does. SonicMoE's bars below were read off that figure (about +-10 TFLOP/s);
+``sonic_side_by_side.py`` runs SonicMoE itself beside this script's timing, on the same GPU.
 
 Timing as SonicMoE's benchmark times (``benchmarks/moe-cute.py`` there): ``triton.testing.do_bench``,
 each repetition between CUDA events, launches asynchronous, so here calls issued back to back with one

@@ -23,6 +23,8 @@ IMAGES = REPO / "docs" / "img"
 LAYER = "moe_layer_NVIDIA_H200_2026-11-24.json"
 SONIC_OURS = ("sonic_small_H100_2026-11-27.json", "sonic_large_H100_2026-11-27.json")
 SONIC_MEASURED = "sonic_measured_H100_2026-11-27.json"
+SONIC_SIDE_BY_SIDE = ("sonic_side_by_side_small_NVIDIA_H200_2026-11-28.json",
+                      "sonic_side_by_side_large_NVIDIA_H200_2026-11-28.json")
 EP = ("ep_tiles_final_H200x4_20261122.json", "ep_tiles_final_mixtral_ep2_H200x4_20261122.json")
 EP_RERUNS = {("mixtral", 2): EP[1]}  # the mesh's own rerun (with a profile) replaces the first file's row
 REALWORLD = "realworld_cpu_cpu_2026-11-24.json"
@@ -179,6 +181,49 @@ def _sonic_section() -> list[str]:
     return lines
 
 
+def _sonic_side_by_side_section() -> list[str]:
+    """SonicMoE itself and ours in one run each half (``sonic_side_by_side.py``), with the clocks under load."""
+    halves = [_load(name) for name in SONIC_SIDE_BY_SIDE]
+    rows = [row for half in halves for row in half["rows"]]
+    lines = [
+        f"## SonicMoE itself beside ours on an {halves[0]['device'].removeprefix('NVIDIA ')}",
+        "",
+        f"SonicMoE {halves[0]['sonicmoe_env'].get('sonicmoe', '')} and our layer on the same GPU, one run per six "
+        "shapes (SonicMoE first, in its own process, then ours), each timed as above: "
+        + ", ".join(f"`benchmarks/results/{name}`" for name in SONIC_SIDE_BY_SIDE)
+        + f" (`python -m benchmarks sonic-side-by-side`, {halves[0]['device']}, {_day(halves[0])}). "
+        "Forward+backward TFLOPS; the Figure 14 bars are SonicMoE's H100 numbers.",
+        "",
+        "| shape | ours | SonicMoE, same run | SonicMoE paper (H100) | ours / SonicMoE | ours / max |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['shape']} | {row['ours_fwdbwd_tflops']:.0f} | {row['sonicmoe_fwdbwd_tflops']:.0f} | "
+                     f"{row['sonicmoe_figure14_fwdbwd_tflops']:.0f} | {row['ours_over_measured']:.2f} | "
+                     f"{row['ours_over_max_measured_figure14']:.2f} |")
+    lines += [
+        "",
+        f"Geometric mean, ours / SonicMoE in the same run: {_geomean(r['ours_over_measured'] for r in rows):.3f}x "
+        f"(d <= 1536: {_geomean(r['ours_over_measured'] for r in halves[0]['rows']):.3f}x, d = 4096: "
+        f"{_geomean(r['ours_over_measured'] for r in halves[1]['rows']):.3f}x); ours / the larger of that and "
+        f"Figure 14: {_geomean(r['ours_over_max_measured_figure14'] for r in rows):.3f}x.",
+        "",
+        "At d = 4096 both sides run into the GPU's 700 W power cap, which it holds by lowering the SM clock "
+        "(`nvidia-smi` names the reason: SW power cap), so there a layer's power sets its speed; ours draws more "
+        "and runs at a lower clock. Median SM clock and power over each side's busy samples (`nvidia-smi` every "
+        "250 ms; SonicMoE's timing flushes the L2 between calls, which lowers its average draw a little):",
+        "",
+        "| shapes | SonicMoE | ours |",
+        "|---|---|---|",
+    ]
+    for label, half in zip(("d <= 1536", "d = 4096"), halves):
+        cells = [f"{half['clocks'][side]['median_sm_mhz']:.0f} MHz, {half['clocks'][side]['median_power_w']:.0f} W"
+                 for side in ("sonicmoe", "ours")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
 def _hopper_tgmm_section() -> list[str]:
     """The layer with and without the Gluon weight gradient (same machine, back to back)."""
     before, after = (_load(name) for name in HOPPER_TGMM)
@@ -188,7 +233,7 @@ def _hopper_tgmm_section() -> list[str]:
     lines = [
         "## The Hopper weight gradient",
         "",
-        "The SonicMoE numbers above predate it. Since 2026-11-28, on sm_90 GPUs, the backward's weight "
+        "The H100 SonicMoE numbers above predate it; the H200 side-by-side runs it. Since 2026-11-28, on sm_90 GPUs, the backward's weight "
         "gradients run a Gluon kernel (a TMA producer warp, `wgmma` consumer warp groups; a group's last, "
         "partial row block multiplied in 16-row chunks), "
         "launched from JAX through a custom call that encodes the TMA descriptors at run time: "
@@ -288,7 +333,7 @@ def render_markdown() -> str:
         "`benchmarks/NOTES.md` says how the numbers were reached.",
         "",
     ]
-    lines += _layer_section() + _sonic_section() + _hopper_tgmm_section() + _ep_section() + _cpu_section()
+    lines += _layer_section() + _sonic_section() + _sonic_side_by_side_section() + _hopper_tgmm_section() + _ep_section() + _cpu_section()
     return "\n".join(lines)
 
 

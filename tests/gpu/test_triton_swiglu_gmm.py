@@ -26,6 +26,13 @@ except BackendUnavailable as err:
 from moe_lowering.kernels.grouped_matmul import triton_launch as tgm  # noqa: E402
 from moe_lowering.kernels.swiglu_gmm import triton_launch as tsw  # noqa: E402
 from moe_lowering import sparse_moe  # noqa: E402
+from moe_lowering.kernels.grouped_matmul_sm90.xla_call import CUSTOM_CALL_TARGET as GLUON_TARGET  # noqa: E402
+
+
+def _kernel_calls(hlo_text: str) -> int:
+    """Kernel launches of a compiled program: Triton's custom calls and the Hopper Gluon kernels' (the
+    weight gradient, ``tgmm``, runs the latter on an sm_90 GPU)."""
+    return sum(hlo_text.count(f'custom_call_target="{target}"') for target in ("triton_kernel_call", GLUON_TARGET))
 
 pytestmark = pytest.mark.gpu
 
@@ -209,10 +216,10 @@ def test_layer_forward_reads_the_tokens_without_permuting_them(monkeypatch):
         monkeypatch.setattr(sparse_moe, "get_backend", lambda _, b=backend: b)
         layer = moe_optimize(model.fn, strict=True)  # one per backend: its trace is cached
         forward = jax.jit(layer).lower(params, x).compile().as_text()
-        kernels[name] = forward.count('custom_call_target="triton_kernel_call"')
+        kernels[name] = _kernel_calls(forward)
         loss = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(jnp.sin(layer(p, x).astype(jnp.float32)))))
         step = loss.lower(params, x).compile().as_text()
-        kernels[f"{name}-step"] = step.count('custom_call_target="triton_kernel_call"')
+        kernels[f"{name}-step"] = _kernel_calls(step)
         results[name] = jax.tree_util.tree_leaves((jax.jit(layer)(params, x), loss(params, x)))
     assert kernels["gathered"] == kernels["permuted"] - 1, kernels  # no row-gather kernel
     assert kernels["gathered-step"] == kernels["permuted-step"] - 1, kernels  # nor in the training step
