@@ -10,7 +10,7 @@ harness's ``fig14_published_h100.json``), ``ours / measured`` and ``ours / max(m
 whose geometric mean is issue 37's measure.
 
 The GPU's SM clock and power are sampled (``nvidia-smi``) through both sides: a timed loop at 700 W
-runs at a power-capped clock (1.1-1.6 GHz on an H200, 2026-11-28, against 1.98 GHz idle), so each
+runs at a power-capped clock (1.1-1.7 GHz on an H200, 2026-11-28, against 1.98 GHz idle), so each
 side's clock under load is part of the result.
 
 Writes ``sonic_side_by_side_<device>_<date>.json`` (with ``--tag``, ``sonic_side_by_side_<tag>_...``).
@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -57,8 +56,10 @@ class ClockSampler:
     def __init__(self, path: Path):
         self.path, self.proc, self.phases = path, None, {}
         if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                          "-lms", "250"], stdout=path.open("w"), stderr=subprocess.DEVNULL)
+            with path.open("w") as sink:  # the child keeps its own descriptor
+                self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}",
+                                              "--format=csv,noheader,nounits", "-lms", "250"],
+                                             stdout=sink, stderr=subprocess.DEVNULL)
 
     def mark(self, phase: str, start: float, end: float) -> None:
         self.phases[phase] = (start, end)
@@ -146,11 +147,6 @@ def merge(names, sonic_rows, ours_rows, paper) -> list[dict]:
     return rows
 
 
-def _geomean(values):
-    values = [v for v in values if v]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
-
-
 def print_table(result) -> None:
     print(f"device {result['device']}  {result['date']}  SonicMoE {result['sonicmoe_env'].get('sonicmoe', '?')}")
     print(f"{'shape':12s} {'ours':>6s} {'Sonic':>6s} {'Fig.14':>6s} {'/meas':>6s} {'/max':>6s}   (fwd+bwd TFLOP/s)")
@@ -211,7 +207,7 @@ def main(argv=None) -> int:
     }
     for key in ("ours_over_measured", "ours_over_max_measured_figure14"):
         values = [r[key] for r in rows if key in r]
-        result[f"geomean_{key}"], result[f"geomean_{key}_shapes"] = _geomean(values), len(values)
+        result[f"geomean_{key}"], result[f"geomean_{key}_shapes"] = sonic._geomean(values), len(values)
     stem = "sonic_side_by_side" + (f"_{args.tag}" if args.tag else "")
     path = args.out / f"{stem}_{result['device'].replace(' ', '_')}_{result['date'][:10]}.json"
     path.write_text(json.dumps(result, indent=1))

@@ -233,8 +233,8 @@ def _hopper_tgmm_section() -> list[str]:
     lines = [
         "## The Hopper weight gradient",
         "",
-        "The H100 SonicMoE numbers above predate it; the H200 side-by-side runs it. Since 2026-11-28, on sm_90 GPUs, the backward's weight "
-        "gradients run a Gluon kernel (a TMA producer warp, `wgmma` consumer warp groups; a group's last, "
+        "The H100 SonicMoE numbers above predate it; the H200 side-by-side runs it. Since 2026-11-28, on sm_90 "
+        "GPUs, the backward's weight gradients run a Gluon kernel (a TMA producer warp, `wgmma` consumer warp groups; a group's last, "
         "partial row block multiplied in 16-row chunks), "
         "launched from JAX through a custom call that encodes the TMA descriptors at run time: "
         f"{min(speedups):.2f}-{max(speedups):.2f}x our Triton `tgmm_kernel` at the d = 4096 shapes "
@@ -333,7 +333,8 @@ def render_markdown() -> str:
         "`benchmarks/NOTES.md` says how the numbers were reached.",
         "",
     ]
-    lines += _layer_section() + _sonic_section() + _sonic_side_by_side_section() + _hopper_tgmm_section() + _ep_section() + _cpu_section()
+    lines += (_layer_section() + _sonic_section() + _sonic_side_by_side_section() + _hopper_tgmm_section()
+              + _ep_section() + _cpu_section())
     return "\n".join(lines)
 
 
