@@ -217,11 +217,11 @@ class Overlap:
         layer, cfg = self.layer, self.cfg
         if fwd_bwd:
             if impl == "dense":
-                fn = jax.jit(with_grad(lambda t, p: ep_bench.dense_layer(t, layer.indices, layer.weights, p, cfg.E)))
+                fn = jax.jit(with_grad(lambda t, p, i, w: ep_bench.dense_layer(t, i, w, p, cfg.E)))
             else:
                 single = layer.sparse_single(self.bench.backend)
-                fn = jax.jit(with_grad(lambda t, p: single(t, layer.indices, layer.weights, p)))
-            args = (layer.tokens, layer.params, layer.cotangent)
+                fn = jax.jit(with_grad(lambda t, p, i, w: single(t, i, w, p)))
+            args = (layer.tokens, layer.params, layer.cotangent, layer.indices, layer.weights)
         else:
             fn = (jax.jit(lambda t, i, w, p: ep_bench.dense_layer(t, i, w, p, cfg.E)) if impl == "dense"
                   else jax.jit(layer.sparse_single(self.bench.backend)))
@@ -240,8 +240,8 @@ class Overlap:
         mesh, _, (tokens, indices, weights, params) = self.mesh_args(ep)
         if fwd_bwd:
             cotangent = jax.device_put(layer.cotangent, NamedSharding(mesh, P("expert")))
-            fn = jax.jit(with_grad(lambda t, p: ep_bench.dense_layer(t, indices, weights, p, cfg.E)))
-            args = (tokens, params, cotangent)
+            fn = jax.jit(with_grad(lambda t, p, i, w: ep_bench.dense_layer(t, i, w, p, cfg.E)))
+            args = (tokens, params, cotangent, indices, weights)
         else:
             fn = jax.jit(lambda t, i, w, p: ep_bench.dense_layer(t, i, w, p, cfg.E),
                          out_shardings=NamedSharding(mesh, P("expert")))
@@ -263,12 +263,12 @@ class Overlap:
                 cotangent = jax.device_put(layer.cotangent, NamedSharding(mesh, P("expert")))
                 program = layer.program
 
-                def loss_fn(t, p):
-                    return sharded_sparse_moe(t, indices, weights, p, program, num_experts=cfg.E, layout=layout,
+                def layer_fn(t, p, i, w):
+                    return sharded_sparse_moe(t, i, w, p, program, num_experts=cfg.E, layout=layout,
                                               backend=self.bench.backend, exchange_transport=transport,
                                               exchange_chunks=chunks)
-                fn = jax.jit(with_grad(loss_fn))
-                args = (tokens, params, cotangent)
+                fn = jax.jit(with_grad(layer_fn))  # the routing as arguments: see EP_NOTES.md, "the routing"
+                args = (tokens, params, cotangent, indices, weights)
             else:
                 fn = self.sparse_fn(layout, chunks, transport)
                 args = (tokens, indices, weights, params)
