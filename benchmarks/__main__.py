@@ -38,6 +38,8 @@ expert parallelism:
   ep            ep_overlap.py           the sharded layer at EP=2 and 4: transports, peer variants, back-to-back profiles
   ep-bench      ep_bench.py             bare transports, the exchange alone, FSDP weight gathers, NCCL settings
   ep-multiprocess ep_multiprocess.py    the sharded layer in one process per GPU against one process: times, exactness
+  ep-first-call ep_first_call.py       the sharded forward+backward's first call in fresh processes, each under a
+                                        timeout (stalls show with every thread's stack)
   peer-probe    peer_exchange_probe.py  the device-initiated peer exchange alone
   routing-sort  routing_sort.py         counting against comparison sort of the token copies
 

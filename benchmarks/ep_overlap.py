@@ -267,7 +267,7 @@ class Overlap:
                     return sharded_sparse_moe(t, i, w, p, program, num_experts=cfg.E, layout=layout,
                                               backend=self.bench.backend, exchange_transport=transport,
                                               exchange_chunks=chunks)
-                fn = jax.jit(with_grad(layer_fn))  # the routing as arguments: see EP_NOTES.md, "the routing"
+                fn = jax.jit(with_grad(layer_fn))  # the routing as arguments, as a multi-process job passes it
                 args = (tokens, params, cotangent, indices, weights)
             else:
                 fn = self.sparse_fn(layout, chunks, transport)

@@ -15,6 +15,7 @@
 #             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
 #             ep-multiprocess (one process per GPU against one process, issue 36: EP=4; EP_SIZES=2 in a
 #             second call for EP=2, each call's two jobs within the 10 minutes)
+#   2+ GPUs:  first-call (the sharded forward+backward's first call in fresh processes: no stall, EP=2)
 # The one-off steps of earlier EP rounds are in git history (git show 3ea3258:benchmarks/gpu_run.sh), the
 # tma-probe step with its probe (git show ebaf5b2:benchmarks/gpu_run.sh).
 set -uo pipefail
@@ -32,6 +33,8 @@ side_by_side() {  # SonicMoE itself, then ours, on six shapes: sonic_side_by_sid
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)"
   case "$step" in
+    first-call) timeout 560 python3 benchmarks/ep_first_call.py --runs 2 --timeout 120 --out "$OUT" 2>&1 \
+      | tee "$OUT/ep_first_call.log" | grep -v "INFO\|Unable" | tail -12 ;;
     tests) python3 -m pytest tests/gpu --ignore-glob "tests/gpu/test_triton_swiglu_*.py" -v -rs -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_tests.log" | tail -15 ;;
     kernel-tests) python3 -m pytest tests/kernels -m "not triton_interpreter" -v -rs -p no:cacheprovider 2>&1 \

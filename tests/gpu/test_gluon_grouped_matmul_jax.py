@@ -119,3 +119,22 @@ def test_bad_shapes_raise_naming_the_problem():
     with pytest.raises(TypeError, match="bf16"):
         jax_launch.gmm(jnp.zeros((64, 128), jnp.float32), jnp.zeros((1, 128, 128), jnp.float32),
                        jnp.asarray([64], jnp.int32))
+
+
+def test_kernels_load_when_lowered_not_at_their_first_launch():
+    """Loading at a launch can wait for work queued on the GPU, and in one process driving several GPUs
+    that work can be a peer exchange's wait for another GPU's launch thread (a deadlock: ``xla_call``'s
+    docstring): every device's context holds the kernel before the program first runs."""
+    from moe_lowering.kernels.grouped_matmul_sm90 import xla_call
+
+    lhs, _, dout = _data(3, 777, 256, 384, 3)
+    group_sizes = jnp.asarray([300, 0, 477], jnp.int32)
+    step = jax.jit(lambda a, d, g: jax_launch.tgmm(a, d, g, out_dtype=jnp.float32) * 2.0)
+    compiled = step.lower(lhs, dout, group_sizes).compile()
+    driver = xla_call._loaded_driver()
+    ordinals = [d.local_hardware_id for d in jax.local_devices()]
+    contexts = {driver.primary_context(o) for o in ordinals}
+    assert {context for _, context in driver.functions} >= contexts
+    loads_before = driver.launch_time_loads
+    jax.block_until_ready(compiled(lhs, dout, group_sizes))
+    assert driver.launch_time_loads == loads_before, "XLA ran the call in a context other than the primary one"

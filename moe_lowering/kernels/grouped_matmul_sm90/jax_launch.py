@@ -38,11 +38,20 @@ def _abstract_eval(*operands, opaque, out_avals, aliases):
 
 def _lowering(ctx, *operands, opaque, out_avals, aliases):
     xla_call.register_target()
+    xla_call.preload(opaque, _local_gpu_ordinals())
     op = _compat.custom_call(xla_call.CUSTOM_CALL_TARGET,
                              result_types=[_compat.aval_to_ir_type(ctx, a) for a in out_avals], operands=list(operands),
                              backend_config=opaque, api_version=2, has_side_effect=False,
                              operand_output_aliases=dict(aliases) or None)
     return list(op.results)
+
+
+def _local_gpu_ordinals() -> list[int]:
+    """The CUDA ordinals of this process's GPUs (none where JAX has no GPU backend)."""
+    try:
+        return [d.local_hardware_id for d in jax.local_devices(backend="gpu")]
+    except RuntimeError:
+        return []
 
 
 def _no_gpu(ctx, *operands, **params):

@@ -10,6 +10,15 @@ Triton's own launcher does (``tensordesc_meta`` of the compiled kernel: box, swi
 and calls ``cuLaunchKernel`` on XLA's stream. Nothing is allocated or synchronised per launch; the
 handler costs a few tens of microseconds of host time, against GEMMs of milliseconds.
 
+Kernels are loaded into every local GPU's context when the call is lowered (:func:`preload`), not at
+its first launch. Loading a module can wait for the work already queued on its GPU (CUDA's lazy
+loading synchronises the context), and at launch time that work may be a peer exchange's wait that
+spins until another GPU's launch thread reaches its push: one process driving two H200s deadlocked
+so at the first forward+backward of the expert-parallel layer, while one launch thread held a lock
+around its load and the other waited for that lock before its push (``benchmarks/EP_NOTES.md``).
+A launch that still finds its kernel unloaded (a context other than the device's primary one) loads
+it holding no lock across the driver call.
+
 A launch is a :class:`LaunchPlan` (the compiled kernel, grid, and each parameter's source) registered
 once per trace; the custom call's opaque bytes name it.
 """
@@ -82,8 +91,16 @@ class _Driver:
         lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         lib.cuMemsetD32Async.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuModuleUnload.argtypes = [ctypes.c_void_p]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self.func_load = getattr(lib, "cuFuncLoad", None)  # CUDA >= 12.4: load now, not at the first launch
+        if self.func_load is not None:
+            self.func_load.argtypes = [ctypes.c_void_p]
         self.functions: dict[tuple[int, int], ctypes.c_void_p] = {}
-        self.lock = threading.Lock()
+        self.primary_contexts: dict[int, int] = {}
+        self.launch_time_loads = 0
+        self.lock = threading.Lock()  # guards the tables only: never held across a driver call
 
     def check(self, result: int, what: str):
         if result != 0:
@@ -91,19 +108,56 @@ class _Driver:
             self.lib.cuGetErrorString(result, ctypes.byref(message))
             raise RuntimeError(f"{what}: CUDA error {result} ({(message.value or b'?').decode()})")
 
-    def function(self, plan_key: int, plan: LaunchPlan, context: int):
-        """The plan's kernel loaded in ``context`` (once per plan and context)."""
+    def function(self, plan_key: int, plan: LaunchPlan, context: int, at_launch: bool = False):
+        """The plan's kernel loaded in ``context``, the current one (once per plan and context). The load
+        runs outside the lock: it can wait for the context's queued work (see the module docstring)."""
+        key = (plan_key, context)
         with self.lock:
-            if (plan_key, context) not in self.functions:
-                module, function = ctypes.c_void_p(), ctypes.c_void_p()
-                self.check(self.lib.cuModuleLoadData(ctypes.byref(module), plan.cubin), "cuModuleLoadData")
-                self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, plan.name.encode()),
-                           "cuModuleGetFunction")
-                if plan.shared > 48 * 1024:
-                    self.check(self.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, plan.shared),
-                               "cuFuncSetAttribute")
-                self.functions[plan_key, context] = function
-            return self.functions[plan_key, context]
+            function = self.functions.get(key)
+        if function is not None:
+            return function
+        if at_launch:
+            self.launch_time_loads += 1
+            logger.debug("Gluon kernel %s loaded at its launch: context %#x was not preloaded", plan.name, context)
+        module, function = self._load(plan)
+        with self.lock:
+            kept = self.functions.setdefault(key, function)
+        if kept is not function:  # another thread loaded it meanwhile
+            self.lib.cuModuleUnload(module)
+        return kept
+
+    def _load(self, plan: LaunchPlan):
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), plan.cubin), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(function), module, plan.name.encode()),
+                   "cuModuleGetFunction")
+        if self.func_load is not None:
+            self.check(self.func_load(function), "cuFuncLoad")
+        if plan.shared > 48 * 1024:
+            self.check(self.lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, plan.shared), "cuFuncSetAttribute")
+        return module, function
+
+    def primary_context(self, ordinal: int) -> int:
+        """Device ``ordinal``'s primary context (the one XLA runs in), retained once."""
+        with self.lock:
+            context = self.primary_contexts.get(ordinal)
+        if context is None:
+            device, handle = ctypes.c_int(), ctypes.c_void_p()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), device), "cuDevicePrimaryCtxRetain")
+            with self.lock:
+                context = self.primary_contexts.setdefault(ordinal, handle.value or 0)
+        return context
+
+    def preload(self, plan_key: int, plan: LaunchPlan, ordinals) -> None:
+        """Loads the plan's kernel into each device's primary context, from the calling thread."""
+        for ordinal in ordinals:
+            context = self.primary_context(ordinal)
+            self.check(self.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(context)), "cuCtxPushCurrent")
+            try:
+                self.function(plan_key, plan, context)
+            finally:
+                self.lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
     def tensor_map(self, desc: Descriptor, address: int):
         """The 128-byte ``CUtensorMap`` (64-byte aligned, as a kernel parameter must be)."""
@@ -135,11 +189,22 @@ def register_plan(plan: LaunchPlan) -> bytes:
         return struct.pack("<q", _plan_keys[plan])
 
 
+def preload(opaque: bytes, ordinals) -> None:
+    """Loads the kernel of the plan ``opaque`` names into the primary context of each GPU ordinal, now
+    (at lowering) rather than at its first launch; best effort: where it fails, the launch loads it."""
+    (plan_key,) = struct.unpack("<q", opaque[:8])
+    try:
+        _loaded_driver().preload(plan_key, _plan(plan_key), ordinals)
+    except Exception as error:  # noqa: BLE001 - no driver here (lowering without a GPU): the launch loads it
+        logger.debug("Gluon kernel not preloaded: %s", error)
+
+
 def _loaded_driver() -> _Driver:
     global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver
+    with _plans_lock:
+        if _driver is None:
+            _driver = _Driver()
+        return _driver
 
 
 def _launch(stream: int, buffers, plan_key: int, plan: LaunchPlan):
@@ -148,7 +213,7 @@ def _launch(stream: int, buffers, plan_key: int, plan: LaunchPlan):
     driver.check(driver.lib.cuStreamGetCtx(ctypes.c_void_p(stream), ctypes.byref(context)), "cuStreamGetCtx")
     driver.check(driver.lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
     try:
-        function = driver.function(plan_key, plan, context.value or 0)
+        function = driver.function(plan_key, plan, context.value or 0, at_launch=True)
         keep, pointers = [], []
         for kind, value in plan.params:
             if kind == "desc":

@@ -1,12 +1,14 @@
 """The Gluon kernels' XLA custom call without a GPU: plan registration, the kernel-parameter packing
 (the ABI Triton's launcher uses: each TMA descriptor then its shape as int32 and strides as int64,
-pointers, int32 scalars, two null scratch pointers), failures reported to XLA, the CPU lowering's
-error, and when the backend's weight gradient takes the Hopper kernel."""
+pointers, int32 scalars, two null scratch pointers), kernel loading (preloaded per device, no lock
+held across a load), failures reported to XLA, the CPU lowering's error, and when the backend's weight
+gradient takes the Hopper kernel."""
 
 from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -59,7 +61,7 @@ class _FakeDriver:
     def check(self, result, what):
         assert result == 0, what
 
-    def function(self, plan_key, plan, context):
+    def function(self, plan_key, plan, context, at_launch=False):
         return ctypes.c_void_p(context)
 
     def tensor_map(self, desc, address):
@@ -106,6 +108,118 @@ def test_parameters_packed_in_the_kernel_abi_order(monkeypatch):
     assert values[5:7] == [0x3000, 0x2000]  # ("ptr", 2), ("ptr", 1)
     assert int32[7:9] == [1000, -5]
     assert values[9:11] == [0, 0]  # the scratch pointers
+
+
+class _LoadingLib:
+    """libcuda's loading entry points; a load in a context listed in ``blocked`` waits for ``release``
+    (as CUDA's lazy loading waits for the work queued in that context)."""
+
+    def __init__(self):
+        self.current = threading.local()
+        self.blocked, self.release = set(), threading.Event()
+        self.loaded, self.unloaded, self.retained = [], [], []
+        self.modules = iter(range(1000, 10**6))
+
+    def cuCtxPushCurrent_v2(self, context):
+        self.current.context = context.value
+        return 0
+
+    def cuCtxPopCurrent_v2(self, context):
+        self.current.context = None
+        return 0
+
+    def cuModuleLoadData(self, module, cubin):
+        context = getattr(self.current, "context", None)
+        if context in self.blocked:
+            assert self.release.wait(30), "the blocked load was never released"
+        module._obj.value = next(self.modules)
+        self.loaded.append(context)
+        return 0
+
+    def cuModuleGetFunction(self, function, module, name):
+        function._obj.value = module.value + 10**6
+        return 0
+
+    def cuFuncSetAttribute(self, function, attribute, value):
+        return 0
+
+    def cuModuleUnload(self, module):
+        self.unloaded.append(module.value)
+        return 0
+
+    def cuDeviceGet(self, device, ordinal):
+        device._obj.value = ordinal
+        return 0
+
+    def cuDevicePrimaryCtxRetain(self, context, device):
+        self.retained.append(device.value)
+        context._obj.value = 0x100 + device.value
+        return 0
+
+
+def _loading_driver():
+    driver = object.__new__(xla_call._Driver)  # the real bookkeeping over a stand-in libcuda
+    driver.lib, driver.func_load = _LoadingLib(), None
+    driver.functions, driver.primary_contexts, driver.launch_time_loads = {}, {}, 0
+    driver.lock = threading.Lock()
+    return driver
+
+
+def test_a_load_waiting_on_one_gpu_does_not_hold_up_another_gpus_launch():
+    """The deadlock of one process driving two GPUs: GPU A's load waits for A's queued work (a wait
+    for rows GPU B has yet to push); B's launch thread must still get its kernel and go on to that push."""
+    driver = _loading_driver()
+    driver.lib.blocked.add(0xA)
+    waiting = threading.Thread(target=lambda: (driver.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(0xA)),
+                                               driver.function(7, PLAN, 0xA, at_launch=True)))
+    waiting.start()
+    other = threading.Thread(target=lambda: (driver.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(0xB)),
+                                             driver.function(7, PLAN, 0xB, at_launch=True)))
+    other.start()
+    other.join(10)
+    try:
+        assert not other.is_alive(), "GPU B's launch waited for GPU A's load"
+        assert (7, 0xB) in driver.functions and (7, 0xA) not in driver.functions
+    finally:
+        driver.lib.release.set()
+        waiting.join(10)
+    assert (7, 0xA) in driver.functions and driver.launch_time_loads == 2
+
+
+def test_kernels_are_preloaded_into_every_gpus_primary_context(monkeypatch):
+    driver = _loading_driver()
+    monkeypatch.setattr(xla_call, "_driver", driver)
+    opaque = xla_call.register_plan(PLAN)
+    (key,) = struct.unpack("<q", opaque)
+    xla_call.preload(opaque, [0, 1])
+    xla_call.preload(opaque, [0, 1])  # once per plan and context
+    assert driver.lib.loaded == [0x100, 0x101] and driver.lib.retained == [0, 1]
+    assert set(driver.functions) == {(key, 0x100), (key, 0x101)}
+    assert driver.function(key, PLAN, 0x101, at_launch=True) == driver.functions[key, 0x101]
+    assert driver.launch_time_loads == 0
+
+
+def test_a_load_raced_by_another_thread_keeps_one_module():
+    driver = _loading_driver()
+    driver.lib.blocked.add(0xA)
+    first = threading.Thread(target=lambda: (driver.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(0xA)),
+                                             driver.function(3, PLAN, 0xA)))
+    first.start()
+    driver.lib.blocked.clear()
+    driver.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(0xA))
+    kept = driver.function(3, PLAN, 0xA)  # loads while the first thread's load still waits
+    driver.lib.release.set()
+    first.join(10)
+    assert driver.functions[3, 0xA] == kept and len(driver.lib.unloaded) == 1
+
+
+def test_no_driver_at_lowering_leaves_the_load_to_the_launch(monkeypatch, caplog):
+    def no_driver():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+    monkeypatch.setattr(xla_call, "_loaded_driver", no_driver)
+    with caplog.at_level("DEBUG", logger=xla_call.__name__):
+        xla_call.preload(xla_call.register_plan(PLAN), [0])
+    assert "not preloaded" in caplog.text
 
 
 def test_a_failed_launch_is_reported_to_xla_not_raised(monkeypatch, caplog):
