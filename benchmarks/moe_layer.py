@@ -360,16 +360,11 @@ def main(argv=None):
     parser.add_argument("--weight-gradient", choices=("auto", "triton"), default="auto",
                         help="the backend's weight-gradient kernel: its own choice (the Hopper Gluon kernel where it "
                              "applies) or Triton's kernels only (an A/B of the Gluon kernel)")
-    parser.add_argument("--forward-products", choices=("auto", "triton"), default="auto",
-                        help="the backend's plain grouped products (gmm, gmm_pair): its own choice (the Hopper Gluon "
-                             "kernel for large groups) or Triton's kernels only (an A/B of the Gluon kernel)")
     args = parser.parse_args(argv)
-    from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
-
     if args.weight_gradient == "triton":
+        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
+
         jax_launch.tgmm_applies = lambda *_, **__: False
-    if args.forward_products == "triton":
-        jax_launch.gmm_applies = lambda *_, **__: False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())

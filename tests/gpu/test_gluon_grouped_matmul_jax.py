@@ -138,24 +138,3 @@ def test_kernels_load_when_lowered_not_at_their_first_launch():
     loads_before = driver.launch_time_loads
     jax.block_until_ready(compiled(lhs, dout, group_sizes))
     assert driver.launch_time_loads == loads_before, "XLA ran the call in a context other than the primary one"
-
-
-def test_the_backend_runs_large_groups_forward_products_on_gluon():
-    """``get_backend("triton")``'s ``gmm`` and ``gmm_pair`` take the Gluon kernel for groups of
-    ``GMM_MIN_ROWS_PER_GROUP`` rows and more (and match the reference), Triton's below."""
-    from moe_lowering.kernels import get_backend
-
-    backend = get_backend("triton")
-    step = jax.jit(lambda a, b, c, g: (backend.gmm(a, b, g), *backend.gmm_pair(a, b, c, g)))
-    for sizes, rows, routed in (([2100, 0, 1900], 4096, True), ([100, 28], 200, False)):
-        lhs, rhs, _ = _data(5, rows, 256, 384, len(sizes))
-        other = _data(6, rows, 256, 384, len(sizes))[1]
-        group_sizes = jnp.asarray(sizes, jnp.int32)
-        assert ("moe_lowering_gluon_call" in step.lower(lhs, rhs, other, group_sizes).as_text()) is routed
-        out, pair_a, pair_b = step(lhs, rhs, other, group_sizes)
-        if routed:  # one Gluon kernel either way (Triton's pair sums its tails apart: an ulp off gmm)
-            np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(pair_a, np.float32))
-        for got, weights in ((out, rhs), (pair_a, rhs), (pair_b, other)):
-            want = reference.gmm_rows(np.asarray(lhs, np.float32), np.asarray(weights, np.float32), sizes)
-            assert _relative_error(got, want) < 1e-2
-            np.testing.assert_array_equal(np.asarray(got, np.float32)[sum(sizes):], 0.0)

@@ -219,65 +219,6 @@ def _gluon_available() -> bool:
     return True
 
 
-GMM_MIN_ROWS_PER_GROUP = 1024
-"""Groups of at least this many expected rows take the Gluon forward product: at Mixtral's ~2048 rows a group
-it ran 1.06-1.07x ``gmm_kernel`` (both products), at DeepSeek-V3's ~128 0.96-1.03x
-(``benchmarks/results/gluon_layer_ops_NVIDIA_H200_2026-11-28.json``)."""
-
-
-def gmm_applies(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, expected_rows=None) -> bool:
-    """Whether ``gmm`` runs the Hopper Gluon kernel: bf16 operands and result, the weights as ``[E, K, N]``
-    (not transposed), every group local, K a multiple of the tile's block, N of 16, groups of at least
-    :data:`GMM_MIN_ROWS_PER_GROUP` rows, and every GPU an sm_90 one. Not on an expert-parallel receive
-    buffer (``expected_rows`` given): there the slowest GPU's last wave sets the step, which Triton's
-    kernels split off in tail launches (``benchmarks/EP_NOTES.md``) and the Gluon kernel does not."""
-    if expected_rows is not None:
-        return False
-    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16 or out_dtype != jnp.bfloat16 or transpose_rhs:
-        return False
-    if not (isinstance(group_offset, int) and group_offset == 0):
-        return False
-    if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        return False
-    num_rows, k = lhs.shape
-    num_groups, rhs_k, n = rhs.shape
-    if num_groups != group_sizes.shape[0] or rhs_k != k or k % gmm_config(k).block_k or n % 16 or num_groups == 0:
-        return False
-    if num_rows < GMM_MIN_ROWS_PER_GROUP * num_groups:
-        return False
-    return _all_gpus_sm90() and _gluon_available()
-
-
-def backend_gmm(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, preferred_element_type=None,
-                config=None, zero_outside=True, expected_rows=None):
-    """The Triton backend's ``gmm`` (``grouped_matmul.triton_launch.gmm``'s arguments): the Gluon kernel where
-    :func:`gmm_applies`, Triton's kernels otherwise."""
-    from moe_lowering.kernels.grouped_matmul import triton_launch
-
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    if config is None and gmm_applies(lhs, rhs, group_sizes, group_offset, transpose_rhs, out_dtype, expected_rows):
-        return gmm(lhs, rhs, jnp.maximum(group_sizes.astype(jnp.int32), 0), zero_outside=zero_outside)
-    return triton_launch.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
-                             preferred_element_type=preferred_element_type, config=config,
-                             zero_outside=zero_outside, expected_rows=expected_rows)
-
-
-def backend_gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None, config=None,
-                     zero_outside=True, expected_rows=None):
-    """The Triton backend's ``gmm_pair``: two Gluon products where :func:`gmm_applies` to both (the pair's one
-    tail launch is a Triton kernel's), else ``grouped_matmul.triton_launch.gmm_pair``."""
-    from moe_lowering.kernels.grouped_matmul import triton_launch
-
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs_a.dtype, rhs_b.dtype))
-    if config is None and all(gmm_applies(lhs, rhs, group_sizes, group_offset, False, out_dtype, expected_rows)
-                              for rhs in (rhs_a, rhs_b)):
-        sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-        return tuple(gmm(lhs, rhs, sizes, zero_outside=zero_outside) for rhs in (rhs_a, rhs_b))
-    return triton_launch.gmm_pair(lhs, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
-                                  preferred_element_type=preferred_element_type, config=config,
-                                  zero_outside=zero_outside, expected_rows=expected_rows)
-
-
 def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, preferred_element_type=None,
                  config=None, expected_rows=None):
     """The Triton backend's ``tgmm`` (``grouped_matmul.triton_launch.tgmm``'s arguments): the Gluon kernel

@@ -24,8 +24,8 @@ from moe_lowering.kernels.grouped_matmul.triton_launch import (
     _offset_array,
     _row_tile_grid,
     gmm_config,
+    gmm_pair,
 )
-from moe_lowering.kernels.grouped_matmul_sm90.jax_launch import backend_gmm_pair
 from moe_lowering.kernels.swiglu_gmm import reference
 from moe_lowering.kernels.swiglu_gmm.triton_kernels import (
     gather_swiglu_gmm_kernel,
@@ -108,8 +108,7 @@ def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, pr
                        with_preactivations: bool = False):
     """The Triton backend's ``swiglu_gmm``: the fused kernel for experts up to ``FUSED_MAX_N`` wide,
     where the products are short and the ``[M, N]`` passes it saves are a large part of the time;
-    else the backend's ``gmm_pair`` (both products: Triton's with one tail launch, or the Hopper Gluon
-    kernel's for large groups) and the activation on the rounded products.
+    else ``gmm_pair`` (both products, one tail launch) and the activation on the rounded products.
 
     Either way the SwiGLU goes through ``moe_swiglu_gmm``, whose backward adds the rows' cotangents
     of both products in one ``gmm_sum`` pass."""
@@ -118,8 +117,8 @@ def swiglu_gmm_or_pair(lhs, gate_rhs, up_rhs, group_sizes, *, group_offset=0, pr
         return swiglu_gmm(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
                           preferred_element_type=preferred_element_type, with_preactivations=with_preactivations)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, gate_rhs.dtype, up_rhs.dtype))
-    gate, up = backend_gmm_pair(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
-                                preferred_element_type=out_dtype)
+    gate, up = gmm_pair(lhs, gate_rhs, up_rhs, group_sizes, group_offset=group_offset,
+                        preferred_element_type=out_dtype)
     acc = jnp.promote_types(out_dtype, jnp.float32)
     out = (jax.nn.silu(gate.astype(acc)) * up.astype(acc)).astype(out_dtype)
     return (out, gate, up) if with_preactivations else out

@@ -295,34 +295,6 @@ def test_when_the_weight_gradient_takes_the_hopper_kernel(monkeypatch, change, a
                                               jnp.dtype(case["out_dtype"])) is applies
 
 
-@pytest.mark.parametrize("change, applies", [
-    ({}, True),
-    ({"lhs_dtype": jnp.float32}, False),
-    ({"out_dtype": jnp.float32}, False),
-    ({"transpose_rhs": True}, False),
-    ({"group_offset": 1}, False),
-    ({"group_offset": jnp.int32(0)}, False),  # a traced offset: not provably 0
-    ({"rhs_groups": 3}, False),  # not every group local
-    ({"k": 96}, False),  # a weight block would cross into the next group's rows
-    ({"n": 72}, False),
-    ({"rows": 2047}, False),  # groups under GMM_MIN_ROWS_PER_GROUP rows
-    ({"expected_rows": 2048}, False),  # an expert-parallel receive buffer: Triton's tail launches
-    ({"sm90": False}, False),
-])
-def test_when_the_forward_product_takes_the_hopper_kernel(monkeypatch, change, applies):
-    case = dict(lhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, transpose_rhs=False, group_offset=0, rhs_groups=2,
-                k=128, n=64, rows=2048, expected_rows=None, sm90=True)
-    case.update(change)
-    monkeypatch.setattr(jax_launch, "_all_gpus_sm90", lambda: case["sm90"])
-    monkeypatch.setattr(jax_launch, "_gluon_available", lambda: True)
-    lhs = jax.ShapeDtypeStruct((case["rows"], case["k"]), case["lhs_dtype"])
-    rhs = jax.ShapeDtypeStruct((case["rhs_groups"], case["k"], case["n"]), case["lhs_dtype"])
-    sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
-    assert jax_launch.GMM_MIN_ROWS_PER_GROUP == 1024
-    assert jax_launch.gmm_applies(lhs, rhs, sizes, case["group_offset"], case["transpose_rhs"],
-                                  jnp.dtype(case["out_dtype"]), case["expected_rows"]) is applies
-
-
 def test_no_gpu_means_no_hopper_kernel():
     if any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("a GPU is present")
