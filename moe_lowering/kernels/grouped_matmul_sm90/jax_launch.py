@@ -114,7 +114,8 @@ def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
              for (buffer, shape), m in zip(((a, a_shape), (b, b_shape), (out, out_shape)), meta.tensordesc_meta)]
     params = (*descs, ("ptr", out), ("ptr", group_sizes), *(("i32", int(s)) for s in scalars))
     result = (out, math.prod(out_shape) * meta.tensordesc_meta[2]["elem_size"])
-    return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params, result)
+    return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params, result,
+                               kernel_hash=str(getattr(meta, "hash", "") or ""))
 
 
 DEFAULT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s3-t16-w8-tma"]

@@ -20,13 +20,14 @@ A launch that still finds its kernel unloaded (a context other than the device's
 it holding no lock across the driver call.
 
 A launch is a :class:`LaunchPlan` (the compiled kernel, grid, and each parameter's source) registered
-once per trace; the custom call's opaque bytes name it.
+once per trace; the custom call's opaque bytes name it by a hash of its content, the same in every process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import struct
 import threading
@@ -68,6 +69,7 @@ class LaunchPlan:
     grid: int
     params: tuple
     result: tuple[int, int] = (-1, 0)
+    kernel_hash: str = ""  # Triton's compilation hash (source, options, target); "": the cubin names the kernel
 
 
 class _Driver:
@@ -174,27 +176,35 @@ class _Driver:
         return storage, aligned
 
 
-_plans: list[LaunchPlan] = []
-_plan_keys: dict[LaunchPlan, int] = {}
-_plans_lock = threading.Lock()  # threads tracing at once must not hand out one key twice
+_plans: dict[int, LaunchPlan] = {}
+_plans_lock = threading.Lock()
 _driver: _Driver | None = None
 
 
+def plan_key(plan: LaunchPlan) -> int:
+    """The plan's key: a hash of what it launches, not the order plans were registered in. Every process
+    of a multi-process job must compile one program (XLA's sharded autotuning waits for all of them, and a
+    persistent compilation cache maps the program's text to an executable), so the key in the custom
+    call's opaque bytes must name the same launch in every process, whatever else each one traced first."""
+    kernel = plan.kernel_hash.encode() if plan.kernel_hash else hashlib.sha256(plan.cubin).digest()
+    described = repr((plan.name, plan.num_warps, plan.shared, plan.grid, plan.params, plan.result)).encode()
+    return int.from_bytes(hashlib.sha256(kernel + b"\0" + described).digest()[:8], "little") >> 1
+
+
 def register_plan(plan: LaunchPlan) -> bytes:
-    """The custom call's opaque bytes naming ``plan`` (registered once per distinct plan)."""
+    """The custom call's opaque bytes naming ``plan`` (:func:`plan_key`), registered in this process."""
+    key = plan_key(plan)
     with _plans_lock:
-        if plan not in _plan_keys:
-            _plan_keys[plan] = len(_plans)
-            _plans.append(plan)
-        return struct.pack("<q", _plan_keys[plan])
+        _plans.setdefault(key, plan)
+    return struct.pack("<q", key)
 
 
 def preload(opaque: bytes, ordinals) -> None:
     """Loads the kernel of the plan ``opaque`` names into the primary context of each GPU ordinal, now
     (at lowering) rather than at its first launch; best effort: where it fails, the launch loads it."""
-    (plan_key,) = struct.unpack("<q", opaque[:8])
+    (key,) = struct.unpack("<q", opaque[:8])
     try:
-        _loaded_driver().preload(plan_key, _plan(plan_key), ordinals)
+        _loaded_driver().preload(key, _plan(key), ordinals)
     except Exception as error:  # noqa: BLE001 - no driver here (lowering without a GPU): the launch loads it
         logger.debug("Gluon kernel not preloaded: %s", error)
 
@@ -267,11 +277,12 @@ def _status_setter():
 _NAN_WORDS = 0x7FC07FC0  # two bf16 NaNs, and a float32 NaN
 
 
-def _plan(plan_key: int) -> LaunchPlan:
-    if not 0 <= plan_key < len(_plans):
-        raise RuntimeError(f"Gluon launch plan {plan_key} is not registered in this process: the executable was "
+def _plan(key: int) -> LaunchPlan:
+    plan = _plans.get(key)
+    if plan is None:
+        raise RuntimeError(f"Gluon launch plan {key:#x} is not registered in this process: the executable was "
                            "compiled in another one (a serialized or exported program); trace it here instead")
-    return _plans[plan_key]
+    return plan
 
 
 def _handler(stream, buffers, opaque, opaque_len, status):

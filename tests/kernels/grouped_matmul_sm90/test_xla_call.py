@@ -77,8 +77,26 @@ def test_plans_register_once_and_the_opaque_names_them():
     assert xla_call.register_plan(PLAN) == first
     other = xla_call.register_plan(xla_call.LaunchPlan(b"x", "k2", 4, 0, 1, ()))
     assert other != first and xla_call._plans[struct.unpack("<q", first)[0]] is PLAN
+    assert struct.unpack("<q", first)[0] >= 0
     assert xla_call.plan_buffers(PLAN) == 2
     assert xla_call.plan_buffers(xla_call.LaunchPlan(b"x", "k3", 4, 0, 1, (("ptr", 1),), result=(4, 16))) == 4
+
+
+def test_a_plans_key_is_its_content_not_its_registration_order(monkeypatch):
+    """Processes of one job trace different things before the layer (an evaluation step on rank 0 only):
+    the opaque bytes, part of the program every process must compile alike, name the plan by content."""
+    plans = [xla_call.LaunchPlan(b"cubin-a", "a", 4, 0, 1, ()),
+             xla_call.LaunchPlan(b"cubin-b", "b", 4, 0, 1, (("ptr", 1),), kernel_hash="3f2a")]
+    keys = []
+    for order in (plans, plans[::-1]):
+        monkeypatch.setattr(xla_call, "_plans", {})
+        keys.append({plan.name: xla_call.register_plan(plan) for plan in order})
+    assert keys[0] == keys[1]
+    same_kernel_other_grid = xla_call.LaunchPlan(b"cubin-b", "b", 4, 0, 2, (("ptr", 1),), kernel_hash="3f2a")
+    other_kernel = xla_call.LaunchPlan(b"cubin-b", "b", 4, 0, 1, (("ptr", 1),), kernel_hash="77e0")
+    assert len({xla_call.plan_key(p) for p in (plans[1], same_kernel_other_grid, other_kernel)}) == 3
+    recompiled = xla_call.LaunchPlan(b"cubin-b, another ptxas", "b", 4, 0, 1, (("ptr", 1),), kernel_hash="3f2a")
+    assert xla_call.plan_key(recompiled) == xla_call.plan_key(plans[1])  # Triton's hash names the kernel
 
 
 def test_plans_registered_from_many_threads_get_distinct_keys():
