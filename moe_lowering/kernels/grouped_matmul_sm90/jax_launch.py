@@ -192,7 +192,9 @@ def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmC
 def tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype) -> bool:
     """Whether the weight gradient runs the Hopper Gluon kernel (``grouped_matmul_sm90``: 1.03-1.12x
     Triton's ``tgmm_kernel`` at d = 4096 on an H200, ``benchmarks/results/gluon_jax_*``): bf16 operands, a bf16
-    or float32 result, every group local, K and N multiples of 16, and every GPU an sm_90 one."""
+    or float32 result, every group local, K and N multiples of 16, every GPU an sm_90 one, and each process
+    tracing its own program (not ``jax_share_binary_between_hosts``: a launch plan lives in the process
+    that traced it, while Triton's kernels travel inside the program)."""
     if lhs.dtype != jnp.bfloat16 or grad.dtype != jnp.bfloat16 or out_dtype not in (jnp.bfloat16, jnp.float32):
         return False
     if not (isinstance(group_offset, int) and group_offset == 0):
@@ -201,6 +203,8 @@ def tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype) ->
         return False  # the Triton path raises, naming the problem
     if num_groups not in (None, group_sizes.shape[0]) or lhs.shape[1] % 16 or grad.shape[1] % 16:
         return False
+    if getattr(jax.config, "jax_share_binary_between_hosts", False):
+        return False  # other processes would run the program untraced, their launch plans never registered
     return _all_gpus_sm90() and _gluon_available()
 
 

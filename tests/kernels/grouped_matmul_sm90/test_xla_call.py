@@ -300,17 +300,26 @@ def test_the_call_evaluates_outside_jit():
     ({"num_groups": 3}, False),
     ({"k": 120}, False),
     ({"sm90": False}, False),
+    ({"shared_binaries": True}, False),  # other processes would run the program without its launch plans
 ])
 def test_when_the_weight_gradient_takes_the_hopper_kernel(monkeypatch, change, applies):
-    case = dict(lhs_dtype=jnp.bfloat16, out_dtype=jnp.float32, group_offset=0, num_groups=None, k=128, sm90=True)
+    case = dict(lhs_dtype=jnp.bfloat16, out_dtype=jnp.float32, group_offset=0, num_groups=None, k=128, sm90=True,
+                shared_binaries=False)
     case.update(change)
     monkeypatch.setattr(jax_launch, "_all_gpus_sm90", lambda: case["sm90"])
     monkeypatch.setattr(jax_launch, "_gluon_available", lambda: True)
     lhs = jax.ShapeDtypeStruct((256, case["k"]), case["lhs_dtype"])
     grad = jax.ShapeDtypeStruct((256, 64), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-    assert jax_launch.tgmm_applies(lhs, grad, sizes, case["num_groups"], case["group_offset"],
-                                              jnp.dtype(case["out_dtype"])) is applies
+    previous = getattr(jax.config, "jax_share_binary_between_hosts", None)
+    if previous is None:
+        pytest.skip("this JAX has no jax_share_binary_between_hosts")
+    jax.config.update("jax_share_binary_between_hosts", case["shared_binaries"])
+    try:
+        assert jax_launch.tgmm_applies(lhs, grad, sizes, case["num_groups"], case["group_offset"],
+                                       jnp.dtype(case["out_dtype"])) is applies
+    finally:
+        jax.config.update("jax_share_binary_between_hosts", previous)
 
 
 def test_no_gpu_means_no_hopper_kernel():
