@@ -12,7 +12,8 @@
 #             sonic-small sonic-large (SonicMoE itself and ours side by side, six shapes a call: carry the
 #             shared harness as .sonic, `cp -r ../shared/sonic .sonic`, beside .whl without tokamax)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
-#             tiles-final resident-ep (the next multi-GPU run: benchmarks/EP_NOTES.md, "What is left")
+#             tiles-final resident-ep (the next multi-GPU run, in a call of its own: the dense one-GPU
+#             forward+backward row alone takes ~100 s; benchmarks/EP_NOTES.md, "What is left")
 #             ep-multiprocess (one process per GPU against one process, issue 36: EP=4; EP_SIZES=2 in a
 #             second call for EP=2, each call's two jobs within the 10 minutes)
 #   2+ GPUs:  first-call (the sharded forward+backward's first call in fresh processes: no stall, EP=2)
@@ -101,10 +102,8 @@ for step in "$@"; do
         --configs mixtral --eps 2 --transports peer --reps 10 --forward-only --profile --deadline 135 2>&1 \
         | tee "$OUT/ep_tiles_final_mixtral_ep2.log" | grep "^name=\|GPU .: kernels"
       rm -rf "$OUT"/ep2/trace_* ;;
-    resident-ep) timeout 200 python3 -m pytest tests/gpu/test_peer_exchange.py -q -rs -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_peer_tests_resident.log" | tail -4
-      mkdir -p "$OUT/fwdbwd"; timeout 380 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
-        --chunks 1 --scheduler default --configs deepseek mixtral --transports peer --reps 10 --deadline 350 2>&1 \
+    resident-ep) mkdir -p "$OUT/fwdbwd"; timeout 580 python3 benchmarks/ep_overlap.py --out "$OUT/fwdbwd" --loops after \
+        --chunks 1 --scheduler default --configs deepseek mixtral --transports peer --reps 10 --deadline 550 2>&1 \
         | tee "$OUT/ep_resident_fwdbwd.log" | grep "^name=" ;;
     ep-multiprocess) mkdir -p "$OUT/ep_multiprocess"; timeout 590 python3 benchmarks/ep_multiprocess.py \
         --ep ${EP_SIZES:-4} --reps 5 --timeout 290 --out "$OUT/ep_multiprocess" 2>&1 \
