@@ -210,3 +210,31 @@ def test_default_transport_is_peer_on_this_host():
     assert "all-to-all" not in default.lower(*args).compile().as_text()
     for a, b in zip(jax.tree.leaves(default(*args)), jax.tree.leaves(peer(*args)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_first_call_loads_no_kernel_at_launch():
+    """One process launches each GPU's kernels from its own thread, and a peer wait spins until
+    another GPU's thread has pushed: a launch thread held up meanwhile (a kernel loaded at its first
+    launch under a lock) deadlocked the first forward+backward call (``benchmarks/EP_NOTES.md``).
+    The Hopper weight gradient's kernels are loaded when the program is lowered, on every GPU."""
+    from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch, xla_call
+
+    if not jax_launch._all_gpus_sm90():
+        pytest.skip("the Hopper weight gradient runs on sm_90 GPUs only")
+    tokens, indices, weights, params = random_case(9, num_tokens=512, d_model=256, d_ff=512, num_experts=E, top_k=2,
+                                                   dtype=jnp.bfloat16)
+    mesh = jax.make_mesh((RANKS,), ("expert",), axis_types=(AxisType.Auto,), devices=GPUS[:RANKS])
+    layout = plan_layout(mesh, P("expert"), [P("expert")] * 3, E)
+
+    def loss(t, p):
+        out = sharded_sparse_moe(t, indices, weights, p, swiglu_program(), num_experts=E, layout=layout,
+                                 exchange_transport="peer")
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    text = step.lower(tokens, params).as_text()
+    assert xla_call.CUSTOM_CALL_TARGET in text, "the weight gradient did not take the Hopper kernel"
+    driver = xla_call._loaded_driver()
+    loads_before = driver.launch_time_loads
+    jax.block_until_ready(step(tokens, params))
+    assert driver.launch_time_loads == loads_before
