@@ -53,6 +53,7 @@ kernel sweeps:
   swiglu        swiglu_fusion.py        the fused SwiGLU up-projection against two gmm calls
   swiglu-rows   swiglu_rows_sweep.py    swiglu_rows launch shapes against XLA's fusion
   dense-ceiling dense_ceiling.py        dense cuBLAS products of SonicMoE's shapes: the ceiling for any MoE layer
+  hbm-bandwidth hbm_bandwidth.py        HBM read / write / copy bandwidth, and the DeepSeek layer's byte floor at it
   kernel-resources kernel_resources.py  registers, spills, shared memory and pipeline stages per kernel, compiled
                                         offline for sm_90 (no GPU)
   gluon-gmm     gluon_gmm_probe.py      the Hopper-native Gluon grouped GEMM (grouped_matmul_sm90): checks, and
