@@ -231,10 +231,10 @@ def test_first_call_loads_no_kernel_at_launch():
                                  exchange_transport="peer")
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    text = step.lower(tokens, params).as_text()
-    assert xla_call.CUSTOM_CALL_TARGET in text, "the weight gradient did not take the Hopper kernel"
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(tokens, params)
+    assert xla_call.CUSTOM_CALL_TARGET in lowered.as_text(), "the weight gradient did not take the Hopper kernel"
+    compiled = lowered.compile()
     driver = xla_call._loaded_driver()
     loads_before = driver.launch_time_loads
-    jax.block_until_ready(step(tokens, params))
+    jax.block_until_ready(compiled(tokens, params))
     assert driver.launch_time_loads == loads_before

@@ -116,10 +116,11 @@ class _Driver:
         key = (plan_key, context)
         with self.lock:
             function = self.functions.get(key)
+            if function is None and at_launch:
+                self.launch_time_loads += 1
         if function is not None:
             return function
         if at_launch:
-            self.launch_time_loads += 1
             logger.debug("Gluon kernel %s loaded at its launch: context %#x was not preloaded", plan.name, context)
         module, function = self._load(plan)
         with self.lock:
@@ -155,6 +156,8 @@ class _Driver:
         """Loads the plan's kernel into each device's primary context, from the calling thread."""
         for ordinal in ordinals:
             context = self.primary_context(ordinal)
+            if (plan_key, context) in self.functions:
+                continue
             self.check(self.lib.cuCtxPushCurrent_v2(ctypes.c_void_p(context)), "cuCtxPushCurrent")
             try:
                 self.function(plan_key, plan, context)
