@@ -71,6 +71,7 @@ CHECK_PATTERNS = {
     "rows past the groups": (1536, 256, 512, [100, 0, 700, 33]),
     "width not a tile multiple": (1200, 512, 320, [500, 0, 700]),
     "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0]),
+    "slab boundaries": (2048, 256, 384, [64, 65, 128, 191, 192, 193, 256, 320, 639]),
 }
 TGMM_CHECK_PATTERNS = {
     # name: (rows, K, N, group sizes, output dtype)
@@ -439,11 +440,13 @@ def _measurer(entry: dict, error_of, smoke: bool):
     return measure
 
 
-def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int) -> dict:
-    """Every kernel on one grouped product: ms, TFLOP/s, relative error against the per-group bf16 product."""
+def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int,
+                 equal_groups: bool = False) -> dict:
+    """Every kernel on one grouped product: ms, TFLOP/s, relative error against the per-group bf16 product.
+    ``equal_groups``: every group ``rows / groups`` rows, else seeded multinomial sizes."""
     torch = _torch()
     launch = _load_sm90()
-    sizes = _group_sizes(rows, groups, seed)
+    sizes = [rows // groups] * groups if equal_groups else _group_sizes(rows, groups, seed)
     flops = 2.0 * rows * k * n
     generator = torch.Generator(device="cuda").manual_seed(seed)
     lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -593,9 +596,12 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
 
             layer = LAYERS[name.removesuffix("-equal")]
             rows = SMOKE_ROWS if smoke else layer.T * layer.k
-            products += [(name, "up", rows, layer.d, layer.f, layer.E), (name, "down", rows, layer.f, layer.d, layer.E)]
-            tgmm_products += [(name, "dW_up", rows, layer.d, layer.f, layer.E),
-                              (name, "dW_down", rows, layer.f, layer.d, layer.E)]
+            if "gmm" in ops:
+                products += [(name, "up", rows, layer.d, layer.f, layer.E),
+                             (name, "down", rows, layer.f, layer.d, layer.E)]
+            if "tgmm" in ops:
+                tgmm_products += [(name, "dW_up", rows, layer.d, layer.f, layer.E),
+                                  (name, "dW_down", rows, layer.f, layer.d, layer.E)]
             continue
         shape = SHAPES[name]
         rows = SMOKE_ROWS if smoke else shape.T * shape.K
@@ -618,7 +624,8 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
         print(f"timing only the configs that passed: {[c.name for c in timed]}", flush=True)
     for name, label, rows, k, n, groups in products:
         print(f"{name}, {rows} rows:", flush=True)
-        entry = time_product(label, rows, k, n, groups, [c for c in timed if not _is_tgmm(c)], smoke, seed)
+        entry = time_product(label, rows, k, n, groups, [c for c in timed if not _is_tgmm(c)], smoke, seed,
+                             equal_groups=name.endswith("-equal"))
         report["products"].append({"shape": name, **entry})
         _write(report, path)
     for name, label, rows, k, n, groups in tgmm_products:

@@ -275,3 +275,194 @@ def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_s
         (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
                      GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------ row slabs
+#
+# Groups of a few hundred rows (DeepSeek-V3's ~128 a group) waste most of a padded tile's MMAs: a group
+# of 140 rows takes two 128-row tiles, 256 rows of MMA for 140 of product. The row-slab kernel cuts a
+# tile of up to BLOCK_M rows into 64-row slabs (one wgmma's M) and multiplies only the slabs that hold
+# the group's rows: the producer loads only their lhs boxes, and each of the two consumer warp groups
+# (slabs ``w, w + 2, ...``) issues a wgmma only for its slabs that hold rows, so a 140-row group takes 192
+# rows of MMA and reads its weight block once per column tile. The tensor cores are the SM's, shared by
+# both warp groups: a slab not multiplied is time the other warp group's slabs get.
+
+SLAB_ROWS = gl.constexpr(64)
+
+
+@gluon.jit
+def _tile_slabs(row0, row_end, BLOCK_M: gl.constexpr):
+    """Slabs of the tile at ``row0`` that hold rows of its group (``row_end`` the group's end): 1 to ``BLOCK_M / 64``."""
+    return gl.minimum(gl.cdiv(row_end - row0, SLAB_ROWS), BLOCK_M // SLAB_ROWS)
+
+
+@gluon.jit
+def _slab_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
+                   GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr):
+    """One warp: per K step of every tile, the lhs boxes of the slabs holding rows and the weight box."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    SLABS: gl.constexpr = BLOCK_M // SLAB_ROWS
+    slab_bytes: gl.constexpr = a_desc.block_type.nbytes
+    weight_bytes: gl.constexpr = b_desc.block_type.nbytes
+    n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
+    counter = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
+                                                        BLOCK_N, GROUP_M)
+        slabs = _tile_slabs(row0, row_end, BLOCK_M)
+        weight_row = group * K
+        for k in range(0, K, BLOCK_K):
+            stage = counter % STAGES
+            mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+            # the barrier's byte count is a constant: one expect per possible slab count, the one that holds arrives
+            for count in gl.static_range(1, SLABS + 1):
+                mbarrier.expect(ready.index(stage), count * slab_bytes + weight_bytes, pred=slabs == count)
+            for s in gl.static_range(SLABS):
+                tma.async_copy_global_to_shared(a_desc, [row0 + s * SLAB_ROWS, k], ready.index(stage),
+                                                a_bufs.index(stage).slice(s * SLAB_ROWS, SLAB_ROWS), pred=s < slabs)
+            tma.async_copy_global_to_shared(b_desc, [weight_row + k, col0], ready.index(stage), b_bufs.index(stage))
+            counter += 1
+
+
+@gluon.jit
+def _hand_back(empty, counter, STAGES: gl.constexpr, pred):
+    """Stage use ``counter - 1`` back to the producer: this warp group's MMAs on it have retired (the barrier
+    makes it so in all its warps before the one arriving thread)."""
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=pred)
+
+
+@gluon.jit
+def _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout: gl.constexpr, FIRST: gl.constexpr,
+               COUNT: gl.constexpr):
+    """``COUNT`` (0, 1 or 2) slabs ``FIRST, FIRST + 2`` of a tile over the ring from use ``counter`` on, the
+    MMAs of one K step in flight while the next is issued; each stage handed back once this warp group's
+    MMAs on it have retired (the ``empty`` barriers count both warp groups; with no slab, as soon as it
+    is full). Returns ``(acc_0, acc_1, counter)``, zeros for slabs not multiplied."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc_0 = gl.zeros([SLAB_ROWS, BLOCK_N], gl.float32, acc_layout)
+    acc_1 = gl.zeros([SLAB_ROWS, BLOCK_N], gl.float32, acc_layout)
+    for k in range(0, K, BLOCK_K):
+        stage = counter % STAGES
+        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        if COUNT == 0:
+            mbarrier.arrive(empty.index(stage))
+        else:
+            a_buf = a_bufs.index(stage)
+            acc_0 = warpgroup_mma(a_buf.slice(FIRST * SLAB_ROWS, SLAB_ROWS), b_bufs.index(stage), acc_0,
+                                  is_async=True)
+            if COUNT == 2:
+                acc_1 = warpgroup_mma(a_buf.slice((FIRST + 2) * SLAB_ROWS, SLAB_ROWS), b_bufs.index(stage), acc_1,
+                                      is_async=True)
+                acc_0, acc_1 = warpgroup_mma_wait(2, deps=(acc_0, acc_1))
+            else:
+                acc_0 = warpgroup_mma_wait(1, deps=(acc_0, ))
+            _hand_back(empty, counter, STAGES, k > 0)
+        counter += 1
+    if COUNT > 0:
+        acc_0, acc_1 = warpgroup_mma_wait(0, deps=(acc_0, acc_1))
+        _hand_back(empty, counter, STAGES, K > 0)
+    return acc_0, acc_1, counter
+
+
+@gluon.jit
+def _slab_epilogue(acc, c_smem, out_desc, out_ptr, slab_row0, row_end, col0, N, TMA_STORE: gl.constexpr,
+                   acc_layout: gl.constexpr):
+    """One slab's rows of its group into ``out``: a whole slab through ``c_smem`` and a TMA store (the
+    caller has waited for the buffer's last store), a partial one by masked stores."""
+    BLOCK_N: gl.constexpr = acc.type.shape[1]
+    slab_out = acc.to(out_ptr.dtype.element_ty)
+    if TMA_STORE and slab_row0 + SLAB_ROWS <= row_end:
+        c_smem.store(slab_out)
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [slab_row0, col0], c_smem)
+    else:
+        rows_in = gl.arange(0, SLAB_ROWS, layout=gl.SliceLayout(1, acc_layout))
+        cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        tile_ptr = out_ptr + slab_row0.to(gl.int64) * N + col0
+        mask = ((slab_row0 + rows_in) < row_end)[:, None] & ((col0 + cols_in) < N)[None, :]
+        gl.store(tile_ptr + rows_in[:, None] * N + cols_in[None, :], slab_out, mask=mask)
+
+
+@gluon.jit
+def _slab_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                   GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, WG: gl.constexpr):
+    """Warp group ``WG`` (of 2, 4 warps each) on every tile of the program: its slabs' MMAs and stores.
+    ``c_smem``: the staging buffers, one per slab (warp group ``WG`` stages slab ``s`` in buffer ``s``)."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    SLABS: gl.constexpr = BLOCK_M // SLAB_ROWS
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
+    counter = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
+                                                        BLOCK_N, GROUP_M)
+        slabs = _tile_slabs(row0, row_end, BLOCK_M)
+        # the branch is taken once a tile, so each K loop issues its MMAs unconditionally
+        if SLABS > 2:
+            if WG + 2 < slabs:
+                acc_0, acc_1, counter = _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout, WG, 2)
+            elif WG < slabs:
+                acc_0, acc_1, counter = _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout, WG, 1)
+            else:
+                acc_0, acc_1, counter = _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout, WG, 0)
+        else:
+            if WG < slabs:
+                acc_0, acc_1, counter = _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout, WG, 1)
+            else:
+                acc_0, acc_1, counter = _slab_loop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout, WG, 0)
+        if TMA_STORE:
+            tma.store_wait(0)  # the previous tile's stores have read the staging buffers
+            gl.thread_barrier()
+        if WG < slabs:
+            _slab_epilogue(acc_0, c_smem.index(WG), out_desc, out_ptr, row0 + WG * SLAB_ROWS, row_end, col0, N,
+                           TMA_STORE, acc_layout)
+        if SLABS > 2:
+            if WG + 2 < slabs:
+                _slab_epilogue(acc_1, c_smem.index(WG + 2), out_desc, out_ptr, row0 + (WG + 2) * SLAB_ROWS, row_end,
+                               col0, N, TMA_STORE, acc_layout)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def grouped_gemm_sm90_slab_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+                                  GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                  TMA_STORE: gl.constexpr, BLOCK_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                  PRODUCER_REGS: gl.constexpr):
+    """:func:`grouped_gemm_sm90_kernel` on ``BLOCK_M``-row tiles (128 or 256) multiplied in 64-row slabs, only
+    those holding the group's rows. ``a_desc``: ``lhs [M, K]`` in ``[64, BLOCK_K]`` boxes; ``out_desc``:
+    ``out [M, N]`` in ``[64, BLOCK_N]`` boxes; two consumer warp groups (the default partition,
+    ``num_warps`` = 4, and a worker of 4 warps) and a one-warp producer."""
+    gl.static_assert(BLOCK_M == 2 * SLAB_ROWS or BLOCK_M == 4 * SLAB_ROWS, "BLOCK_M: 128 or 256 rows")
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    SLABS_PER_WG: gl.constexpr = BLOCK_M // (2 * SLAB_ROWS)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumer warp groups hand each stage back
+    C_ROWS: gl.constexpr = SLAB_ROWS if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [2 * SLABS_PER_WG, C_ROWS, BLOCK_N], out_desc.layout)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_slab_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N,
+                          K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 0)),
+        (_slab_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N,
+                          K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 1)),
+        (_slab_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
+                          GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
