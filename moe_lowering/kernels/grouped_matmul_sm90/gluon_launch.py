@@ -14,10 +14,8 @@ import triton
 from triton.experimental.gluon import language as gl
 
 from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import (
-    SLAB_ROWS,
     grouped_gemm_sm90_kernel,
     grouped_gemm_sm90_pingpong_kernel,
-    grouped_gemm_sm90_slab_kernel,
 )
 from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import tgmm_sm90_kernel, tgmm_sm90_pingpong_kernel
 
@@ -33,34 +31,25 @@ class _WarpSpecialised:
     ``pingpong`` two warp groups of them, and a one-warp producer), their register split, the store
     path and the shared memory of the ring and the staging buffers (``staging_rows x block_n`` each)."""
 
-    row_slabs = False
-
-    @property
-    def consumer_groups(self) -> int:
-        """Consumer partitions: two warp groups of ``num_warps`` = 4 (ping-pong, row slabs), or one of ``num_warps``."""
-        return 2 if self.pingpong or self.row_slabs else 1
-
     @property
     def schedule_store(self) -> str:
         """The name's tail: the consumers' split and the store path."""
-        split = "pingpong" if self.pingpong else "slab" if self.row_slabs else f"w{self.num_warps}"
-        return f"{split}-{'tma' if self.tma_store else 'direct'}"
+        return f"{'pingpong' if self.pingpong else f'w{self.num_warps}'}-{'tma' if self.tma_store else 'direct'}"
 
     @property
     def maxnreg(self) -> int:
         """Registers a thread at launch: the register file over all warps (the one-warp producer takes a
         whole warp group's slots), a multiple of 8; the consumers get what the producer gives up."""
-        warps = self.num_warps * self.consumer_groups + 4
+        warps = self.num_warps * (2 if self.pingpong else 1) + 4
         return min(255, REGISTER_FILE // (32 * warps)) // 8 * 8
 
     def register_constexprs(self) -> dict:
-        consumer = {"CONSUMER_REGS": self.consumer_regs} if self.consumer_groups == 2 else {}
-        return {"PRODUCER_REGS": self.producer_regs} | consumer
+        return {"PRODUCER_REGS": self.producer_regs} | ({"CONSUMER_REGS": self.consumer_regs} if self.pingpong else {})
 
     def ring_and_staging_bytes(self, stage_bytes: int, staging_rows: int, staging_buffers: int = 1) -> int:
         """Shared memory the ring, the staging buffers (``staging_buffers`` a consumer) and the barriers
         take (bf16)."""
-        buffers = (staging_buffers if self.tma_store else 1) * self.consumer_groups
+        buffers = (staging_buffers if self.tma_store else 1) * (2 if self.pingpong else 1)
         staging = 2 * (staging_rows if self.tma_store else 8) * self.block_n * buffers
         return self.stages * stage_bytes + staging + 16 * self.stages + 16
 
@@ -74,9 +63,7 @@ class GluonTileConfig(_WarpSpecialised):
 
     Cooperative (``pingpong`` false): ``num_warps`` consumer warps (4 per warp group) share every tile.
     Ping-pong: two consumer warp groups of ``num_warps`` = 4 take whole tiles in turn, each held to
-    ``consumer_regs``, so one's epilogue overlaps the other's mainloop. ``row_slabs``: two such warp groups
-    share every ``block_m``-row tile (128 or 256) in 64-row slabs, multiplying only the slabs that hold
-    the group's rows (``grouped_gemm_sm90_slab_kernel``: for groups of a few hundred rows)."""
+    ``consumer_regs``, so one's epilogue overlaps the other's mainloop."""
 
     block_m: int = 128
     block_n: int = 256
@@ -88,11 +75,6 @@ class GluonTileConfig(_WarpSpecialised):
     num_warps: int = 8
     producer_regs: int = 40
     consumer_regs: int = 232
-    row_slabs: bool = False
-
-    def __post_init__(self):
-        if self.row_slabs and (self.pingpong or self.num_warps != 4 or self.block_m not in (128, 256)):
-            raise ValueError("row slabs: two warp groups of num_warps = 4 on 128- or 256-row tiles, not ping-pong")
 
     @property
     def name(self) -> str:
@@ -100,19 +82,10 @@ class GluonTileConfig(_WarpSpecialised):
 
     @property
     def kernel(self):
-        if self.row_slabs:
-            return grouped_gemm_sm90_slab_kernel
         return grouped_gemm_sm90_pingpong_kernel if self.pingpong else grouped_gemm_sm90_kernel
 
-    @property
-    def box_rows(self) -> int:
-        """Rows of the ``lhs`` and output boxes: a slab, or the whole tile."""
-        return SLAB_ROWS.value if self.row_slabs else self.block_m
-
     def shared_bytes(self) -> int:
-        # row slabs: each warp group stages one box per slab it may hold
-        staging = self.block_m // 2 if self.row_slabs else self.block_m
-        return self.ring_and_staging_bytes(2 * self.block_k * (self.block_m + self.block_n), staging)
+        return self.ring_and_staging_bytes(2 * self.block_k * (self.block_m + self.block_n), self.block_m)
 
 
 CONFIGS = {c.name: c for c in (
@@ -121,10 +94,6 @@ CONFIGS = {c.name: c for c in (
     GluonTileConfig(128, 128, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
     GluonTileConfig(64, 256, 64, stages=4, tma_store=True, pingpong=True, num_warps=4),
     GluonTileConfig(128, 128, 64, stages=6, tma_store=False, pingpong=True, num_warps=4),
-    GluonTileConfig(256, 128, 64, stages=3, tma_store=True, row_slabs=True, num_warps=4),
-    GluonTileConfig(256, 128, 64, stages=4, tma_store=False, row_slabs=True, num_warps=4),
-    GluonTileConfig(128, 256, 64, stages=3, tma_store=True, row_slabs=True, num_warps=4),
-    GluonTileConfig(128, 256, 64, stages=4, tma_store=False, row_slabs=True, num_warps=4),
 )}
 """The configurations the probe times; the first is the usual Hopper choice (two 64-row warp groups on
 every tile), the ping-pong ones overlap each tile's epilogue with the next tile's MMAs."""
@@ -136,15 +105,14 @@ def _next_power_of_two(value: int) -> int:
 
 def shared_layouts(config: GluonTileConfig):
     """NVMMA shared layouts of the ``lhs``, weight and output boxes."""
-    return (gl.NVMMASharedLayout.get_default_for([config.box_rows, config.block_k], gl.bfloat16),
+    return (gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([config.box_rows, config.block_n], gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_n], gl.bfloat16))
 
 
 def constexprs(config: GluonTileConfig, num_groups: int) -> dict:
-    tile_rows = {"BLOCK_M": config.block_m} if config.row_slabs else {}  # else the lhs box's rows
     return dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
-                TMA_STORE=config.tma_store) | tile_rows | config.register_constexprs()
+                TMA_STORE=config.tma_store) | config.register_constexprs()
 
 
 def check_shapes(k: int, config: GluonTileConfig):
@@ -156,8 +124,8 @@ def check_shapes(k: int, config: GluonTileConfig):
 def compile_offline(config: GluonTileConfig, num_groups: int):
     """The kernel compiled for ``sm_90`` without a GPU (bf16 descriptors, 16-byte aligned ``int`` sizes)."""
     a_layout, b_layout, c_layout = shared_layouts(config)
-    boxes = (("bf16", [config.box_rows, config.block_k], a_layout), ("bf16", [config.block_k, config.block_n], b_layout),
-             ("bf16", [config.box_rows, config.block_n], c_layout))
+    boxes = (("bf16", [config.block_m, config.block_k], a_layout), ("bf16", [config.block_k, config.block_n], b_layout),
+             ("bf16", [config.block_m, config.block_n], c_layout))
     return _compile_sm90(config, boxes, constexprs(config, num_groups))
 
 
@@ -192,9 +160,9 @@ def make_launch(lhs, rhs, group_sizes, out, config: GluonTileConfig, num_sms: in
     if num_rows == 0:
         return lambda: None
     a_layout, b_layout, c_layout = shared_layouts(config)
-    a_desc = TensorDescriptor.from_tensor(lhs, [config.box_rows, config.block_k], a_layout)
+    a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
     b_desc = TensorDescriptor.from_tensor(rhs.reshape(num_groups * k, n), [config.block_k, config.block_n], b_layout)
-    out_desc = TensorDescriptor.from_tensor(out, [config.box_rows, config.block_n], c_layout)
+    out_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n], c_layout)
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = (max(1, min(num_sms, max_tiles)), )
