@@ -8,7 +8,8 @@
 # call of its own within the 10-minute limit.
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
 #             gathered-rows gluon-tests gluon-layers (the Hopper weight gradient: its GPU tests; every
-#             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer with and without it)
+#             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer as routed, streaming both
+#             operands at every group size, and with Triton's kernels)
 #             sonic-small sonic-large (SonicMoE itself and ours side by side, six shapes a call: carry the
 #             shared harness as .sonic, `cp -r ../shared/sonic .sonic`, beside .whl without tokamax)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
@@ -112,7 +113,7 @@ for step in "$@"; do
         -k "tgmm or gluon or expected_rows" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gluon_tgmm_tests.log" | tail -4 ;;
     gluon-layers) timeout 300 python3 benchmarks/gluon_gmm_probe.py --ops tgmm --out "$OUT" \
         --shapes deepseek deepseek-equal qwen3 mixtral 2>&1 | grep -v "INFO\|Unable" | tee "$OUT/gluon_probe_layers.log" | tail -50
-      for variant in auto triton; do
+      for variant in auto streamed triton; do
         timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --weight-gradient $variant \
           --out "$OUT/layer_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
       done ;;

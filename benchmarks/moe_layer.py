@@ -357,14 +357,17 @@ def main(argv=None):
     parser.add_argument("--back-to-back", action="store_true",
                         help=f"also time {BACK_TO_BACK_CALLS} calls issued back to back with one sync (the GPU's time "
                              "per step, as a training loop sees it)")
-    parser.add_argument("--weight-gradient", choices=("auto", "triton"), default="auto",
+    parser.add_argument("--weight-gradient", choices=("auto", "streamed", "triton"), default="auto",
                         help="the backend's weight-gradient kernel: its own choice (the Hopper Gluon kernel where it "
-                             "applies) or Triton's kernels only (an A/B of the Gluon kernel)")
+                             "applies, with a resident dout for small groups), the Gluon kernel streaming both "
+                             "operands at every group size, or Triton's kernels only (A/Bs of those choices)")
     args = parser.parse_args(argv)
-    if args.weight_gradient == "triton":
+    if args.weight_gradient != "auto":
         from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
 
-        jax_launch.tgmm_applies = lambda *_, **__: False
+        if args.weight_gradient == "triton":
+            jax_launch.tgmm_applies = lambda *_, **__: False
+        jax_launch.RESIDENT_MAX_MEAN_ROWS = 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     if args.plot_only:
         result = json.loads(args.plot_only.read_text())

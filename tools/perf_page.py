@@ -31,6 +31,7 @@ REALWORLD = "realworld_cpu_cpu_2026-11-24.json"
 COMPILE_TIME = "compile_time_cpu_2026-11-27.json"
 TUTORIAL = "tutorial_cpu_2026-11-27.json"
 HOPPER_TGMM = ("moe_layer_triton_tgmm_NVIDIA_H200_2026-11-28.json", "moe_layer_gluon_tgmm_NVIDIA_H200_2026-11-28.json")
+RESIDENT_TGMM = ("moe_layer_tgmm_streamed_NVIDIA_H200_2026-11-29.json", "moe_layer_tgmm_resident_NVIDIA_H200_2026-11-29.json")
 GLUON_JAX = "gluon_jax_NVIDIA_H200_2026-11-28.json"
 
 LAYER_IMPLS = ("moe_optimize", "tokamax", "ragged_dot", "dense")
@@ -247,11 +248,19 @@ def _hopper_tgmm_section() -> list[str]:
     ]
     for config, name in LAYER_NAMES.items():
         lines.append(f"| {name} | {ms[0][config]:.2f} | {ms[1][config]:.2f} | {ms[0][config] / ms[1][config]:.2f}x |")
+    streamed, resident = ({row["config"]: row for row in _load(name)["rows"] if row["impl"] == "moe_optimize"}
+                          for name in RESIDENT_TGMM)
+    before, after = streamed["deepseek"], resident["deepseek"]
     lines += [
         "",
-        "DeepSeek's groups of about 128 rows leave little to gain: each of its weight gradients writes 7.5 GB, "
-        "which a plain fill writes in 2.22 ms on the same GPU; the kernel takes 3.11-3.19 ms (70% of that floor) "
-        "(`benchmarks/results/gluon_gmm_probe_tgmm_layers_H200_2026-11-28.json`).",
+        "At DeepSeek's groups of about 128 rows each weight gradient writes 7.5 GB, which a plain fill writes in "
+        "2.22 ms on the same GPU; streaming both operands the kernel took 3.11-3.19 ms "
+        "(`benchmarks/results/gluon_gmm_probe_tgmm_layers_H200_2026-11-28.json`). Since 2026-11-29, groups "
+        "averaging at most 192 rows keep their `dout` columns in shared memory across k tiles and stream only "
+        "`lhs` (2.57-2.58 ms a product, `benchmarks/results/gluon_gmm_probe_tgmm_resident_H200_2026-11-29.json`): "
+        f"DeepSeek-V3's forward+backward {before['fwdbwd_ms']:.2f} -> {after['fwdbwd_ms']:.2f} ms synchronised, "
+        f"{before['fwdbwd_back_to_back_ms']:.2f} -> {after['fwdbwd_back_to_back_ms']:.2f} back to back "
+        f"(`benchmarks/results/{RESIDENT_TGMM[0]}`, `benchmarks/results/{RESIDENT_TGMM[1]}`).",
         "",
     ]
     return lines

@@ -112,6 +112,42 @@ def test_tgmm_small_groups_keep_the_rows_past_them_out(config):
     assert _relative_error(dw, want) < 1e-2
 
 
+RESIDENT_CONFIGS = [name for name, c in jax_launch.gluon_launch.TGMM_CONFIGS.items() if c.resident_blocks]
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("config", RESIDENT_CONFIGS)
+def test_tgmm_resident_dout_with_groups_past_its_window(config, out_dtype):
+    """Groups longer than the resident rows (several windows a tile, reloaded every k tile) beside ones that
+    fit, an empty one, K past a chunk's k tiles, non-finite rows past the groups; float32 leaves by masked
+    stores."""
+    sizes = [500, 0, 193, 64, 1000, 191, 3]
+    rows, k, n = sum(sizes) + 21, 1280, 384
+    chosen = jax_launch.gluon_launch.TGMM_CONFIGS[config]
+    lhs, _, dout = _data(8, rows, k, n, len(sizes))
+    lhs = lhs.at[sum(sizes):].set(jnp.inf)
+    dout = dout.at[sum(sizes):].set(jnp.nan)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    dw = jax.jit(lambda a, b, g: jax_launch.tgmm(a, b, g, out_dtype, config=chosen))(lhs, dout, group_sizes)
+    covered = sum(sizes)
+    want = reference.tgmm_rows(np.asarray(lhs, np.float32)[:covered], np.asarray(dout, np.float32)[:covered], sizes)
+    assert np.isfinite(np.asarray(dw, np.float32)).all()
+    assert _relative_error(dw, want) < (1e-2 if out_dtype == jnp.bfloat16 else 1e-5)
+    assert np.all(np.asarray(dw[1], np.float32) == 0)
+
+
+def test_small_groups_take_the_resident_dout_by_default():
+    """DeepSeek-V3's ~128 rows a group: the default weight gradient is the resident-``dout`` kernel's."""
+    sizes = [100, 140, 0, 157, 128, 99, 136, 120]
+    rows, k, n = sum(sizes), 512, 256
+    assert jax_launch.tgmm_config(rows, len(sizes)) is jax_launch.RESIDENT_TGMM_CONFIG
+    lhs, _, dout = _data(9, rows, k, n, len(sizes))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    dw = jax.jit(lambda a, b, g: jax_launch.tgmm(a, b, g))(lhs, dout, group_sizes)
+    want = reference.tgmm_rows(np.asarray(lhs, np.float32), np.asarray(dout, np.float32), sizes)
+    assert _relative_error(dw, want) < 1e-2
+
+
 def test_bad_shapes_raise_naming_the_problem():
     lhs = jnp.zeros((64, 100), jnp.bfloat16)
     with pytest.raises(ValueError, match="multiples of 16"):

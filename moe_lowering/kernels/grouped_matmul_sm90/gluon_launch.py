@@ -17,7 +17,11 @@ from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import (
     grouped_gemm_sm90_kernel,
     grouped_gemm_sm90_pingpong_kernel,
 )
-from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import tgmm_sm90_kernel, tgmm_sm90_pingpong_kernel
+from moe_lowering.kernels.grouped_matmul_sm90.gluon_tgmm_kernels import (
+    tgmm_sm90_kernel,
+    tgmm_sm90_pingpong_kernel,
+    tgmm_sm90_resident_kernel,
+)
 
 SM90 = (90, 128)
 """(compute capability, warp size x 4 lanes) of ``GPUTarget("cuda", 90, ...)``: Hopper."""
@@ -203,7 +207,11 @@ class GluonTgmmConfig(_WarpSpecialised):
     ``tail_rows``: a group's last, partial row block is multiplied in chunks of this many rows, only
     those holding the group's rows, and zeroed past the group in one chunk (``None``: the whole block,
     zeroed past the group); small groups take such a block every tile. ``staging``: the TMA store's
-    staging buffers (cooperative only), taken in turn so a tile's store drains under the next ones."""
+    staging buffers (cooperative only), taken in turn so a tile's store drains under the next ones.
+
+    ``resident_blocks``: keep a group's ``dout`` columns (up to this many ``block_m``-row blocks) in shared
+    memory over ``k_chunk`` consecutive k tiles and stream only ``lhs`` (``tgmm_sm90_resident_kernel``,
+    cooperative, one staging buffer); 0: both operands every tile."""
 
     block_k: int = 128
     block_n: int = 256
@@ -217,8 +225,12 @@ class GluonTgmmConfig(_WarpSpecialised):
     consumer_regs: int = 232
     tail_rows: int | None = None
     staging: int = 1
+    resident_blocks: int = 0
+    k_chunk: int = 8
 
     def __post_init__(self):
+        if self.resident_blocks and (self.pingpong or self.staging != 1 or self.tail_rows is None):
+            raise ValueError("a resident dout: cooperative, one staging buffer, tail chunks")
         if self.tail_rows is not None and (self.tail_rows % 16 or self.block_m % self.tail_rows):
             raise ValueError(f"tail_rows = {self.tail_rows}: a multiple of 16 (a wgmma's K) dividing block_m")
         if self.staging not in (1, 2) or (self.pingpong and self.staging != 1):
@@ -228,13 +240,27 @@ class GluonTgmmConfig(_WarpSpecialised):
     def name(self) -> str:
         tail = "" if self.tail_rows is None else f"-t{self.tail_rows}"
         staging = "" if self.staging == 1 else f"-c{self.staging}"
-        return f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}{tail}{staging}-{self.schedule_store}"
+        resident = f"-d{self.resident_blocks}x{self.k_chunk}" if self.resident_blocks else ""
+        return (f"tgmm-{self.block_k}x{self.block_n}-r{self.block_m}-s{self.stages}{tail}{staging}{resident}-"
+                f"{self.schedule_store}")
 
     @property
     def kernel(self):
+        if self.resident_blocks:
+            return tgmm_sm90_resident_kernel
         return tgmm_sm90_pingpong_kernel if self.pingpong else tgmm_sm90_kernel
 
+    def work_items(self, num_groups: int, k: int, n: int) -> int:
+        """The kernel's work items: output tiles, or with a resident ``dout`` ``(group, k chunk, n tile)``."""
+        k_tiles = triton.cdiv(k, self.block_k)
+        if self.resident_blocks:
+            k_tiles = triton.cdiv(k_tiles, self.k_chunk)
+        return num_groups * k_tiles * triton.cdiv(n, self.block_n)
+
     def shared_bytes(self) -> int:
+        if self.resident_blocks:  # a ring of lhs boxes, the resident dout blocks and their two barriers
+            resident = self.resident_blocks * 2 * self.block_m * self.block_n
+            return self.ring_and_staging_bytes(2 * self.block_m * self.block_k, self.block_k) + resident + 16
         return self.ring_and_staging_bytes(2 * self.block_m * (self.block_k + self.block_n), self.block_k,
                                            self.staging)
 
@@ -251,6 +277,9 @@ TGMM_CONFIGS = {c.name: c for c in (
     GluonTgmmConfig(128, 256, 32, stages=4, tma_store=True, tail_rows=16, staging=2),
     GluonTgmmConfig(128, 256, 32, stages=4, tma_store=True, tail_rows=16),
     GluonTgmmConfig(128, 128, 64, stages=4, tma_store=True, tail_rows=16, staging=2),
+    GluonTgmmConfig(128, 256, 64, stages=4, tma_store=True, tail_rows=16, resident_blocks=3, k_chunk=8),
+    GluonTgmmConfig(128, 256, 64, stages=4, tma_store=True, tail_rows=16, resident_blocks=3, k_chunk=4),
+    GluonTgmmConfig(128, 256, 64, stages=6, tma_store=True, tail_rows=16, resident_blocks=2, k_chunk=8),
 )}
 """The weight-gradient configurations the probe times: ``tgmm_kernel``'s 128 x 256 tile over 64-row
 blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, and ping-pong ones (a
@@ -265,6 +294,9 @@ def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
 
 
 def tgmm_constexprs(config: GluonTgmmConfig) -> dict:
+    if config.resident_blocks:
+        return dict(STAGES=config.stages, TMA_STORE=config.tma_store, TAIL_ROWS=config.tail_rows,
+                    RES_BLOCKS=config.resident_blocks, K_CHUNK=config.k_chunk) | config.register_constexprs()
     staging = {} if config.pingpong else {"STAGING": config.staging}  # ping-pong: a buffer per warp group
     return dict(GROUP_M=config.group_m, STAGES=config.stages, TMA_STORE=config.tma_store,
                 TAIL_ROWS=config.tail_rows or config.block_m) | staging | config.register_constexprs()
@@ -313,8 +345,7 @@ def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_s
     b_desc = TensorDescriptor.from_tensor(dout, [config.block_m, config.block_n], b_layout)
     out_desc = TensorDescriptor.from_tensor(out.view(num_groups * k, n), [config.block_k, config.block_n], c_layout)
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
-    tiles = num_groups * triton.cdiv(k, config.block_k) * triton.cdiv(n, config.block_n)
-    grid = (max(1, min(num_sms, tiles)), )
+    grid = (max(1, min(num_sms, config.work_items(num_groups, k, n))), )
     fixed = tgmm_constexprs(config)
 
     def launch():

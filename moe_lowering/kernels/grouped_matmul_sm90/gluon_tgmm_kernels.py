@@ -30,6 +30,9 @@ warp groups take the program's tiles alternately, whole, and take turns at the m
 epilogue runs under the other's MMAs (short reductions: groups of a few row blocks). A tile's ring steps
 depend on its group's size, so each warp group walks all of the program's tiles and counts the other's
 steps to know where in the ring its own tile starts.
+
+``tgmm_sm90_resident_kernel`` (small groups) keeps a group's ``dout`` columns in shared memory across
+consecutive k tiles and streams only ``lhs`` (the section's comment below says how).
 """
 
 from __future__ import annotations
@@ -294,3 +297,189 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
                                    group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, TAIL_ROWS, 1)),
         (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------ resident dout
+#
+# Small groups: a tile reduces over a group's ~2 row blocks and loads both operands for it, 1.5-1.9 bytes
+# in a byte out at DeepSeek-V3's sizes. ``tgmm_sm90_resident_kernel`` keeps a group's ``dout`` columns in
+# shared memory (up to ``RES_BLOCKS`` row blocks) across ``K_CHUNK`` consecutive k tiles and streams only
+# ``lhs``. Work items are ``(group, k chunk, n tile)``, n fastest, so the programs running at once read the
+# same ``lhs`` rows (once from HBM, the rest from L2). A group longer than the resident rows is reduced a
+# window of them at a time, its ``dout`` reloaded per window and k tile.
+
+
+@gluon.jit
+def _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles, BLOCK_N: gl.constexpr):
+    """Walks the group cursor forward to ``item``'s group and returns ``(cursor, group, row0, row_end, k
+    chunk, n0)``."""
+    group, group_row, group_size = cursor
+    item_group = item // (k_chunks * n_tiles)
+    while group < item_group:
+        group_row += group_size
+        group += 1
+        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+    local = item % (k_chunks * n_tiles)
+    row0 = gl.minimum(group_row, M)
+    row_end = gl.minimum(group_row + group_size, M)
+    return (group, group_row, group_size), group, row0, row_end, local // n_tiles, (local % n_tiles) * BLOCK_N
+
+
+@gluon.jit
+def _resident_producer(a_desc, b_desc, a_bufs, res, ready, empty, res_ready, res_empty, group_sizes_ptr, M, N, K,
+                       E, K_CHUNK: gl.constexpr):
+    """One warp: per item, each window of the group's ``dout`` rows into ``res`` (once an item when one
+    window holds the group, else once per k tile), and the ``lhs`` boxes of every k tile into the ring."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    RES_BLOCKS: gl.constexpr = res.type.shape[0]
+    RES_ROWS: gl.constexpr = RES_BLOCKS * BLOCK_M
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    lhs_bytes: gl.constexpr = a_desc.block_type.nbytes
+    dout_bytes: gl.constexpr = b_desc.block_type.nbytes
+    k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
+    k_chunks = gl.cdiv(k_tiles, K_CHUNK)
+    counter = 0
+    windows = 0
+    for item in range(gl.program_id(0), E * k_chunks * n_tiles, gl.num_programs(0)):
+        cursor, group, row0, row_end, chunk, n0 = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles,
+                                                                 BLOCK_N)
+        first_kt = chunk * K_CHUNK
+        several = row_end - row0 > RES_ROWS
+        for kt in range(first_kt, gl.minimum(first_kt + K_CHUNK, k_tiles)):
+            for w in range(row0, row_end, RES_ROWS):
+                w_end = gl.minimum(w + RES_ROWS, row_end)
+                if several | (kt == first_kt):
+                    mbarrier.wait(res_empty, (windows & 1) ^ 1)
+                    blocks = gl.cdiv(w_end - w, BLOCK_M)
+                    for count in gl.static_range(1, RES_BLOCKS + 1):
+                        mbarrier.expect(res_ready, count * dout_bytes, pred=blocks == count)
+                    for b in gl.static_range(RES_BLOCKS):
+                        tma.async_copy_global_to_shared(b_desc, [w + b * BLOCK_M, n0], res_ready, res.index(b),
+                                                        pred=b < blocks)
+                    windows += 1
+                for r in range(w, w_end, BLOCK_M):
+                    stage = counter % STAGES
+                    mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+                    mbarrier.expect(ready.index(stage), lhs_bytes)
+                    tma.async_copy_global_to_shared(a_desc, [r, kt * BLOCK_K], ready.index(stage), a_bufs.index(stage))
+                    counter += 1
+
+
+@gluon.jit
+def _zero_chunk_past(buf, rows_left, TAIL_ROWS: gl.constexpr):
+    """Rows ``rows_left`` on of the ``TAIL_ROWS``-row chunk of ``buf`` holding row ``rows_left`` set to zero
+    (nothing when ``rows_left`` ends a chunk)."""
+    BLOCK_M: gl.constexpr = buf.type.shape[0]
+    for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+        if chunk == rows_left // TAIL_ROWS:
+            _zero_rows_from(buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
+
+
+@gluon.jit
+def _resident_window(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS: gl.constexpr):
+    """``acc += lhs^T @ dout`` over the window's rows ``[w, w_end)``: each ``lhs`` box from the ring against
+    its resident ``dout`` block, one MMA in flight; a partial last block multiplied in ``TAIL_ROWS``-row
+    chunks, only those holding rows, its ``lhs`` zeroed past the group in the last (the resident block was
+    when it arrived). Each stage is handed back once its MMA has retired. Returns ``(acc, counter)``."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    for r in range(w, w_end, BLOCK_M):
+        stage = counter % STAGES
+        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
+        a_buf = a_bufs.index(stage)
+        b_buf = res.index((r - w) // BLOCK_M)
+        if r + BLOCK_M > w_end:
+            rows_left = w_end - r
+            _zero_chunk_past(a_buf, rows_left, TAIL_ROWS)
+            fence_async_shared()
+            gl.thread_barrier()
+            for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+                if chunk * TAIL_ROWS < rows_left:
+                    acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
+                                        b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
+                    acc = warpgroup_mma_wait(1, deps=(acc, ))
+        else:
+            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=r > w)
+        counter += 1
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=w_end > w)
+    return acc, counter
+
+
+@gluon.jit
+def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, out_desc, out_ptr, group_sizes_ptr,
+                       M, N, K, E, K_CHUNK: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
+    """Cooperative: all ``num_warps`` warps on every tile of the program's items; a window's ``dout`` rows
+    past the group zeroed once when it arrives, and ``res`` handed back after its last tile."""
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = res.type.shape[2]
+    RES_BLOCKS: gl.constexpr = res.type.shape[0]
+    RES_ROWS: gl.constexpr = RES_BLOCKS * BLOCK_M
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
+    k_chunks = gl.cdiv(k_tiles, K_CHUNK)
+    counter = 0
+    windows = 0
+    for item in range(gl.program_id(0), E * k_chunks * n_tiles, gl.num_programs(0)):
+        cursor, group, row0, row_end, chunk, n0 = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles,
+                                                                 BLOCK_N)
+        first_kt = chunk * K_CHUNK
+        last_kt = gl.minimum(first_kt + K_CHUNK, k_tiles) - 1
+        several = row_end - row0 > RES_ROWS
+        for kt in range(first_kt, last_kt + 1):
+            acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+            for w in range(row0, row_end, RES_ROWS):
+                w_end = gl.minimum(w + RES_ROWS, row_end)
+                if several | (kt == first_kt):
+                    mbarrier.wait(res_ready, windows & 1)
+                    last_block = (w_end - w - 1) // BLOCK_M
+                    for b in gl.static_range(RES_BLOCKS):
+                        if b == last_block:
+                            _zero_chunk_past(res.index(b), w_end - w - b * BLOCK_M, TAIL_ROWS)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    windows += 1
+                acc, counter = _resident_window(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS)
+                # the window's MMAs have retired (the last wait above): hand res back where it is reloaded next
+                mbarrier.arrive(res_empty, pred=several | (kt == last_kt))
+            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, kt * BLOCK_K, n0, K, N, TMA_STORE, acc_layout, 0)
+    if TMA_STORE:
+        tma.store_wait(0)
+
+
+@gluon.jit
+def tgmm_sm90_resident_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, STAGES: gl.constexpr,
+                              TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr, RES_BLOCKS: gl.constexpr,
+                              K_CHUNK: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """:func:`tgmm_sm90_kernel` with a group's ``dout`` columns resident over ``K_CHUNK`` k tiles (up to
+    ``RES_BLOCKS`` row blocks of them); same descriptors. A ring of ``STAGES`` ``lhs`` boxes."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    res = gl.allocate_shared_memory(b_desc.dtype, [RES_BLOCKS] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    res_barriers = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(res_barriers.index(i), count=1)
+    C_ROWS: gl.constexpr = BLOCK_K if TMA_STORE else 8
+    c_smem = gl.allocate_shared_memory(out_desc.dtype, [C_ROWS, BLOCK_N], out_desc.layout)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_resident_consumer, (a_bufs, res, ready, empty, res_barriers.index(0), res_barriers.index(1), c_smem,
+                              out_desc, out_ptr, group_sizes_ptr, M, N, K, E, K_CHUNK, TMA_STORE, TAIL_ROWS)),
+        (_resident_producer, (a_desc, b_desc, a_bufs, res, ready, empty, res_barriers.index(0),
+                              res_barriers.index(1), group_sizes_ptr, M, N, K, E, K_CHUNK)),
+    ], [1], [PRODUCER_REGS])

@@ -124,6 +124,23 @@ DEFAULT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s3-t16-w8-tma"
 3.11-3.19 ms a product against 3.35-3.38 for whole-block zeroing and 3.31-3.42 for ``tgmm_resident_kernel``;
 at Mixtral's and Qwen3's within 1% of whole-block zeroing."""
 
+RESIDENT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s4-t16-d3x8-w8-tma"]
+"""Small groups: a group's ``dout`` columns (up to 192 rows) resident over 8 k tiles, only ``lhs`` streamed
+(``gluon_gmm_probe_tgmm_resident_H200_2026-11-29``): at DeepSeek-V3's ~128-row groups 2.57-2.58 ms a product
+against 3.23-3.33 for :data:`DEFAULT_TGMM_CONFIG`, 0.86 of the output's write floor; at Qwen3's ~1000-row
+groups 1.5x slower (a group past the resident rows reloads them every k tile)."""
+
+RESIDENT_MAX_MEAN_ROWS = 192
+"""Groups averaging at most this many rows (the resident window's) take :data:`RESIDENT_TGMM_CONFIG`."""
+
+
+def tgmm_config(num_rows: int, num_groups: int, expected_rows: int | None = None) -> gluon_launch.GluonTgmmConfig:
+    """The weight-gradient configuration by the rows a group holds on average: :data:`RESIDENT_TGMM_CONFIG`
+    where they fit the resident window, :data:`DEFAULT_TGMM_CONFIG` otherwise. ``expected_rows``: the rows
+    a buffer sized for the worst case (an expert-parallel receive buffer) holds when balanced."""
+    rows = num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
+    return RESIDENT_TGMM_CONFIG if rows <= RESIDENT_MAX_MEAN_ROWS * max(num_groups, 1) else DEFAULT_TGMM_CONFIG
+
 
 def gmm_config(k: int) -> gluon_launch.GluonTileConfig:
     """The probe's best configuration by contraction length (``gluon_gmm_probe_H200_2026-11-28.json``, d =
@@ -161,9 +178,11 @@ def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig | None = Non
     return result
 
 
-def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmConfig = DEFAULT_TGMM_CONFIG):
+def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmConfig | None = None,
+         expected_rows: int | None = None):
     """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` (bf16 ``[M, K]`` and ``[M, N]``) as ``[E, K, N]`` of
-    ``out_dtype`` (bf16 or float32; ``lhs``'s by default), zeros for empty groups."""
+    ``out_dtype`` (bf16 or float32; ``lhs``'s by default), zeros for empty groups. ``config``:
+    :func:`tgmm_config`'s by default (``expected_rows`` as it takes them)."""
     num_rows, k = lhs.shape
     (num_groups,) = group_sizes.shape
     n = dout.shape[1]
@@ -177,10 +196,10 @@ def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmC
     if num_groups == 0 or num_rows == 0:
         return jnp.zeros((num_groups, k, n), out_dtype)
     bf16_out = out_dtype == jnp.bfloat16
+    config = config or tgmm_config(num_rows, num_groups, expected_rows)
     config = gluon_launch.launched_tgmm_config(config, k, bf16_out)
     compiled = _compiled_tgmm(config, "bf16" if bf16_out else "fp32")
-    tiles = num_groups * triton.cdiv(k, config.block_k) * triton.cdiv(n, config.block_n)
-    grid = max(1, min(_num_sms(), tiles))
+    grid = max(1, min(_num_sms(), config.work_items(num_groups, k, n)))
     # operands: lhs 0, dout 1, group_sizes 2; result 0 is buffer 3
     plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n)), 2),
                  (num_rows, n, k, num_groups))
@@ -227,8 +246,9 @@ def _gluon_available() -> bool:
 def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, preferred_element_type=None,
                  config=None, expected_rows=None):
     """The Triton backend's ``tgmm`` (``grouped_matmul.triton_launch.tgmm``'s arguments): the Gluon kernel
-    where :func:`tgmm_applies` (at DeepSeek-V3's ~128-row groups it runs 1.04-1.10x ``tgmm_resident_kernel``,
-    at Mixtral's ~2000 1.10-1.15x ``tgmm_kernel``: ``gluon_gmm_probe_tgmm_H200_2026-11-28``), except a float32
+    where :func:`tgmm_applies` (at DeepSeek-V3's ~128-row groups with a resident ``dout`` 1.30x
+    ``tgmm_resident_kernel``, ``gluon_gmm_probe_tgmm_resident_H200_2026-11-29``; at Mixtral's ~2000 1.10-1.15x
+    ``tgmm_kernel``, ``gluon_gmm_probe_tgmm_H200_2026-11-28``), except a float32
     gradient of small groups, Triton's kernels otherwise. A float32 tile leaves by masked stores (its staging
     buffer does not fit beside the ring), which with a few row blocks a tile ran 2.4x slower than the
     resident kernel (the ``s4-direct`` config at DeepSeek's shapes)."""
@@ -239,7 +259,7 @@ def backend_tgmm(lhs, grad, group_sizes, *, num_groups=None, group_offset=0, pre
             and not (out_dtype != jnp.bfloat16
                      and triton_launch.runs_resident_tgmm(lhs.shape[0], group_sizes.shape[0], expected_rows))
             and tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype)):
-        return tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype)
+        return tgmm(lhs, grad, jnp.maximum(group_sizes.astype(jnp.int32), 0), out_dtype, expected_rows=expected_rows)
     return triton_launch.tgmm(lhs, grad, group_sizes, num_groups=num_groups, group_offset=group_offset,
                               preferred_element_type=preferred_element_type, config=config,
                               expected_rows=expected_rows)

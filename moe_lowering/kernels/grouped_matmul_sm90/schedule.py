@@ -104,3 +104,57 @@ def weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_k: int, block
         work.append(WeightTileWork(group, min(group_row, num_rows), min(group_row + group_size, num_rows),
                                    pk * block_k, pn * block_n))
     return work
+
+
+@dataclass(frozen=True)
+class ResidentWindow:
+    """One window of a resident-``dout`` item's k tile: rows ``[row0, row_end)`` reduced against ``dout``
+    blocks held in shared memory; ``loaded``: the producer (re)loads them for this window (the item's first
+    k tile, or every k tile when the group has more rows than a window), ``released``: the consumers hand
+    them back after it (the item's last k tile, or every window when several)."""
+
+    row0: int
+    row_end: int
+    loaded: bool
+    released: bool
+
+
+@dataclass(frozen=True)
+class ResidentTile:
+    """One output tile of a resident-``dout`` item: ``dw[group][k0 : k0 + block_k, col0 : col0 + block_n]``
+    summed over its windows (none for an empty group: zeros)."""
+
+    group: int
+    k0: int
+    col0: int
+    windows: tuple[ResidentWindow, ...]
+
+
+def resident_weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_m: int, block_k: int, block_n: int,
+                          resident_blocks: int, k_chunk: int, program: int, num_programs: int) -> list[ResidentTile]:
+    """The tiles program ``program`` of ``num_programs`` computes in ``tgmm_sm90_resident_kernel``, in order.
+
+    Items are ``(group, k chunk, n tile)`` with n fastest, taken round robin; an item's tiles are its chunk's
+    ``k_chunk`` k tiles, each reducing over the group's rows in windows of ``resident_blocks * block_m``."""
+    k_tiles, n_tiles = cdiv(k, block_k), cdiv(n, block_n)
+    k_chunks = cdiv(k_tiles, k_chunk)
+    per_group = k_chunks * n_tiles
+    window_rows = resident_blocks * block_m
+    group, group_row = 0, 0
+    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
+    tiles = []
+    for item in range(program, len(group_sizes) * per_group, num_programs):
+        while group < item // per_group:  # the kernel's cursor walk
+            group_row += group_size
+            group += 1
+            group_size = max(int(group_sizes[group]), 0)
+        chunk, pn = divmod(item % per_group, n_tiles)
+        row0, row_end = min(group_row, num_rows), min(group_row + group_size, num_rows)
+        several = row_end - row0 > window_rows
+        first_kt, last_kt = chunk * k_chunk, min((chunk + 1) * k_chunk, k_tiles) - 1
+        for kt in range(first_kt, last_kt + 1):
+            windows = tuple(ResidentWindow(w, min(w + window_rows, row_end), several or kt == first_kt,
+                                           several or kt == last_kt)
+                            for w in range(row0, row_end, window_rows))
+            tiles.append(ResidentTile(group, kt * block_k, pn * block_n, windows))
+    return tiles

@@ -39,3 +39,30 @@ def test_the_default_weight_gradient_config_is_a_listed_one_with_tail_chunks():
     assert gluon_launch.tgmm_constexprs(gluon_launch.GluonTgmmConfig())["TAIL_ROWS"] == 64
     pingpong = gluon_launch.GluonTgmmConfig(128, 128, 64, stages=4, pingpong=True, num_warps=4)
     assert "STAGING" not in gluon_launch.tgmm_constexprs(pingpong)  # its kernel stages a tile per warp group
+
+
+def test_a_resident_dout_config_counts_its_resident_rows_and_names_them():
+    streamed = gluon_launch.GluonTgmmConfig(128, 256, 64, stages=4, tail_rows=16)
+    resident = gluon_launch.GluonTgmmConfig(128, 256, 64, stages=4, tail_rows=16, resident_blocks=3, k_chunk=8)
+    # the ring holds lhs boxes only; the resident dout blocks and their two barriers come on top
+    assert resident.shared_bytes() == streamed.shared_bytes() - 4 * 64 * 256 * 2 + 3 * 64 * 256 * 2 + 16
+    assert "-d3x8" in resident.name and resident.kernel is not streamed.kernel
+    assert resident.work_items(256, 7168, 2048) == 256 * 7 * 8  # (group, k chunk of 8 k tiles, n tile)
+    assert streamed.work_items(256, 7168, 2048) == 256 * 56 * 8
+    constexprs = gluon_launch.tgmm_constexprs(resident)
+    assert constexprs["RES_BLOCKS"] == 3 and constexprs["K_CHUNK"] == 8 and "GROUP_M" not in constexprs
+    with pytest.raises(ValueError, match="resident dout"):
+        gluon_launch.GluonTgmmConfig(128, 256, 64, resident_blocks=3)  # no tail chunks
+
+
+@pytest.mark.parametrize("rows, groups, expected_rows, resident", [
+    (32768, 256, None, True),  # DeepSeek-V3: ~128 rows a group
+    (256 * 192, 256, None, True),  # the resident window's rows on average
+    (256 * 193, 256, None, False),
+    (131072, 128, None, False),  # Qwen3: ~1000
+    (4 * 32768, 256, 32768, True),  # an EP=4 receive buffer: its balanced arrival decides
+])
+def test_small_groups_take_the_resident_dout(rows, groups, expected_rows, resident):
+    config = jax_launch.tgmm_config(rows, groups, expected_rows)
+    assert config is (jax_launch.RESIDENT_TGMM_CONFIG if resident else jax_launch.DEFAULT_TGMM_CONFIG)
+    assert config in gluon_launch.TGMM_CONFIGS.values()

@@ -173,3 +173,83 @@ def test_tgmm_pingpong_counting_only_its_own_steps_is_caught():
             play([producer(ring, sum(steps_per_tile), STAGES),
                   *(tgmm_pingpong_consumer(ring, turn, steps_per_tile, STAGES, wg, count_others=False)
                     for wg in (0, 1))], ring, random.Random(seed))
+
+
+# The resident ``dout`` of ``tgmm_sm90_resident_kernel``: one more buffer, guarded by ``res_ready`` /
+# ``res_empty``, modelled as an extra ring slot (index STAGES) that only window loads fill. Each tile is a
+# list of windows ``(row blocks, loaded, released)`` as ``schedule.resident_weight_tiles`` gives them.
+RES = STAGES
+
+
+def resident_producer(ring: Ring, tiles, stages: int):
+    use = loads = 0
+    for windows in tiles:
+        for blocks, loaded, _ in windows:
+            if loaded:
+                yield ring.empty[RES], (loads & 1) ^ 1
+                assert ring.reading[RES] is None, f"load {loads} refills the resident rows load {ring.reading[RES]} reads"
+                ring.holds[RES] = None
+                ring.landing.append((RES, loads))
+                loads += 1
+            for _ in range(blocks):
+                stage = use % stages
+                yield ring.empty[stage], ((use // stages) & 1) ^ 1
+                assert ring.reading[stage] is None, f"use {use} refills stage {stage} while it is read"
+                ring.holds[stage] = None
+                ring.landing.append((stage, use))
+                use += 1
+
+
+def resident_consumer(ring: Ring, tiles, stages: int, release_every_tile: bool = False):
+    """``_resident_consumer``: a loaded window waited for, every block's MMA reading it and its ring stage,
+    the window handed back once its MMAs retired where it is released (``release_every_tile``: the mutant
+    that hands a window back after every tile though the producer loads it once an item)."""
+    use = loads = 0
+    current = None
+    for windows in tiles:
+        for blocks, loaded, released in windows:
+            if loaded:
+                yield ring.ready[RES], (loads & 1)
+                assert ring.holds[RES] == loads, f"window load {loads} reads resident rows of {ring.holds[RES]}"
+                current = loads
+                loads += 1
+            assert ring.holds[RES] == current, f"a window reads resident rows refilled by load {ring.holds[RES]}"
+            ring.reading[RES] = current
+            yield from mainloop(ring, use, blocks, stages)
+            assert ring.holds[RES] == current, "the resident rows were refilled under the window's MMAs"
+            use += blocks
+            if released or release_every_tile:
+                ring.reading[RES] = None
+                ring.empty[RES].arrive()
+
+
+def _resident_tiles(sizes, k_tiles: int, k_chunk: int, block_m: int = 64, resident_blocks: int = 3):
+    from moe_lowering.kernels.grouped_matmul_sm90 import schedule
+
+    tiles = schedule.resident_weight_tiles(sizes, sum(sizes), k_tiles * 16, 16, block_m, 16, 16, resident_blocks,
+                                           k_chunk, 0, 1)
+    return [[(schedule.cdiv(w.row_end - w.row0, block_m), w.loaded, w.released) for w in t.windows] for t in tiles]
+
+
+@pytest.mark.parametrize("sizes, k_tiles, k_chunk", [
+    ([130], 3, 8), ([0, 64, 0], 2, 1), ([10, 500, 0, 192, 193], 5, 2), ([129, 127, 150], 8, 3), ([400], 2, 2)])
+def test_resident_window_loads_and_releases(sizes, k_tiles, k_chunk):
+    tiles = _resident_tiles(sizes, k_tiles, k_chunk)
+    for seed in range(40):
+        ring = Ring(STAGES + 1)
+        play([resident_producer(ring, tiles, STAGES), resident_consumer(ring, tiles, STAGES)], ring,
+             random.Random(seed))
+
+
+def test_releasing_the_resident_rows_after_every_tile_is_caught():
+    """Released after a tile whose item has more k tiles, the rows are refilled under the next tile's MMAs."""
+    tiles = _resident_tiles([130, 70], 4, 4)
+    failures = 0
+    for seed in range(40):
+        ring = Ring(STAGES + 1)
+        try:
+            play([resident_producer(ring, tiles, STAGES), resident_consumer(ring, tiles, STAGES, True)], ring,
+                 random.Random(seed))
+        except AssertionError:
+            failures += 1
+    assert failures

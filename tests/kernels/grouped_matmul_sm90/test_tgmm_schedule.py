@@ -144,3 +144,92 @@ def test_items_go_n_fastest_in_bands_of_k_tiles_and_each_program_walks_forward()
     # groups past the rows there are: clamped, so they reduce over nothing
     assert schedule.weight_tiles([10, 50, 7], 40, 16, 16, 16, 16, 1, 0, 1)[1:] == [
         schedule.WeightTileWork(1, 10, 40, 0, 0), schedule.WeightTileWork(2, 40, 40, 0, 0)]
+
+
+def _resident_product(lhs, dout, tile: schedule.ResidentTile, out, block_m: int, block_k: int, block_n: int,
+                      tail_rows: int, zero_resident: bool = True):
+    """``tgmm_sm90_resident_kernel`` on one tile: per window its ``dout`` blocks as they sit in shared memory
+    (zeroed past the group in the chunk holding its end when they arrived; ``zero_resident`` False: the
+    mutant that skips it), each ``lhs`` box from the ring against its block, a partial last block in
+    ``tail_rows``-row chunks holding rows (the ``lhs`` chunk zeroed past the end)."""
+    acc = np.zeros((block_k, block_n), np.float32)
+    for window in tile.windows:
+        for r in range(window.row0, window.row_end, block_m):
+            a = _box(lhs, r, tile.k0, block_m, block_k)
+            b = _box(dout, r, tile.col0, block_m, block_n)
+            rows_left = window.row_end - r
+            if rows_left >= block_m:
+                acc += a.T @ b
+                continue
+            chunk = rows_left // tail_rows * tail_rows
+            a[rows_left:chunk + tail_rows] = 0
+            if zero_resident:
+                b[rows_left:chunk + tail_rows] = 0
+            for c0 in range(0, rows_left, tail_rows):
+                acc += a[c0:c0 + tail_rows].T @ b[c0:c0 + tail_rows]
+    k, n = out.shape[1:]
+    stored = acc[:k - tile.k0, :n - tile.col0]
+    out[tile.group, tile.k0:tile.k0 + stored.shape[0], tile.col0:tile.col0 + stored.shape[1]] = stored
+
+
+def _resident_tiles(sizes, rows, k, n, block_m, block_k, block_n, resident_blocks, k_chunk, programs):
+    return [t for p in range(programs) for t in schedule.resident_weight_tiles(
+        sizes, rows, k, n, block_m, block_k, block_n, resident_blocks, k_chunk, p, programs)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_m, block_k, block_n, resident_blocks, k_chunk, programs", [
+    (64, 128, 256, 3, 8, 7), (16, 16, 32, 2, 3, 3), (32, 16, 32, 1, 1, 1), (16, 32, 16, 3, 2, 5)])
+def test_resident_dout_covers_every_element_once_and_is_the_reference(seed, block_m, block_k, block_n,
+                                                                      resident_blocks, k_chunk, programs):
+    """Groups longer than the resident window included (several windows a tile, reloaded every k tile)."""
+    rng = np.random.default_rng(seed)
+    num_groups, rows = int(rng.integers(1, 9)), int(rng.integers(1, 700))
+    k, n = int(rng.choice([16, 200, 256])), int(rng.choice([32, 48, 300]))
+    sizes = _random_sizes(rng, num_groups, rows)
+    lhs, dout = _operands(rng, rows, k, n, sizes)
+    tiles = _resident_tiles(sizes, rows, k, n, block_m, block_k, block_n, resident_blocks, k_chunk, programs)
+
+    covered = np.zeros((num_groups, k, n), np.int32)
+    out = np.full((num_groups, k, n), np.nan, np.float32)
+    for tile in tiles:
+        covered[tile.group, tile.k0:tile.k0 + block_k, tile.col0:tile.col0 + block_n] += 1
+        _resident_product(lhs, dout, tile, out, block_m, block_k, block_n, tail_rows=min(16, block_m))
+    assert (covered == 1).all()
+    np.testing.assert_allclose(out, reference.tgmm_rows(lhs, dout, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_resident_rows_past_the_group_are_zeroed_when_they_arrive():
+    """The resident block's rows past the group sit there for every k tile: unzeroed (the mutant), the
+    ``lhs`` chunk's zeros meet a non-finite ``dout`` row (``0 * nan``)."""
+    rng = np.random.default_rng(5)
+    sizes, rows, k, n = [40, 0, 33, 5], 128, 32, 32
+    lhs, dout = _operands(rng, rows, k, n, sizes)
+    expected = reference.tgmm_rows(lhs, dout, sizes)
+    for zero_resident in (True, False):
+        out = np.zeros((len(sizes), k, n), np.float32)
+        for tile in _resident_tiles(sizes, rows, k, n, 64, 32, 32, 3, 2, 2):
+            _resident_product(lhs, dout, tile, out, 64, 32, 32, 16, zero_resident=zero_resident)
+        if zero_resident:
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-4)
+        else:
+            assert not np.isfinite(out[3]).all()
+
+
+def test_resident_items_go_n_fastest_and_a_window_is_loaded_once_an_item():
+    """A group that fits one window loads it at its item's first k tile and releases it after the last; a
+    longer one reloads and releases every window of every k tile; an empty group has no windows."""
+    sizes = [100, 0, 300]
+    tiles = schedule.resident_weight_tiles(sizes, 400, 512, 512, 64, 128, 256, 3, 2, 0, 1)
+    assert [(t.group, t.k0, t.col0) for t in tiles[:6]] == [
+        (0, 0, 0), (0, 128, 0), (0, 0, 256), (0, 128, 256), (0, 256, 0), (0, 384, 0)]
+    first, second = tiles[0].windows, tiles[1].windows
+    assert first == (schedule.ResidentWindow(0, 100, loaded=True, released=False),)
+    assert second == (schedule.ResidentWindow(0, 100, loaded=False, released=True),)
+    assert all(t.windows == () for t in tiles if t.group == 1)
+    long_group = [t for t in tiles if t.group == 2][0]
+    assert long_group.windows == (schedule.ResidentWindow(100, 292, True, True),
+                                  schedule.ResidentWindow(292, 400, True, True))
+    loads = sum(w.loaded for t in tiles for w in t.windows)
+    releases = sum(w.released for t in tiles for w in t.windows)
+    assert loads == releases
