@@ -51,16 +51,22 @@ from moe_lowering.kernels.grouped_matmul_sm90.gluon_kernels import allocate_ring
 
 
 @gluon.jit
+def _walk_to_group(cursor, target, group_sizes_ptr):
+    """The group cursor ``(group, its first row, its size)`` walked forward to group ``target``."""
+    group, group_row, group_size = cursor
+    while group < target:
+        group_row += group_size
+        group += 1
+        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+    return group, group_row, group_size
+
+
+@gluon.jit
 def _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
                  GROUP_M: gl.constexpr):
     """Walks the group cursor ``(group, its first row, its size)`` forward to ``tile``'s group and
     returns ``(cursor, group, row0, row_end, k0, n0)``: ``schedule.weight_tiles``."""
-    group, group_row, group_size = cursor
-    tile_group = tile // (k_tiles * n_tiles)
-    while group < tile_group:
-        group_row += group_size
-        group += 1
-        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+    group, group_row, group_size = _walk_to_group(cursor, tile // (k_tiles * n_tiles), group_sizes_ptr)
     local = tile % (k_tiles * n_tiles)
     band_width = GROUP_M * n_tiles
     first_k_tile = (local // band_width) * GROUP_M
@@ -115,51 +121,54 @@ def _zero_rows_from(buf, first_zero_row):
 
 
 @gluon.jit
-def _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS: gl.constexpr):
-    """Rows ``rows_left`` on of the ``TAIL_ROWS``-row chunk of both boxes that holds row ``rows_left``
-    set to zero (nothing when ``rows_left`` ends a chunk): the chunks past it take no MMA."""
-    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+def _zero_chunk_past(buf, rows_left, TAIL_ROWS: gl.constexpr):
+    """Rows ``rows_left`` on of the ``TAIL_ROWS``-row chunk of ``buf`` holding row ``rows_left`` set to zero
+    (nothing when ``rows_left`` ends a chunk)."""
+    BLOCK_M: gl.constexpr = buf.type.shape[0]
     for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
         if chunk == rows_left // TAIL_ROWS:
-            _zero_rows_from(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
-            _zero_rows_from(b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
+            _zero_rows_from(buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
 
 
 @gluon.jit
-def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout: gl.constexpr,
-                   TAIL_ROWS: gl.constexpr):
-    """One tile's ``wgmma`` chain over its group's row blocks from ring use ``counter`` on, one MMA in
-    flight, each stage handed back once its MMA has retired; no steps (and zeros) for an empty group.
+def _block_product(a_buf, b_buf, acc, rows_left, TAIL_ROWS: gl.constexpr, ZERO_B: gl.constexpr):
+    """``acc += a_buf^T @ b_buf`` over a row block's first ``rows_left`` rows, one MMA left in flight. A block
+    reaching past them (a group's last) is multiplied in ``TAIL_ROWS``-row chunks, only those holding rows,
+    the last zeroed past them in ``a_buf`` (and ``b_buf`` with ``ZERO_B``) first: rows past a group are the
+    next group's, or non-finite, and ``0 * inf`` is not 0."""
+    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+    if rows_left < BLOCK_M:
+        _zero_chunk_past(a_buf, rows_left, TAIL_ROWS)
+        if ZERO_B:
+            _zero_chunk_past(b_buf, rows_left, TAIL_ROWS)
+        fence_async_shared()
+        gl.thread_barrier()
+        # each MMA waited for down to one in flight inside its branch: an accumulator in flight cannot leave one
+        for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
+            if chunk * TAIL_ROWS < rows_left:
+                acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
+                                    b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc, ))
+    else:
+        acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+    return acc
 
-    The group's last block, where it reaches past the group: only its ``TAIL_ROWS``-row chunks holding
-    the group's rows are multiplied (one ``wgmma`` each), and only the last of them is zeroed past the
-    group (with ``TAIL_ROWS == BLOCK_M``: the whole block, zeroed past the group). A smaller chunk is a
-    fraction of the register round trip, which groups of a few blocks pay every tile. Returns ``(acc,
-    counter)``."""
+
+@gluon.jit
+def _reduce_rows(a_bufs, b_bufs, ready, empty, counter, acc, row0, row_end, TAIL_ROWS: gl.constexpr,
+                 RESIDENT: gl.constexpr):
+    """``acc += lhs^T @ dout`` over rows ``[row0, row_end)`` in row blocks, each ``lhs`` box from the ring at
+    use ``counter`` on, its ``dout`` block from the same stage or, ``RESIDENT``, the ``b_bufs`` block of the
+    rows held in shared memory (zeroed past the group when they arrived). One MMA in flight; each stage
+    handed back once its MMA has retired; no steps for no rows. Returns ``(acc, counter)``."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
     for r in range(row0, row_end, BLOCK_M):
         stage = counter % STAGES
         mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-        a_buf = a_bufs.index(stage)
-        b_buf = b_bufs.index(stage)
-        if r + BLOCK_M > row_end:  # the group's last block: its rows past the group are another's
-            rows_left = row_end - r
-            _zero_tail_chunk(a_buf, b_buf, rows_left, TAIL_ROWS)
-            fence_async_shared()
-            gl.thread_barrier()
-            # each MMA waited for down to one in flight inside its branch: an accumulator in flight cannot leave one
-            for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
-                if chunk * TAIL_ROWS < rows_left:
-                    acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
-                                        b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-        else:
-            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
+        b_buf = b_bufs.index((r - row0) // BLOCK_M) if RESIDENT else b_bufs.index(stage)
+        acc = _block_product(a_bufs.index(stage), b_buf, acc, row_end - r, TAIL_ROWS, not RESIDENT)
         # the previous step's MMA has retired in this warp group; the barrier makes it so in all of them
         gl.thread_barrier()
         mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=r > row0)
@@ -168,6 +177,23 @@ def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_lay
     gl.thread_barrier()
     mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=row_end > row0)
     return acc, counter
+
+
+@gluon.jit
+def _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout: gl.constexpr,
+                   TAIL_ROWS: gl.constexpr):
+    """One tile's ``wgmma`` chain over its group's row blocks (both boxes from the ring) from ring use
+    ``counter`` on; zeros for an empty group.
+
+    The group's last block, where it reaches past the group: only its ``TAIL_ROWS``-row chunks holding
+    the group's rows are multiplied (one ``wgmma`` each), and only the last of them is zeroed past the
+    group (with ``TAIL_ROWS == BLOCK_M``: the whole block, zeroed past the group). A smaller chunk is a
+    fraction of the register round trip, which groups of a few blocks pay every tile. Returns ``(acc,
+    counter)``."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+    return _reduce_rows(a_bufs, b_bufs, ready, empty, counter, acc, row0, row_end, TAIL_ROWS, False)
 
 
 @gluon.jit
@@ -313,12 +339,7 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
 def _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles, BLOCK_N: gl.constexpr):
     """Walks the group cursor forward to ``item``'s group and returns ``(cursor, group, row0, row_end, k
     chunk, n0)``."""
-    group, group_row, group_size = cursor
-    item_group = item // (k_chunks * n_tiles)
-    while group < item_group:
-        group_row += group_size
-        group += 1
-        group_size = gl.maximum(gl.load(group_sizes_ptr + group), 0)
+    group, group_row, group_size = _walk_to_group(cursor, item // (k_chunks * n_tiles), group_sizes_ptr)
     local = item % (k_chunks * n_tiles)
     row0 = gl.minimum(group_row, M)
     row_end = gl.minimum(group_row + group_size, M)
@@ -368,51 +389,6 @@ def _resident_producer(a_desc, b_desc, a_bufs, res, ready, empty, res_ready, res
 
 
 @gluon.jit
-def _zero_chunk_past(buf, rows_left, TAIL_ROWS: gl.constexpr):
-    """Rows ``rows_left`` on of the ``TAIL_ROWS``-row chunk of ``buf`` holding row ``rows_left`` set to zero
-    (nothing when ``rows_left`` ends a chunk)."""
-    BLOCK_M: gl.constexpr = buf.type.shape[0]
-    for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
-        if chunk == rows_left // TAIL_ROWS:
-            _zero_rows_from(buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), rows_left - chunk * TAIL_ROWS)
-
-
-@gluon.jit
-def _resident_window(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS: gl.constexpr):
-    """``acc += lhs^T @ dout`` over the window's rows ``[w, w_end)``: each ``lhs`` box from the ring against
-    its resident ``dout`` block, one MMA in flight; a partial last block multiplied in ``TAIL_ROWS``-row
-    chunks, only those holding rows, its ``lhs`` zeroed past the group in the last (the resident block was
-    when it arrived). Each stage is handed back once its MMA has retired. Returns ``(acc, counter)``."""
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    for r in range(w, w_end, BLOCK_M):
-        stage = counter % STAGES
-        mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-        a_buf = a_bufs.index(stage)
-        b_buf = res.index((r - w) // BLOCK_M)
-        if r + BLOCK_M > w_end:
-            rows_left = w_end - r
-            _zero_chunk_past(a_buf, rows_left, TAIL_ROWS)
-            fence_async_shared()
-            gl.thread_barrier()
-            for chunk in gl.static_range(BLOCK_M // TAIL_ROWS):
-                if chunk * TAIL_ROWS < rows_left:
-                    acc = warpgroup_mma(a_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS).permute((1, 0)),
-                                        b_buf.slice(chunk * TAIL_ROWS, TAIL_ROWS), acc, is_async=True)
-                    acc = warpgroup_mma_wait(1, deps=(acc, ))
-        else:
-            acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=r > w)
-        counter += 1
-    acc = warpgroup_mma_wait(0, deps=(acc, ))
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=w_end > w)
-    return acc, counter
-
-
-@gluon.jit
 def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, out_desc, out_ptr, group_sizes_ptr,
                        M, N, K, E, K_CHUNK: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
     """Cooperative: all ``num_warps`` warps on every tile of the program's items; a window's ``dout`` rows
@@ -447,7 +423,7 @@ def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, 
                     fence_async_shared()
                     gl.thread_barrier()
                     windows += 1
-                acc, counter = _resident_window(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS)
+                acc, counter = _reduce_rows(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS, True)
                 # the window's MMAs have retired (the last wait above): hand res back where it is reloaded next
                 mbarrier.arrive(res_empty, pred=several | (kt == last_kt))
             _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, kt * BLOCK_K, n0, K, N, TMA_STORE, acc_layout, 0)

@@ -86,20 +86,28 @@ class WeightTileWork:
     col0: int
 
 
+def _group_items(group_sizes, per_group: int, program: int, num_programs: int):
+    """``(item, group, group's first row, group's size)`` of program ``program``'s items, ``per_group`` items a
+    group taken round robin, each item's group found as the weight-gradient kernels find it (a cursor that
+    only walks forward)."""
+    group, group_row = 0, 0
+    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
+    for item in range(program, len(group_sizes) * per_group, num_programs):
+        while group < item // per_group:
+            group_row += group_size
+            group += 1
+            group_size = max(int(group_sizes[group]), 0)
+        yield item, group, group_row, group_size
+
+
 def weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_k: int, block_n: int, group_m: int, program: int,
                  num_programs: int) -> list[WeightTileWork]:
     """The weight-gradient items program ``program`` of ``num_programs`` computes, in order, found as
     ``tgmm_sm90_kernel`` finds them (its group cursor only walks forward)."""
     k_tiles, n_tiles = cdiv(k, block_k), cdiv(n, block_n)
     per_group = k_tiles * n_tiles
-    group, group_row = 0, 0
-    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
     work = []
-    for tile in range(program, len(group_sizes) * per_group, num_programs):
-        while group < tile // per_group:  # the kernel's cursor walk
-            group_row += group_size
-            group += 1
-            group_size = max(int(group_sizes[group]), 0)
+    for tile, group, group_row, group_size in _group_items(group_sizes, per_group, program, num_programs):
         pk, pn = band_swizzle(tile % per_group, k_tiles, n_tiles, group_m)
         work.append(WeightTileWork(group, min(group_row, num_rows), min(group_row + group_size, num_rows),
                                    pk * block_k, pn * block_n))
@@ -140,14 +148,8 @@ def resident_weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_m: i
     k_chunks = cdiv(k_tiles, k_chunk)
     per_group = k_chunks * n_tiles
     window_rows = resident_blocks * block_m
-    group, group_row = 0, 0
-    group_size = max(int(group_sizes[0]), 0) if len(group_sizes) else 0
     tiles = []
-    for item in range(program, len(group_sizes) * per_group, num_programs):
-        while group < item // per_group:  # the kernel's cursor walk
-            group_row += group_size
-            group += 1
-            group_size = max(int(group_sizes[group]), 0)
+    for item, group, group_row, group_size in _group_items(group_sizes, per_group, program, num_programs):
         chunk, pn = divmod(item % per_group, n_tiles)
         row0, row_end = min(group_row, num_rows), min(group_row + group_size, num_rows)
         several = row_end - row0 > window_rows

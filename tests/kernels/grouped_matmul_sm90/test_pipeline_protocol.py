@@ -36,13 +36,17 @@ class Ring:
         self.landing = []  # TMA loads issued, not landed: (stage, use)
 
 
+def fill(ring: Ring, slot: int, use: int, phase_use: int):
+    """The producer's step: wait for ``slot``'s ``phase_use``-th release, then its TMA load of ``use``."""
+    yield ring.empty[slot], (phase_use & 1) ^ 1
+    assert ring.reading[slot] is None, f"use {use} refills slot {slot} while use {ring.reading[slot]} reads it"
+    ring.holds[slot] = None
+    ring.landing.append((slot, use))
+
+
 def producer(ring: Ring, uses: int, stages: int):
     for use in range(uses):
-        stage = use % stages
-        yield ring.empty[stage], ((use // stages) & 1) ^ 1
-        assert ring.reading[stage] is None, f"use {use} refills stage {stage} while use {ring.reading[stage]} reads it"
-        ring.holds[stage] = None
-        ring.landing.append((stage, use))
+        yield from fill(ring, use % stages, use, use // stages)
 
 
 def mainloop(ring: Ring, first_use: int, k_steps: int, stages: int):
@@ -186,17 +190,10 @@ def resident_producer(ring: Ring, tiles, stages: int):
     for windows in tiles:
         for blocks, loaded, _ in windows:
             if loaded:
-                yield ring.empty[RES], (loads & 1) ^ 1
-                assert ring.reading[RES] is None, f"load {loads} refills the resident rows load {ring.reading[RES]} reads"
-                ring.holds[RES] = None
-                ring.landing.append((RES, loads))
+                yield from fill(ring, RES, loads, loads)
                 loads += 1
             for _ in range(blocks):
-                stage = use % stages
-                yield ring.empty[stage], ((use // stages) & 1) ^ 1
-                assert ring.reading[stage] is None, f"use {use} refills stage {stage} while it is read"
-                ring.holds[stage] = None
-                ring.landing.append((stage, use))
+                yield from fill(ring, use % stages, use, use // stages)
                 use += 1
 
 
