@@ -383,3 +383,18 @@ def test_which_kernel_the_backends_weight_gradient_takes(monkeypatch, triton_lau
     jax_launch.backend_tgmm(lhs, grad, jnp.full((groups,), rows // groups, jnp.int32),
                             preferred_element_type=out_dtype)
     assert taken == [kernel]
+
+
+def test_an_expert_parallel_buffer_picks_the_weight_gradient_by_its_balanced_rows(monkeypatch, triton_launch):
+    """A receive buffer sized for the worst case (4 x a balanced arrival) holds ~128 rows a local expert when
+    balanced: the backend passes ``expected_rows`` on, so the resident-``dout`` config is the one launched."""
+    launched = []
+    monkeypatch.setattr(jax_launch, "tgmm_applies", lambda *_: True)
+    monkeypatch.setattr(jax_launch, "_compiled_tgmm", lambda config, out_dtype: launched.append(config))
+    monkeypatch.setattr(jax_launch, "_plan", lambda *_: (_ for _ in ()).throw(RuntimeError("planned")))
+    lhs, grad = jnp.zeros((4 * 8192, 256), jnp.bfloat16), jnp.zeros((4 * 8192, 256), jnp.bfloat16)
+    sizes = jnp.full((64,), 128, jnp.int32)
+    for expected_rows, config in ((8192, jax_launch.RESIDENT_TGMM_CONFIG), (None, jax_launch.DEFAULT_TGMM_CONFIG)):
+        with pytest.raises(RuntimeError, match="planned"):
+            jax_launch.backend_tgmm(lhs, grad, sizes, expected_rows=expected_rows)
+        assert launched.pop().name == config.name
