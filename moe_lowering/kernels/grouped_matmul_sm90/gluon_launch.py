@@ -282,8 +282,9 @@ TGMM_CONFIGS = {c.name: c for c in (
     GluonTgmmConfig(128, 256, 64, stages=6, tma_store=True, tail_rows=16, resident_blocks=2, k_chunk=8),
 )}
 """The weight-gradient configurations the probe times: ``tgmm_kernel``'s 128 x 256 tile over 64-row
-blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, and ping-pong ones (a
-tile's epilogue under the other warp group's MMAs)."""
+blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, ping-pong ones (a
+tile's epilogue under the other warp group's MMAs), 16-row tail chunks and two staging buffers, and a
+resident ``dout`` (``-d<blocks>x<k tiles>``) for small groups."""
 
 
 def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
