@@ -71,7 +71,7 @@ CHECK_PATTERNS = {
     "rows past the groups": (1536, 256, 512, [100, 0, 700, 33]),
     "width not a tile multiple": (1200, 512, 320, [500, 0, 700]),
     "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0]),
-    "slab boundaries": (2048, 256, 384, [64, 65, 128, 191, 192, 193, 256, 320, 639]),
+    "64-row boundaries": (2048, 256, 384, [64, 65, 128, 191, 192, 193, 256, 320, 639]),
 }
 TGMM_CHECK_PATTERNS = {
     # name: (rows, K, N, group sizes, output dtype)
