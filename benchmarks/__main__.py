@@ -58,6 +58,8 @@ kernel sweeps:
                                         offline for sm_90 (no GPU)
   gluon-gmm     gluon_gmm_probe.py      the Hopper-native Gluon grouped GEMM (grouped_matmul_sm90): checks, and
                                         TFLOP/s against gmm_kernel, torch._grouped_mm and dense at d = 4096
+  gluon-tgmm-ab gluon_tgmm_ab.py        the Hopper weight-gradient kernels against another revision's, DeepSeek-V3's
+                                        products with multinomial and skewed group sizes (A/B)
   gluon-jax     gluon_jax.py            the Gluon grouped GEMMs launched from JAX against our Triton ones, d = 4096
   gluon-layer-ops gluon_layer_ops.py    the layer's grouped products (gathered weight gradients included) at
                                         the benchmark layers' shapes, Triton's kernels beside every Gluon config

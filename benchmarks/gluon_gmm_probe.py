@@ -57,7 +57,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # jax is imported (the tile table), never run
 
 D4096_SHAPES = ("30B-n256", "30B-n512", "30B-n1024", "120B-n512", "120B-n1024", "120B-n2048")
-LAYER_SHAPES = ("mixtral", "qwen3", "deepseek", "deepseek-equal")
+LAYER_SHAPES = ("mixtral", "qwen3", "deepseek", "deepseek-equal", "deepseek-skewed")
+# A layer name's suffix picks the routing of its group sizes (``_group_sizes``); none: multinomial.
+ROUTINGS = ("equal", "skewed")
+# Log-normal expert popularity for "-skewed": the hottest of 256 experts gets ~8-12x the mean rows, as an
+# unbalanced router does early in training.
+SKEW_SIGMA = 1.0
 """``moe_layer.CONFIGS``' layers (``T*k`` rows, one expert weight a product: ``dW_up`` is ``[rows, d]^T
 [rows, f]``, as the layer's gate and up gradients each are); ``deepseek-equal``: DeepSeek with every
 group exactly ``T*k/E`` = 128 rows (no partial row block: the tail handling's share)."""
@@ -82,6 +87,8 @@ TGMM_CHECK_PATTERNS = {
     "K and N not tile multiples": (1200, 200, 328, [500, 0, 650], "bfloat16"),
     "one tiny group": (128, 256, 256, [0, 5, 0, 0, 0, 0, 0, 0], "bfloat16"),
     "float32 output": (2048, 256, 512, [0, 1000, 48, 0, 900], "float32"),
+    # a resident dout's launches split the groups at its 192 rows: both sides of the bound, groups past the rows
+    "groups at the resident bound": (1400, 512, 512, [191, 192, 193, 0, 64, 384, 129, 300], "bfloat16"),
 }
 """Weight-gradient checks: rows past ``sum(sizes)`` hold inf (``lhs``) and NaN (``dout``)."""
 SENTINEL = 3.0
@@ -273,9 +280,20 @@ def check_tgmm_patterns(config, seed: int = 0) -> dict:
     return results
 
 
-def _group_sizes(rows: int, groups: int, seed: int) -> list[int]:
-    """Seeded multinomial routing of ``rows`` copies over ``groups`` experts (uniform, as random routing is)."""
-    return np.random.default_rng(seed).multinomial(rows, np.full(groups, 1.0 / groups)).astype(int).tolist()
+def _group_sizes(rows: int, groups: int, seed: int, routing: str = "multinomial") -> list[int]:
+    """Seeded group sizes summing to ``rows``: ``multinomial`` (uniform, as random routing is), ``equal``
+    (``rows / groups`` each) or ``skewed`` (multinomial over log-normal expert popularities)."""
+    if routing == "equal":
+        return [rows // groups] * groups
+    rng = np.random.default_rng(seed)
+    popularity = np.exp(SKEW_SIGMA * rng.standard_normal(groups)) if routing == "skewed" else np.ones(groups)
+    return rng.multinomial(rows, popularity / popularity.sum()).astype(int).tolist()
+
+
+def _routing(shape_name: str) -> str:
+    """The routing a probe shape's name asks for: its suffix (``deepseek-skewed``), else multinomial."""
+    suffix = shape_name.rsplit("-", 1)[-1]
+    return suffix if suffix in ROUTINGS else "multinomial"
 
 
 def _bench_ms(fn, smoke: bool) -> float:
@@ -441,12 +459,12 @@ def _measurer(entry: dict, error_of, smoke: bool):
 
 
 def time_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int,
-                 equal_groups: bool = False) -> dict:
+                 routing: str = "multinomial") -> dict:
     """Every kernel on one grouped product: ms, TFLOP/s, relative error against the per-group bf16 product.
-    ``equal_groups``: every group ``rows / groups`` rows, else seeded multinomial sizes."""
+    ``routing``: how the group sizes are drawn (``_group_sizes``)."""
     torch = _torch()
     launch = _load_sm90()
-    sizes = [rows // groups] * groups if equal_groups else _group_sizes(rows, groups, seed)
+    sizes = _group_sizes(rows, groups, seed, routing)
     flops = 2.0 * rows * k * n
     generator = torch.Generator(device="cuda").manual_seed(seed)
     lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -505,13 +523,13 @@ def _tgmm_grouped_mm_launcher(lhs, dout, group_sizes):
 
 
 def time_tgmm_product(label: str, rows: int, k: int, n: int, groups: int, configs, smoke: bool, seed: int,
-                      equal_groups: bool = False) -> dict:
+                      routing: str = "multinomial") -> dict:
     """Every weight-gradient kernel on ``dw[g] = lhs[g]^T @ dout[g]`` (``lhs [rows, k]``, ``dout [rows, n]``):
-    ms, TFLOP/s, relative error against the per-group bf16 product. ``equal_groups``: every group
-    ``rows / groups`` rows, else seeded multinomial sizes."""
+    ms, TFLOP/s, relative error against the per-group bf16 product. ``routing``: how the group sizes are
+    drawn (``_group_sizes``)."""
     torch = _torch()
     launch = _load_sm90()
-    sizes = [rows // groups] * groups if equal_groups else _group_sizes(rows, groups, seed)
+    sizes = _group_sizes(rows, groups, seed, routing)
     flops = 2.0 * rows * k * n
     generator = torch.Generator(device="cuda").manual_seed(seed)
     lhs = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -594,7 +612,7 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
         if name in LAYER_SHAPES:
             from moe_layer import CONFIGS as LAYERS
 
-            layer = LAYERS[name.removesuffix("-equal")]
+            layer = LAYERS[name.split("-")[0]]
             rows = SMOKE_ROWS if smoke else layer.T * layer.k
             if "gmm" in ops:
                 products += [(name, "up", rows, layer.d, layer.f, layer.E),
@@ -625,13 +643,13 @@ def run_gpu(configs, shapes, smoke: bool, seed: int, report: dict, path: Path, c
     for name, label, rows, k, n, groups in products:
         print(f"{name}, {rows} rows:", flush=True)
         entry = time_product(label, rows, k, n, groups, [c for c in timed if not _is_tgmm(c)], smoke, seed,
-                             equal_groups=name.endswith("-equal"))
+                             routing=_routing(name))
         report["products"].append({"shape": name, **entry})
         _write(report, path)
     for name, label, rows, k, n, groups in tgmm_products:
         print(f"{name}, {rows} rows:", flush=True)
         entry = time_tgmm_product(label, rows, k, n, groups, [c for c in timed if _is_tgmm(c)], smoke, seed,
-                                  equal_groups=name.endswith("-equal"))
+                                  routing=_routing(name))
         report["products"].append({"shape": name, **entry})
         _write(report, path)
     return report

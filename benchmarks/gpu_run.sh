@@ -9,7 +9,8 @@
 #   one GPU:  tests kernel-tests sweep bench bench-small swiglu swiglu-tests swiglu-rows fp8 fp8-weight-tests
 #             gathered-rows gluon-tests gluon-layers (the Hopper weight gradient: its GPU tests; every
 #             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer as routed, streaming both
-#             operands at every group size, and with Triton's kernels)
+#             operands at every group size, and with Triton's kernels) gluon-tgmm-ab (the weight-gradient
+#             kernels against another revision's, carried as .baseline_tgmm.py: see the step)
 #             sonic-small sonic-large (SonicMoE itself and ours side by side, six shapes a call: carry the
 #             shared harness as .sonic, `cp -r ../shared/sonic .sonic`, beside .whl without tokamax)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
@@ -112,11 +113,14 @@ for step in "$@"; do
     gluon-tests) timeout 300 python3 -m pytest tests/gpu/test_gluon_grouped_matmul_jax.py tests/gpu/test_triton_grouped_matmul.py \
         -k "tgmm or gluon or expected_rows" -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_gluon_tgmm_tests.log" | tail -4 ;;
     gluon-layers) timeout 300 python3 benchmarks/gluon_gmm_probe.py --ops tgmm --out "$OUT" \
-        --shapes deepseek deepseek-equal qwen3 mixtral 2>&1 | grep -v "INFO\|Unable" | tee "$OUT/gluon_probe_layers.log" | tail -50
+        --shapes deepseek deepseek-equal deepseek-skewed qwen3 mixtral 2>&1 | grep -v "INFO\|Unable" | tee "$OUT/gluon_probe_layers.log" | tail -50
       for variant in auto streamed triton; do
         timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --weight-gradient $variant \
           --out "$OUT/layer_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
       done ;;
+    # the baseline: git show REV:moe_lowering/kernels/grouped_matmul_sm90/gluon_tgmm_kernels.py > .baseline_tgmm.py
+    gluon-tgmm-ab) timeout 300 python3 benchmarks/gluon_tgmm_ab.py --baseline "${BASELINE_TGMM:-.baseline_tgmm.py}" \
+        --out "$OUT" 2>&1 | tee "$OUT/gluon_tgmm_ab.log" | tail -40 ;;
     sonic-small) side_by_side small "1.4B-n256 1.4B-n512 1.4B-n1024 7B-n256 7B-n512 7B-n1024" ;;
     sonic-large) side_by_side large "30B-n256 30B-n512 30B-n1024 120B-n512 120B-n1024 120B-n2048" ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -119,10 +119,10 @@ RESIDENT_CONFIGS = [name for name, c in jax_launch.gluon_launch.TGMM_CONFIGS.ite
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("config", RESIDENT_CONFIGS)
 def test_tgmm_resident_dout_with_groups_past_its_window(config, out_dtype, k, n):
-    """Groups longer than the resident rows (several windows a tile, reloaded every k tile) beside ones that
-    fit, an empty one, K past a chunk's k tiles or off the tile (masked stores), N off the tile, non-finite
-    rows past the groups; float32 leaves by masked stores."""
-    sizes = [500, 0, 193, 64, 1000, 191, 3]
+    """Groups longer than the resident rows (the second, streaming launch's, on the output the first left)
+    beside ones that fit, one of exactly the resident rows, an empty one, K past a chunk's k tiles or off the
+    tile (masked stores), N off the tile, non-finite rows past the groups; float32 leaves by masked stores."""
+    sizes = [500, 0, 193, 64, 1000, 191, 3, 192]
     rows = sum(sizes) + 21
     chosen = jax_launch.gluon_launch.TGMM_CONFIGS[config]
     lhs, _, dout = _data(8, rows, k, n, len(sizes))

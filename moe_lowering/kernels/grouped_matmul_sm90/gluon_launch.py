@@ -134,8 +134,8 @@ def compile_offline(config: GluonTileConfig, num_groups: int):
 
 
 def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
-    """``config.kernel`` (arguments ``a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E`` and
-    the constexprs ``fixed``) compiled for ``sm_90``; ``boxes``: each descriptor's ``(type, box, layout)``,
+    """``config.kernel`` (arguments ``a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E``, the
+    streaming weight gradient's ``min_group_rows``, and the constexprs ``fixed``) compiled for ``sm_90``; ``boxes``: each descriptor's ``(type, box, layout)``,
     the output's type also ``out_ptr``'s; pointers, ``N`` and ``K`` taken 16-byte aligned."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -143,8 +143,11 @@ def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
     signature = {name: f"tensordesc<{dtype}{box},{layout!r}>"
                  for name, (dtype, box, layout) in zip(("a_desc", "b_desc", "out_desc"), boxes)}
     signature |= {"out_ptr": f"*{boxes[2][0]}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                  "E": "i32"} | {name: "constexpr" for name in fixed}
+                  "E": "i32"}
     names = config.kernel.arg_names
+    if "min_group_rows" in names:  # the streaming weight gradient: the groups it leaves to the resident kernel
+        signature["min_group_rows"] = "i32"
+    signature |= {name: "constexpr" for name in fixed}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("out_ptr", "group_sizes_ptr", "N", "K")}
     source = GluonASTSource(fn=config.kernel, signature=signature, constexprs=fixed, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", *SM90),
@@ -211,7 +214,8 @@ class GluonTgmmConfig(_WarpSpecialised):
 
     ``resident_blocks``: keep a group's ``dout`` columns (up to this many ``block_m``-row blocks) in shared
     memory over ``k_chunk`` consecutive k tiles and stream only ``lhs`` (``tgmm_sm90_resident_kernel``,
-    cooperative, one staging buffer); 0: both operands every tile."""
+    cooperative, one staging buffer), for the groups that fit them; the longer groups take a second launch
+    of :data:`LONG_GROUPS_TGMM_CONFIG` (:meth:`launches`). 0: one launch, both operands every tile."""
 
     block_k: int = 128
     block_n: int = 256
@@ -250,6 +254,19 @@ class GluonTgmmConfig(_WarpSpecialised):
             return tgmm_sm90_resident_kernel
         return tgmm_sm90_pingpong_kernel if self.pingpong else tgmm_sm90_kernel
 
+    @property
+    def resident_rows(self) -> int:
+        """The longest group the resident kernel takes (0: no resident ``dout``)."""
+        return self.resident_blocks * self.block_m
+
+    def launches(self) -> tuple[tuple[GluonTgmmConfig, int | None], ...]:
+        """The kernels a weight gradient on this configuration launches, in order, each with its
+        ``min_group_rows`` (``None``: the resident kernel, which takes the groups of at most
+        :attr:`resident_rows`): every group is written by exactly one of them, decided on the device."""
+        if not self.resident_blocks:
+            return ((self, 0), )
+        return ((self, None), (LONG_GROUPS_TGMM_CONFIG, self.resident_rows + 1))
+
     def work_items(self, num_groups: int, k: int, n: int) -> int:
         """The kernel's work items: output tiles, or with a resident ``dout`` ``(group, k chunk, n tile)``."""
         k_tiles = triton.cdiv(k, self.block_k)
@@ -285,6 +302,10 @@ TGMM_CONFIGS = {c.name: c for c in (
 blocks (the first), 128 x 128 tiles over longer row blocks or a deeper ring, ping-pong ones (a
 tile's epilogue under the other warp group's MMAs), 16-row tail chunks and two staging buffers, and a
 resident ``dout`` (``-d<blocks>x<k tiles>``) for small groups."""
+
+LONG_GROUPS_TGMM_CONFIG = TGMM_CONFIGS["tgmm-128x256-r64-s3-t16-w8-tma"]
+"""The groups past a resident configuration's rows: the streaming kernel, which the probe measured best at
+every group size it ran (``gluon_gmm_probe_tgmm_H200_2026-11-28``)."""
 
 
 def tgmm_shared_layouts(config: GluonTgmmConfig, out_dtype=gl.bfloat16):
@@ -325,7 +346,8 @@ def launched_tgmm_config(config: GluonTgmmConfig, k: int, out_dtype_is_bf16: boo
 def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_sms: int | None = None):
     """A callable that writes ``out[g] = lhs[rows of g]^T @ dout[rows of g]`` on torch CUDA tensors (``lhs
     [M, K]`` bf16, ``dout [M, N]`` bf16, ``group_sizes [E]`` int32, ``out [E, K, N]`` bf16 or float32),
-    its descriptors built once; every group's ``out[g]`` is written (zeros for empty groups)."""
+    its descriptors built once; every group's ``out[g]`` is written (zeros for empty groups), by the
+    kernels of ``config.launches()``."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -339,19 +361,25 @@ def make_tgmm_launch(lhs, dout, group_sizes, out, config: GluonTgmmConfig, num_s
         return lambda: None
     if num_rows == 0:
         return out.zero_
-    config = launched_tgmm_config(config, k, out.dtype == torch.bfloat16)
-    out_gl = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
-    a_layout, b_layout, c_layout = tgmm_shared_layouts(config, out_gl)
-    a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
-    b_desc = TensorDescriptor.from_tensor(dout, [config.block_m, config.block_n], b_layout)
-    out_desc = TensorDescriptor.from_tensor(out.view(num_groups * k, n), [config.block_k, config.block_n], c_layout)
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
-    grid = (max(1, min(num_sms, config.work_items(num_groups, k, n))), )
-    fixed = tgmm_constexprs(config)
+    out_gl = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
+    launches = []
+    for launch_config, min_group_rows in config.launches():
+        launch_config = launched_tgmm_config(launch_config, k, out.dtype == torch.bfloat16)
+        a_layout, b_layout, c_layout = tgmm_shared_layouts(launch_config, out_gl)
+        descriptors = (
+            TensorDescriptor.from_tensor(lhs, [launch_config.block_m, launch_config.block_k], a_layout),
+            TensorDescriptor.from_tensor(dout, [launch_config.block_m, launch_config.block_n], b_layout),
+            TensorDescriptor.from_tensor(out.view(num_groups * k, n), [launch_config.block_k, launch_config.block_n],
+                                         c_layout))
+        grid = (max(1, min(num_sms, launch_config.work_items(num_groups, k, n))), )
+        scalars = (num_rows, n, k, num_groups) + (() if min_group_rows is None else (min_group_rows, ))
+        launches.append((launch_config, grid, descriptors, scalars, tgmm_constexprs(launch_config)))
 
     def launch():
-        config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
-                            num_warps=config.num_warps, maxnreg=config.maxnreg)
+        for launch_config, grid, descriptors, scalars, fixed in launches:
+            launch_config.kernel[grid](*descriptors, out, group_sizes, *scalars, **fixed,
+                                       num_warps=launch_config.num_warps, maxnreg=launch_config.maxnreg)
 
     return launch
 

@@ -25,6 +25,13 @@ scratch and a tensormap fence per group) for the same effect.
 
 An empty group's tiles take no ring steps: the producer skips them and the consumers store zeros.
 
+A launch may take only some groups (``min_group_rows``; the resident kernel: those its rows hold), decided
+on the device by the sizes, so two launches share the groups without the host knowing them. The
+persistent loops are ``while`` loops stepping by ``_next_item``: a skipped group costs one step a program,
+not one an item. (Measured, ``benchmarks/results/gluon_tgmm_ab_split_H200_2026-11-29.log``: the streaming kernel
+at DeepSeek-V3's ~128-row groups took 3.08-3.38 ms a product with a ``for ... range`` persistent loop and
+2.72-2.83 with this ``while`` loop, the same MMAs and loads.)
+
 ``tgmm_sm90_pingpong_kernel`` splits the consumers as :mod:`.gluon_kernels`' ping-pong kernel does: two
 warp groups take the program's tiles alternately, whole, and take turns at the mainloop, so one's
 epilogue runs under the other's MMAs (short reductions: groups of a few row blocks). A tile's ring steps
@@ -86,8 +93,36 @@ def _walk_start(group_sizes_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _tgmm_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr):
-    """One warp: both boxes of every row block of every tile into the ring, a stage at a time as it empties."""
+def _launch_items(group_sizes_ptr, E, per_group, min_group_rows):
+    """The launch's item count: every group's items, or none where no group has ``min_group_rows`` rows (the
+    streaming launch beside a resident one on small groups only: its programs then end at once instead of
+    walking every group's size, ~0.1 ms at 256 groups)."""
+    CHUNK: gl.constexpr = 32
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    largest = 0
+    if min_group_rows > 0:
+        for g0 in range(0, E, CHUNK):
+            groups = g0 + gl.arange(0, CHUNK, layout=layout)
+            largest = gl.maximum(largest, gl.max(gl.load(group_sizes_ptr + groups, mask=groups < E, other=0), axis=0))
+    return gl.where(largest >= min_group_rows, E * per_group, 0)
+
+
+@gluon.jit
+def _next_item(item, group, per_group, taken):
+    """The program's next item: ``num_programs`` on, or past a group another launch takes, the program's
+    first item of the next group (the items of the groups taken keep their programs; the skipped ones cost
+    one step a group, not one an item)."""
+    step = gl.num_programs(0)
+    if taken:
+        return item + step
+    return item + gl.cdiv((group + 1) * per_group - item, step) * step
+
+
+@gluon.jit
+def _tgmm_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, min_group_rows,
+                   GROUP_M: gl.constexpr):
+    """One warp: both boxes of every row block of every tile of the launch's groups into the ring, a stage at a
+    time as it empties."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
@@ -95,17 +130,22 @@ def _tgmm_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr
     stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
     counter = 0
-    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+    tile = gl.program_id(0)
+    items = _launch_items(group_sizes_ptr, E, k_tiles * n_tiles, min_group_rows)
+    while tile < items:
         cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
                                                             BLOCK_K, BLOCK_N, GROUP_M)
-        for r in range(row0, row_end, BLOCK_M):
-            stage = counter % STAGES
-            # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
-            mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), stage_bytes)
-            tma.async_copy_global_to_shared(a_desc, [r, k0], ready.index(stage), a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [r, n0], ready.index(stage), b_bufs.index(stage))
-            counter += 1
+        taken = cursor[2] >= min_group_rows
+        if taken:
+            for r in range(row0, row_end, BLOCK_M):
+                stage = counter % STAGES
+                # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
+                mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma.async_copy_global_to_shared(a_desc, [r, k0], ready.index(stage), a_bufs.index(stage))
+                tma.async_copy_global_to_shared(b_desc, [r, n0], ready.index(stage), b_bufs.index(stage))
+                counter += 1
+        tile = _next_item(tile, group, k_tiles * n_tiles, taken)
 
 
 @gluon.jit
@@ -224,9 +264,10 @@ def _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, out_row0, k0, n0, K, N, TMA_S
 
 @gluon.jit
 def _tgmm_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                   GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
-    """Cooperative: all ``num_warps`` warps (a warp group per 64 output rows) on every tile, its staging
-    buffers (``c_smem [STAGING, ...]``) taken in turn."""
+                   min_group_rows, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
+    """Cooperative: all ``num_warps`` warps (a warp group per 64 output rows) on every tile of the launch's
+    groups, its staging buffers (``c_smem [STAGING, ...]``) taken in turn by the tiles stored (a skipped tile
+    takes none: each buffer's last store is then ``STAGING`` stores back)."""
     STAGING: gl.constexpr = c_smem.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -235,23 +276,30 @@ def _tgmm_consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, grou
     k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
     counter = 0
     program_tile = 0
-    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+    tile = gl.program_id(0)
+    items = _launch_items(group_sizes_ptr, E, k_tiles * n_tiles, min_group_rows)
+    while tile < items:
         cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
                                                             BLOCK_K, BLOCK_N, GROUP_M)
-        acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout, TAIL_ROWS)
-        _tgmm_epilogue(acc, c_smem.index(program_tile % STAGING), out_desc, out_ptr, group * K, k0, n0, K, N,
-                       TMA_STORE, acc_layout, STAGING - 1)
-        program_tile += 1
+        taken = cursor[2] >= min_group_rows
+        if taken:
+            acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout,
+                                          TAIL_ROWS)
+            _tgmm_epilogue(acc, c_smem.index(program_tile % STAGING), out_desc, out_ptr, group * K, k0, n0, K, N,
+                           TMA_STORE, acc_layout, STAGING - 1)
+            program_tile += 1
+        tile = _next_item(tile, group, k_tiles * n_tiles, taken)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
 def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K,
-                            E, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
-                            WG: gl.constexpr):
-    """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program, whole, in turns at the
-    mainloop (``turn``, as ``gluon_kernels._pingpong_consumer``); the other's tiles only advance its ring count."""
+                            E, min_group_rows, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                            TAIL_ROWS: gl.constexpr, WG: gl.constexpr):
+    """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program's tiles of the launch's groups,
+    whole, in turns at the mainloop (``turn``, as ``gluon_kernels._pingpong_consumer``); the other's tiles
+    only advance its ring count."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
@@ -260,28 +308,35 @@ def _tgmm_pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc
     k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
     counter = 0
     program_tile = 0
-    for tile in range(gl.program_id(0), E * k_tiles * n_tiles, gl.num_programs(0)):
+    tile = gl.program_id(0)
+    items = _launch_items(group_sizes_ptr, E, k_tiles * n_tiles, min_group_rows)
+    while tile < items:
         cursor, group, row0, row_end, k0, n0 = _weight_tile(tile, cursor, group_sizes_ptr, M, k_tiles, n_tiles,
                                                             BLOCK_K, BLOCK_N, GROUP_M)
-        if program_tile % 2 == WG:
-            # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
-            mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
-            acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout,
-                                          TAIL_ROWS)
-            mbarrier.arrive(turn.index(1 - WG))
-            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout, 0)
-        else:
-            counter += gl.cdiv(row_end - row0, BLOCK_M)
-        program_tile += 1
+        taken = cursor[2] >= min_group_rows
+        if taken:
+            if program_tile % 2 == WG:
+                # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
+                mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
+                acc, counter = _tgmm_mainloop(a_bufs, b_bufs, ready, empty, counter, row0, row_end, acc_layout,
+                                              TAIL_ROWS)
+                mbarrier.arrive(turn.index(1 - WG))
+                _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, k0, n0, K, N, TMA_STORE, acc_layout, 0)
+            else:
+                counter += gl.cdiv(row_end - row0, BLOCK_M)
+            program_tile += 1
+        tile = _next_item(tile, group, k_tiles * n_tiles, taken)
     if TMA_STORE:
         tma.store_wait(0)
 
 
 @gluon.jit
-def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
-                     STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr, STAGING: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
-    """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` for every group ``g < E`` (zero for empty ones).
+def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, min_group_rows,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
+                     STAGING: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """``out[g] = lhs[rows of g]^T @ dout[rows of g]`` for every group ``g < E`` of at least ``min_group_rows``
+    rows (zero for empty ones with ``min_group_rows`` 0; the others' ``out[g]`` is left as it was: the
+    resident kernel's groups).
     ``a_desc``: ``lhs [M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``dout [M, N]`` in ``[BLOCK_M,
     BLOCK_N]`` boxes; ``out_desc``: ``out [E, K, N]`` as ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes
     (read only with ``TMA_STORE``); ``out_ptr``: the same output. ``TAIL_ROWS``: the granularity of a
@@ -297,15 +352,16 @@ def tgmm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K
 
     gl.warp_specialize([
         (_tgmm_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                          GROUP_M, TMA_STORE, TAIL_ROWS)),
-        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
+                          min_group_rows, GROUP_M, TMA_STORE, TAIL_ROWS)),
+        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, min_group_rows,
+                          GROUP_M)),
     ], [1], [PRODUCER_REGS])
 
 
 @gluon.jit
-def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, GROUP_M: gl.constexpr,
-                              STAGES: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, min_group_rows,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr,
+                              TAIL_ROWS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     """:func:`tgmm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the default
     partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -318,10 +374,11 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
 
     gl.warp_specialize([
         (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(0), out_desc, out_ptr,
-                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, TAIL_ROWS, 0)),
+                                   group_sizes_ptr, M, N, K, E, min_group_rows, GROUP_M, TMA_STORE, TAIL_ROWS, 0)),
         (_tgmm_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(1), out_desc, out_ptr,
-                                   group_sizes_ptr, M, N, K, E, GROUP_M, TMA_STORE, TAIL_ROWS, 1)),
-        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUP_M)),
+                                   group_sizes_ptr, M, N, K, E, min_group_rows, GROUP_M, TMA_STORE, TAIL_ROWS, 1)),
+        (_tgmm_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, min_group_rows,
+                          GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -331,31 +388,34 @@ def tgmm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr
 # in a byte out at DeepSeek-V3's sizes. ``tgmm_sm90_resident_kernel`` keeps a group's ``dout`` columns in
 # shared memory (up to ``RES_BLOCKS`` row blocks) across ``K_CHUNK`` consecutive k tiles and streams only
 # ``lhs``. Work items are ``(group, k chunk, n tile)``, n fastest, so the programs running at once read the
-# same ``lhs`` rows (once from HBM, the rest from L2). A group longer than the resident rows is reduced a
-# window of them at a time, its ``dout`` reloaded per window and k tile.
+# same ``lhs`` rows (once from HBM, the rest from L2). It takes only the groups its rows hold: a longer
+# group would reload its ``dout`` every k tile behind the MMAs (1.5x the streaming kernel's time), so
+# ``tgmm_sm90_kernel`` takes those in a second launch (``min_group_rows``), both deciding by the sizes on
+# the device.
 
 
 @gluon.jit
-def _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles, BLOCK_N: gl.constexpr):
+def _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles, RES_ROWS: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
     """Walks the group cursor forward to ``item``'s group and returns ``(cursor, group, row0, row_end, k
-    chunk, n0)``."""
+    chunk, n0, taken)``: ``taken`` when the group fits the resident rows (else another launch's)."""
     group, group_row, group_size = _walk_to_group(cursor, item // (k_chunks * n_tiles), group_sizes_ptr)
     local = item % (k_chunks * n_tiles)
     row0 = gl.minimum(group_row, M)
     row_end = gl.minimum(group_row + group_size, M)
-    return (group, group_row, group_size), group, row0, row_end, local // n_tiles, (local % n_tiles) * BLOCK_N
+    return ((group, group_row, group_size), group, row0, row_end, local // n_tiles, (local % n_tiles) * BLOCK_N,
+            group_size <= RES_ROWS)
 
 
 @gluon.jit
 def _resident_producer(a_desc, b_desc, a_bufs, res, ready, empty, res_ready, res_empty, group_sizes_ptr, M, N, K,
                        E, K_CHUNK: gl.constexpr):
-    """One warp: per item, each window of the group's ``dout`` rows into ``res`` (once an item when one
-    window holds the group, else once per k tile), and the ``lhs`` boxes of every k tile into the ring."""
+    """One warp: per item of a group it takes, the group's ``dout`` rows into ``res`` once, then the ``lhs``
+    boxes of every k tile into the ring."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     RES_BLOCKS: gl.constexpr = res.type.shape[0]
-    RES_ROWS: gl.constexpr = RES_BLOCKS * BLOCK_M
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     lhs_bytes: gl.constexpr = a_desc.block_type.nbytes
     dout_bytes: gl.constexpr = b_desc.block_type.nbytes
@@ -363,70 +423,72 @@ def _resident_producer(a_desc, b_desc, a_bufs, res, ready, empty, res_ready, res
     k_chunks = gl.cdiv(k_tiles, K_CHUNK)
     counter = 0
     windows = 0
-    for item in range(gl.program_id(0), E * k_chunks * n_tiles, gl.num_programs(0)):
-        cursor, group, row0, row_end, chunk, n0 = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles,
-                                                                 BLOCK_N)
-        first_kt = chunk * K_CHUNK
-        several = row_end - row0 > RES_ROWS
-        for kt in range(first_kt, gl.minimum(first_kt + K_CHUNK, k_tiles)):
-            for w in range(row0, row_end, RES_ROWS):
-                w_end = gl.minimum(w + RES_ROWS, row_end)
-                if several | (kt == first_kt):
-                    mbarrier.wait(res_empty, (windows & 1) ^ 1)
-                    blocks = gl.cdiv(w_end - w, BLOCK_M)
-                    for count in gl.static_range(1, RES_BLOCKS + 1):
-                        mbarrier.expect(res_ready, count * dout_bytes, pred=blocks == count)
-                    for b in gl.static_range(RES_BLOCKS):
-                        tma.async_copy_global_to_shared(b_desc, [w + b * BLOCK_M, n0], res_ready, res.index(b),
-                                                        pred=b < blocks)
-                    windows += 1
-                for r in range(w, w_end, BLOCK_M):
+    item = gl.program_id(0)
+    while item < E * k_chunks * n_tiles:
+        cursor, group, row0, row_end, chunk, n0, taken = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks,
+                                                                        n_tiles, RES_BLOCKS * BLOCK_M, BLOCK_N)
+        if taken & (row_end > row0):
+            mbarrier.wait(res_empty, (windows & 1) ^ 1)
+            blocks = gl.cdiv(row_end - row0, BLOCK_M)
+            for count in gl.static_range(1, RES_BLOCKS + 1):
+                mbarrier.expect(res_ready, count * dout_bytes, pred=blocks == count)
+            for b in gl.static_range(RES_BLOCKS):
+                tma.async_copy_global_to_shared(b_desc, [row0 + b * BLOCK_M, n0], res_ready, res.index(b),
+                                                pred=b < blocks)
+            windows += 1
+            first_kt = chunk * K_CHUNK
+            for kt in range(first_kt, gl.minimum(first_kt + K_CHUNK, k_tiles)):
+                for r in range(row0, row_end, BLOCK_M):
                     stage = counter % STAGES
                     mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
                     mbarrier.expect(ready.index(stage), lhs_bytes)
                     tma.async_copy_global_to_shared(a_desc, [r, kt * BLOCK_K], ready.index(stage), a_bufs.index(stage))
                     counter += 1
+        item = _next_item(item, group, k_chunks * n_tiles, taken)
 
 
 @gluon.jit
 def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, out_desc, out_ptr, group_sizes_ptr,
                        M, N, K, E, K_CHUNK: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
-    """Cooperative: all ``num_warps`` warps on every tile of the program's items; a window's ``dout`` rows
-    past the group zeroed once when it arrives, and ``res`` handed back after its last tile."""
+    """Cooperative: all ``num_warps`` warps on every tile of the program's items of the groups it takes; a
+    group's ``dout`` rows past its end zeroed once when they arrive, and ``res`` handed back after the item's
+    last tile. An empty group's tiles are zeros."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = res.type.shape[2]
     RES_BLOCKS: gl.constexpr = res.type.shape[0]
-    RES_ROWS: gl.constexpr = RES_BLOCKS * BLOCK_M
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     k_tiles, n_tiles, cursor = _walk_start(group_sizes_ptr, K, N, BLOCK_K, BLOCK_N)
     k_chunks = gl.cdiv(k_tiles, K_CHUNK)
     counter = 0
     windows = 0
-    for item in range(gl.program_id(0), E * k_chunks * n_tiles, gl.num_programs(0)):
-        cursor, group, row0, row_end, chunk, n0 = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks, n_tiles,
-                                                                 BLOCK_N)
-        first_kt = chunk * K_CHUNK
-        last_kt = gl.minimum(first_kt + K_CHUNK, k_tiles) - 1
-        several = row_end - row0 > RES_ROWS
-        for kt in range(first_kt, last_kt + 1):
-            acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
-            for w in range(row0, row_end, RES_ROWS):
-                w_end = gl.minimum(w + RES_ROWS, row_end)
-                if several | (kt == first_kt):
-                    mbarrier.wait(res_ready, windows & 1)
-                    last_block = (w_end - w - 1) // BLOCK_M
-                    for b in gl.static_range(RES_BLOCKS):
-                        if b == last_block:
-                            _zero_chunk_past(res.index(b), w_end - w - b * BLOCK_M, TAIL_ROWS)
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    windows += 1
-                acc, counter = _reduce_rows(a_bufs, res, ready, empty, counter, acc, w, w_end, TAIL_ROWS, True)
-                # the window's MMAs have retired (the last wait above): hand res back where it is reloaded next
-                mbarrier.arrive(res_empty, pred=several | (kt == last_kt))
-            _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, kt * BLOCK_K, n0, K, N, TMA_STORE, acc_layout, 0)
+    item = gl.program_id(0)
+    while item < E * k_chunks * n_tiles:
+        cursor, group, row0, row_end, chunk, n0, taken = _resident_item(item, cursor, group_sizes_ptr, M, k_chunks,
+                                                                        n_tiles, RES_BLOCKS * BLOCK_M, BLOCK_N)
+        if taken:
+            has_rows = row_end > row0
+            if has_rows:
+                mbarrier.wait(res_ready, windows & 1)
+                last_block = (row_end - row0 - 1) // BLOCK_M
+                for b in gl.static_range(RES_BLOCKS):
+                    if b == last_block:
+                        _zero_chunk_past(res.index(b), row_end - row0 - b * BLOCK_M, TAIL_ROWS)
+                fence_async_shared()
+                gl.thread_barrier()
+                windows += 1
+            first_kt = chunk * K_CHUNK
+            last_kt = gl.minimum(first_kt + K_CHUNK, k_tiles) - 1
+            for kt in range(first_kt, last_kt + 1):
+                acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+                acc, counter = _reduce_rows(a_bufs, res, ready, empty, counter, acc, row0, row_end, TAIL_ROWS, True)
+                # the item's last MMAs have retired (the wait above): res handed back before the epilogue, so the
+                # next item's rows load under it (after it: 5% slower at DeepSeek-V3's sizes)
+                mbarrier.arrive(res_empty, pred=has_rows & (kt == last_kt))
+                _tgmm_epilogue(acc, c_smem, out_desc, out_ptr, group * K, kt * BLOCK_K, n0, K, N, TMA_STORE,
+                               acc_layout, 0)
+        item = _next_item(item, group, k_chunks * n_tiles, taken)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -435,8 +497,9 @@ def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, 
 def tgmm_sm90_resident_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E, STAGES: gl.constexpr,
                               TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr, RES_BLOCKS: gl.constexpr,
                               K_CHUNK: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """:func:`tgmm_sm90_kernel` with a group's ``dout`` columns resident over ``K_CHUNK`` k tiles (up to
-    ``RES_BLOCKS`` row blocks of them); same descriptors. A ring of ``STAGES`` ``lhs`` boxes."""
+    """:func:`tgmm_sm90_kernel` for the groups of at most ``RES_BLOCKS`` row blocks (the others' ``out[g]`` left as
+    it was), each one's ``dout`` columns resident over ``K_CHUNK`` k tiles; same descriptors. A ring of
+    ``STAGES`` ``lhs`` boxes."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)

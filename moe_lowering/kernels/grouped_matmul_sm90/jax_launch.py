@@ -106,7 +106,7 @@ def _compiled_tgmm(config: gluon_launch.GluonTgmmConfig, out_dtype: str):
 
 
 def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
-    """The plan for a kernel of arguments ``(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E)``:
+    """The plan for a kernel of arguments ``(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, *scalars)``:
     ``buffers_shapes``: ``(a buffer, a shape), (b ...), (out ...)``, the group sizes' buffer index last."""
     meta = compiled.metadata
     (a, a_shape), (b, b_shape), (out, out_shape), group_sizes = buffers_shapes
@@ -118,17 +118,20 @@ def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
                                kernel_hash=str(getattr(meta, "hash", "") or ""))
 
 
-DEFAULT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s3-t16-w8-tma"]
-"""The probe's best weight-gradient configuration at every measured shape (``gluon_gmm_probe_tgmm_H200_2026-11-28``):
-128 x 256 tiles over 64-row blocks, a group's last block in 16-row chunks. At DeepSeek-V3's ~128-row groups
-3.11-3.19 ms a product against 3.35-3.38 for whole-block zeroing and 3.31-3.42 for ``tgmm_resident_kernel``;
-at Mixtral's and Qwen3's within 1% of whole-block zeroing."""
+DEFAULT_TGMM_CONFIG = gluon_launch.LONG_GROUPS_TGMM_CONFIG
+"""The probe's best streaming weight-gradient configuration at every measured shape
+(``gluon_gmm_probe_tgmm_H200_2026-11-28``): 128 x 256 tiles over 64-row blocks, a group's last block in 16-row
+chunks; at Mixtral's and Qwen3's group sizes within 1% of whole-block zeroing. At DeepSeek-V3's ~128-row
+groups 2.72-2.83 ms a product since its persistent loop is a ``while`` loop (3.08-3.38 before,
+``gluon_tgmm_ab_split_H200_2026-11-29.log``)."""
 
 RESIDENT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s4-t16-d3x8-w8-tma"]
-"""Small groups: a group's ``dout`` columns (up to 192 rows) resident over 8 k tiles, only ``lhs`` streamed
-(``gluon_gmm_probe_tgmm_resident_H200_2026-11-29``): at DeepSeek-V3's ~128-row groups 2.57-2.58 ms a product
-against 3.23-3.33 for :data:`DEFAULT_TGMM_CONFIG`, 0.86 of the output's write floor; at Qwen3's ~1000-row
-groups 1.5x slower (a group past the resident rows reloads them every k tile)."""
+"""Small groups: a group's ``dout`` columns (up to 192 rows) resident over 8 k tiles, only ``lhs`` streamed; the
+groups past 192 rows in a second, streaming launch (:meth:`~.gluon_launch.GluonTgmmConfig.launches`). At
+DeepSeek-V3's ~128-row groups 2.60-2.93 ms a product (the output's write floor: 2.22); with skewed routing
+(log-normal popularity, 5-1615 rows a group) 3.25-3.41, where the resident kernel alone took 3.63-3.99
+(its long groups reloaded their rows every k tile) and the streaming kernel alone 3.05-3.11
+(``gluon_tgmm_ab_split_H200_2026-11-29.log``)."""
 
 RESIDENT_MAX_MEAN_ROWS = 192
 """Groups averaging at most this many rows (the resident window's) take :data:`RESIDENT_TGMM_CONFIG`."""
@@ -197,14 +200,20 @@ def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmC
         return jnp.zeros((num_groups, k, n), out_dtype)
     bf16_out = out_dtype == jnp.bfloat16
     config = config or tgmm_config(num_rows, num_groups, expected_rows)
-    config = gluon_launch.launched_tgmm_config(config, k, bf16_out)
-    compiled = _compiled_tgmm(config, "bf16" if bf16_out else "fp32")
-    grid = max(1, min(_num_sms(), config.work_items(num_groups, k, n)))
-    # operands: lhs 0, dout 1, group_sizes 2; result 0 is buffer 3
-    plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n)), 2),
-                 (num_rows, n, k, num_groups))
-    (result,) = gluon_call_p.bind(lhs, dout, group_sizes.astype(jnp.int32), opaque=xla_call.register_plan(plan),
-                                  out_avals=(_compat.ShapedArray((num_groups, k, n), out_dtype),), aliases=())
+    operands = (lhs, dout, group_sizes.astype(jnp.int32))
+    result = None
+    # every launch after the first takes the output so far, aliased, and writes only its own groups
+    for launch_config, min_group_rows in config.launches():
+        launch_config = gluon_launch.launched_tgmm_config(launch_config, k, bf16_out)
+        compiled = _compiled_tgmm(launch_config, "bf16" if bf16_out else "fp32")
+        grid = max(1, min(_num_sms(), launch_config.work_items(num_groups, k, n)))
+        scalars = (num_rows, n, k, num_groups) + (() if min_group_rows is None else (min_group_rows, ))
+        # operands: lhs 0, dout 1, group_sizes 2 (and the output so far 3, aliased); the result is buffer 3
+        plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n)), 2), scalars)
+        (result,) = gluon_call_p.bind(*operands, *(() if result is None else (result, )),
+                                      opaque=xla_call.register_plan(plan),
+                                      out_avals=(_compat.ShapedArray((num_groups, k, n), out_dtype),),
+                                      aliases=() if result is None else ((3, 0), ))
     return result
 
 

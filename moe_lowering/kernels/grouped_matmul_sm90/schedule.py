@@ -14,7 +14,9 @@ In the ping-pong kernel the program's two consumer warp groups take its items al
 The weight gradient (``gluon_tgmm_kernels``) has items ``(group, k tile, n tile)`` of the ``[E, K, N]``
 output instead, ``E * k_tiles * n_tiles`` of them whatever the sizes (an empty group's items write
 zeros), banded the same way over k tiles; each reduces over its group's rows in ``block_m`` blocks
-(:func:`weight_tiles`).
+(:func:`weight_tiles`). With a resident ``dout`` two launches share the groups by their sizes on the
+device: the resident kernel the groups its rows hold (:func:`resident_weight_tiles`), the streaming one
+the longer ones (``min_group_rows``); the other launch's items are skipped.
 """
 
 from __future__ import annotations
@@ -101,13 +103,16 @@ def _group_items(group_sizes, per_group: int, program: int, num_programs: int):
 
 
 def weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_k: int, block_n: int, group_m: int, program: int,
-                 num_programs: int) -> list[WeightTileWork]:
+                 num_programs: int, min_group_rows: int = 0) -> list[WeightTileWork]:
     """The weight-gradient items program ``program`` of ``num_programs`` computes, in order, found as
-    ``tgmm_sm90_kernel`` finds them (its group cursor only walks forward)."""
+    ``tgmm_sm90_kernel`` finds them (its group cursor only walks forward): those of the groups of at least
+    ``min_group_rows`` rows."""
     k_tiles, n_tiles = cdiv(k, block_k), cdiv(n, block_n)
     per_group = k_tiles * n_tiles
     work = []
     for tile, group, group_row, group_size in _group_items(group_sizes, per_group, program, num_programs):
+        if group_size < min_group_rows:
+            continue
         pk, pn = band_swizzle(tile % per_group, k_tiles, n_tiles, group_m)
         work.append(WeightTileWork(group, min(group_row, num_rows), min(group_row + group_size, num_rows),
                                    pk * block_k, pn * block_n))
@@ -115,48 +120,40 @@ def weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_k: int, block
 
 
 @dataclass(frozen=True)
-class ResidentWindow:
-    """One window of a resident-``dout`` item's k tile: rows ``[row0, row_end)`` reduced against ``dout``
-    blocks held in shared memory; ``loaded``: the producer (re)loads them for this window (the item's first
-    k tile, or every k tile when the group has more rows than a window), ``released``: the consumers hand
-    them back after it (the item's last k tile, or every window when several)."""
-
-    row0: int
-    row_end: int
-    loaded: bool
-    released: bool
-
-
-@dataclass(frozen=True)
 class ResidentTile:
     """One output tile of a resident-``dout`` item: ``dw[group][k0 : k0 + block_k, col0 : col0 + block_n]``
-    summed over its windows (none for an empty group: zeros)."""
+    over the group's rows ``[row0, row_end)`` (none for an empty group: zeros), reduced against its ``dout``
+    blocks held in shared memory. ``loaded``: the producer loads them before this tile (the item's first);
+    ``released``: the consumers hand them back after it (the item's last); neither without rows."""
 
     group: int
+    row0: int
+    row_end: int
     k0: int
     col0: int
-    windows: tuple[ResidentWindow, ...]
+    loaded: bool
+    released: bool
 
 
 def resident_weight_tiles(group_sizes, num_rows: int, k: int, n: int, block_m: int, block_k: int, block_n: int,
                           resident_blocks: int, k_chunk: int, program: int, num_programs: int) -> list[ResidentTile]:
     """The tiles program ``program`` of ``num_programs`` computes in ``tgmm_sm90_resident_kernel``, in order.
 
-    Items are ``(group, k chunk, n tile)`` with n fastest, taken round robin; an item's tiles are its chunk's
-    ``k_chunk`` k tiles, each reducing over the group's rows in windows of ``resident_blocks * block_m``."""
+    Items are ``(group, k chunk, n tile)`` with n fastest, taken round robin, of the groups of at most
+    ``resident_blocks * block_m`` rows (the longer ones' items are skipped: :func:`weight_tiles` with
+    ``min_group_rows`` one past it takes them); an item's tiles are its chunk's ``k_chunk`` k tiles."""
     k_tiles, n_tiles = cdiv(k, block_k), cdiv(n, block_n)
     k_chunks = cdiv(k_tiles, k_chunk)
     per_group = k_chunks * n_tiles
-    window_rows = resident_blocks * block_m
     tiles = []
     for item, group, group_row, group_size in _group_items(group_sizes, per_group, program, num_programs):
+        if group_size > resident_blocks * block_m:
+            continue
         chunk, pn = divmod(item % per_group, n_tiles)
         row0, row_end = min(group_row, num_rows), min(group_row + group_size, num_rows)
-        several = row_end - row0 > window_rows
         first_kt, last_kt = chunk * k_chunk, min((chunk + 1) * k_chunk, k_tiles) - 1
         for kt in range(first_kt, last_kt + 1):
-            windows = tuple(ResidentWindow(w, min(w + window_rows, row_end), several or kt == first_kt,
-                                           several or kt == last_kt)
-                            for w in range(row0, row_end, window_rows))
-            tiles.append(ResidentTile(group, kt * block_k, pn * block_n, windows))
+            has_rows = row_end > row0
+            tiles.append(ResidentTile(group, row0, row_end, kt * block_k, pn * block_n, has_rows and kt == first_kt,
+                                      has_rows and kt == last_kt))
     return tiles

@@ -66,3 +66,25 @@ def test_small_groups_take_the_resident_dout(rows, groups, expected_rows, reside
     config = jax_launch.tgmm_config(rows, groups, expected_rows)
     assert config is (jax_launch.RESIDENT_TGMM_CONFIG if resident else jax_launch.DEFAULT_TGMM_CONFIG)
     assert config in gluon_launch.TGMM_CONFIGS.values()
+
+
+def test_a_resident_dout_leaves_the_longer_groups_to_a_streaming_launch():
+    """Every group is written by exactly one launch: the resident kernel's (groups up to its rows) and then
+    the streaming kernel's from one row past them; a streaming config is one launch of every group."""
+    resident = jax_launch.RESIDENT_TGMM_CONFIG
+    assert resident.resident_rows == 192
+    (first, first_rows), (second, second_rows) = resident.launches()
+    assert first is resident and first_rows is None
+    assert second is gluon_launch.LONG_GROUPS_TGMM_CONFIG and not second.resident_blocks
+    assert second_rows == resident.resident_rows + 1
+    assert jax_launch.DEFAULT_TGMM_CONFIG.launches() == ((jax_launch.DEFAULT_TGMM_CONFIG, 0), )
+
+
+def test_the_streaming_kernels_take_min_group_rows_and_the_resident_one_does_not():
+    """The launch passes ``min_group_rows`` where the kernel has it (``_compile_sm90``'s signature reads the
+    kernel's arguments): a scalar the resident kernel lacks would shift every argument after it."""
+    for config in gluon_launch.TGMM_CONFIGS.values():
+        names = config.kernel.arg_names
+        assert ("min_group_rows" in names) == (not config.resident_blocks)
+        if "min_group_rows" in names:
+            assert names.index("min_group_rows") == names.index("E") + 1

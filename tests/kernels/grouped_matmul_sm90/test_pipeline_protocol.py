@@ -180,44 +180,43 @@ def test_tgmm_pingpong_counting_only_its_own_steps_is_caught():
 
 
 # The resident ``dout`` of ``tgmm_sm90_resident_kernel``: one more buffer, guarded by ``res_ready`` /
-# ``res_empty``, modelled as an extra ring slot (index STAGES) that only window loads fill. Each tile is a
-# list of windows ``(row blocks, loaded, released)`` as ``schedule.resident_weight_tiles`` gives them.
+# ``res_empty``, modelled as an extra ring slot (index STAGES) that only the group rows' loads fill. Each tile
+# is ``(row blocks, loaded, released)`` as ``schedule.resident_weight_tiles`` gives them.
 RES = STAGES
 
 
 def resident_producer(ring: Ring, tiles, stages: int):
     use = loads = 0
-    for windows in tiles:
-        for blocks, loaded, _ in windows:
-            if loaded:
-                yield from fill(ring, RES, loads, loads)
-                loads += 1
-            for _ in range(blocks):
-                yield from fill(ring, use % stages, use, use // stages)
-                use += 1
+    for blocks, loaded, _ in tiles:
+        if loaded:
+            yield from fill(ring, RES, loads, loads)
+            loads += 1
+        for _ in range(blocks):
+            yield from fill(ring, use % stages, use, use // stages)
+            use += 1
 
 
 def resident_consumer(ring: Ring, tiles, stages: int, release_every_tile: bool = False):
-    """``_resident_consumer``: a loaded window waited for, every block's MMA reading it and its ring stage,
-    the window handed back once its MMAs retired where it is released (``release_every_tile``: the mutant
-    that hands a window back after every tile though the producer loads it once an item)."""
+    """``_resident_consumer``: loaded rows waited for, every block's MMA reading them and its ring stage, the
+    rows handed back once the item's MMAs retired (``release_every_tile``: the mutant that hands them back
+    after every tile with rows though the producer loads them once an item)."""
     use = loads = 0
     current = None
-    for windows in tiles:
-        for blocks, loaded, released in windows:
-            if loaded:
-                yield ring.ready[RES], (loads & 1)
-                assert ring.holds[RES] == loads, f"window load {loads} reads resident rows of {ring.holds[RES]}"
-                current = loads
-                loads += 1
-            assert ring.holds[RES] == current, f"a window reads resident rows refilled by load {ring.holds[RES]}"
+    for blocks, loaded, released in tiles:
+        if loaded:
+            yield ring.ready[RES], (loads & 1)
+            assert ring.holds[RES] == loads, f"rows load {loads} reads resident rows of {ring.holds[RES]}"
+            current = loads
+            loads += 1
+        if blocks:
+            assert ring.holds[RES] == current, f"a tile reads resident rows refilled by load {ring.holds[RES]}"
             ring.reading[RES] = current
-            yield from mainloop(ring, use, blocks, stages)
-            assert ring.holds[RES] == current, "the resident rows were refilled under the window's MMAs"
-            use += blocks
-            if released or release_every_tile:
-                ring.reading[RES] = None
-                ring.empty[RES].arrive()
+        yield from mainloop(ring, use, blocks, stages)
+        assert not blocks or ring.holds[RES] == current, "the resident rows were refilled under the tile's MMAs"
+        use += blocks
+        if released or (release_every_tile and blocks):
+            ring.reading[RES] = None
+            ring.empty[RES].arrive()
 
 
 def _resident_tiles(sizes, k_tiles: int, k_chunk: int, block_m: int = 64, resident_blocks: int = 3):
@@ -225,7 +224,7 @@ def _resident_tiles(sizes, k_tiles: int, k_chunk: int, block_m: int = 64, reside
 
     tiles = schedule.resident_weight_tiles(sizes, sum(sizes), k_tiles * 16, 16, block_m, 16, 16, resident_blocks,
                                            k_chunk, 0, 1)
-    return [[(schedule.cdiv(w.row_end - w.row0, block_m), w.loaded, w.released) for w in t.windows] for t in tiles]
+    return [(schedule.cdiv(t.row_end - t.row0, block_m), t.loaded, t.released) for t in tiles]
 
 
 @pytest.mark.parametrize("sizes, k_tiles, k_chunk", [

@@ -17,9 +17,9 @@ def _random_sizes(rng, num_groups: int, rows: int):
     return sizes.tolist()
 
 
-def _all_work(sizes, rows, k, n, block_k, block_n, group_m, programs):
+def _all_work(sizes, rows, k, n, block_k, block_n, group_m, programs, min_group_rows: int = 0):
     return [(p, w) for p in range(programs)
-            for w in schedule.weight_tiles(sizes, rows, k, n, block_k, block_n, group_m, p, programs)]
+            for w in schedule.weight_tiles(sizes, rows, k, n, block_k, block_n, group_m, p, programs, min_group_rows)]
 
 
 def _box(array, row, col, rows: int, cols: int):
@@ -148,25 +148,24 @@ def test_items_go_n_fastest_in_bands_of_k_tiles_and_each_program_walks_forward()
 
 def _resident_product(lhs, dout, tile: schedule.ResidentTile, out, block_m: int, block_k: int, block_n: int,
                       tail_rows: int, zero_resident: bool = True):
-    """``tgmm_sm90_resident_kernel`` on one tile: per window its ``dout`` blocks as they sit in shared memory
-    (zeroed past the group in the chunk holding its end when they arrived; ``zero_resident`` False: the
-    mutant that skips it), each ``lhs`` box from the ring against its block, a partial last block in
-    ``tail_rows``-row chunks holding rows (the ``lhs`` chunk zeroed past the end)."""
+    """``tgmm_sm90_resident_kernel`` on one tile: its ``dout`` blocks as they sit in shared memory (zeroed past
+    the group in the chunk holding its end when they arrived; ``zero_resident`` False: the mutant that skips
+    it), each ``lhs`` box from the ring against its block, a partial last block in ``tail_rows``-row chunks
+    holding rows (the ``lhs`` chunk zeroed past the end)."""
     acc = np.zeros((block_k, block_n), np.float32)
-    for window in tile.windows:
-        for r in range(window.row0, window.row_end, block_m):
-            a = _box(lhs, r, tile.k0, block_m, block_k)
-            b = _box(dout, r, tile.col0, block_m, block_n)
-            rows_left = window.row_end - r
-            if rows_left >= block_m:
-                acc += a.T @ b
-                continue
-            chunk = rows_left // tail_rows * tail_rows
-            a[rows_left:chunk + tail_rows] = 0
-            if zero_resident:
-                b[rows_left:chunk + tail_rows] = 0
-            for c0 in range(0, rows_left, tail_rows):
-                acc += a[c0:c0 + tail_rows].T @ b[c0:c0 + tail_rows]
+    for r in range(tile.row0, tile.row_end, block_m):
+        a = _box(lhs, r, tile.k0, block_m, block_k)
+        b = _box(dout, r, tile.col0, block_m, block_n)
+        rows_left = tile.row_end - r
+        if rows_left >= block_m:
+            acc += a.T @ b
+            continue
+        chunk = rows_left // tail_rows * tail_rows
+        a[rows_left:chunk + tail_rows] = 0
+        if zero_resident:
+            b[rows_left:chunk + tail_rows] = 0
+        for c0 in range(0, rows_left, tail_rows):
+            acc += a[c0:c0 + tail_rows].T @ b[c0:c0 + tail_rows]
     k, n = out.shape[1:]
     stored = acc[:k - tile.k0, :n - tile.col0]
     out[tile.group, tile.k0:tile.k0 + stored.shape[0], tile.col0:tile.col0 + stored.shape[1]] = stored
@@ -180,23 +179,46 @@ def _resident_tiles(sizes, rows, k, n, block_m, block_k, block_n, resident_block
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("block_m, block_k, block_n, resident_blocks, k_chunk, programs", [
     (64, 128, 256, 3, 8, 7), (16, 16, 32, 2, 3, 3), (32, 16, 32, 1, 1, 1), (16, 32, 16, 3, 2, 5)])
-def test_resident_dout_covers_every_element_once_and_is_the_reference(seed, block_m, block_k, block_n,
-                                                                      resident_blocks, k_chunk, programs):
-    """Groups longer than the resident window included (several windows a tile, reloaded every k tile)."""
+def test_resident_and_long_group_launches_cover_every_element_once_and_are_the_reference(
+        seed, block_m, block_k, block_n, resident_blocks, k_chunk, programs):
+    """The resident launch's groups (up to its rows) and the streaming launch's (``min_group_rows`` one past
+    them), decided by the same sizes: every element of every group written once, the product the
+    reference's; groups of exactly the resident rows included."""
     rng = np.random.default_rng(seed)
     num_groups, rows = int(rng.integers(1, 9)), int(rng.integers(1, 700))
     k, n = int(rng.choice([16, 200, 256])), int(rng.choice([32, 48, 300]))
     sizes = _random_sizes(rng, num_groups, rows)
+    resident_rows = resident_blocks * block_m
+    sizes[int(rng.integers(0, num_groups))] = resident_rows  # the bound itself (past the rows: clamped)
     lhs, dout = _operands(rng, rows, k, n, sizes)
     tiles = _resident_tiles(sizes, rows, k, n, block_m, block_k, block_n, resident_blocks, k_chunk, programs)
+    long_work = _all_work(sizes, rows, k, n, block_k, block_n, 8, programs, min_group_rows=resident_rows + 1)
 
     covered = np.zeros((num_groups, k, n), np.int32)
     out = np.full((num_groups, k, n), np.nan, np.float32)
     for tile in tiles:
+        assert tile.row_end - tile.row0 <= resident_rows
         covered[tile.group, tile.k0:tile.k0 + block_k, tile.col0:tile.col0 + block_n] += 1
         _resident_product(lhs, dout, tile, out, block_m, block_k, block_n, tail_rows=min(16, block_m))
+    for _, item in long_work:
+        covered[item.group, item.k0:item.k0 + block_k, item.col0:item.col0 + block_n] += 1
+        _tile_product(lhs, dout, item, out, block_m, block_k, block_n, tail_rows=min(16, block_m))
     assert (covered == 1).all()
     np.testing.assert_allclose(out, reference.tgmm_rows(lhs, dout, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_a_long_group_launch_from_the_resident_rows_writes_their_groups_twice():
+    """The mutant bound: the streaming launch from ``min_group_rows`` = the resident rows (not one past)
+    takes a group of exactly that many rows too."""
+    sizes, rows, k, n = [192, 30, 193], 415, 32, 32
+    resident = _resident_tiles(sizes, rows, k, n, 64, 16, 16, 3, 2, 3)
+    for bound, twice in ((193, False), (192, True)):
+        covered = np.zeros((len(sizes), k, n), np.int32)
+        for tile in resident:
+            covered[tile.group, tile.k0:tile.k0 + 16, tile.col0:tile.col0 + 16] += 1
+        for _, item in _all_work(sizes, rows, k, n, 16, 16, 8, 3, min_group_rows=bound):
+            covered[item.group, item.k0:item.k0 + 16, item.col0:item.col0 + 16] += 1
+        assert (covered[0] == 2).all() == twice and (covered[1:] == 1).all()
 
 
 def test_resident_rows_past_the_group_are_zeroed_when_they_arrive():
@@ -216,20 +238,15 @@ def test_resident_rows_past_the_group_are_zeroed_when_they_arrive():
             assert not np.isfinite(out[3]).all()
 
 
-def test_resident_items_go_n_fastest_and_a_window_is_loaded_once_an_item():
-    """A group that fits one window loads it at its item's first k tile and releases it after the last; a
-    longer one reloads and releases every window of every k tile; an empty group has no windows."""
+def test_resident_items_go_n_fastest_load_once_an_item_and_skip_long_groups():
+    """A group's rows are loaded at its item's first k tile and released after the last; an empty group
+    has neither; a group past the resident rows has no items here."""
     sizes = [100, 0, 300]
     tiles = schedule.resident_weight_tiles(sizes, 400, 512, 512, 64, 128, 256, 3, 2, 0, 1)
     assert [(t.group, t.k0, t.col0) for t in tiles[:6]] == [
         (0, 0, 0), (0, 128, 0), (0, 0, 256), (0, 128, 256), (0, 256, 0), (0, 384, 0)]
-    first, second = tiles[0].windows, tiles[1].windows
-    assert first == (schedule.ResidentWindow(0, 100, loaded=True, released=False),)
-    assert second == (schedule.ResidentWindow(0, 100, loaded=False, released=True),)
-    assert all(t.windows == () for t in tiles if t.group == 1)
-    long_group = [t for t in tiles if t.group == 2][0]
-    assert long_group.windows == (schedule.ResidentWindow(100, 292, True, True),
-                                  schedule.ResidentWindow(292, 400, True, True))
-    loads = sum(w.loaded for t in tiles for w in t.windows)
-    releases = sum(w.released for t in tiles for w in t.windows)
-    assert loads == releases
+    assert tiles[0] == schedule.ResidentTile(0, 0, 100, 0, 0, loaded=True, released=False)
+    assert tiles[1] == schedule.ResidentTile(0, 0, 100, 128, 0, loaded=False, released=True)
+    assert all(not t.loaded and not t.released and t.row0 == t.row_end for t in tiles if t.group == 1)
+    assert {t.group for t in tiles} == {0, 1}
+    assert sum(t.loaded for t in tiles) == sum(t.released for t in tiles)
