@@ -30,7 +30,7 @@ on the device by the sizes, so two launches share the groups without the host kn
 persistent loops are ``while`` loops stepping by ``_next_item``: a skipped group costs one step a program,
 not one an item. (Measured, ``benchmarks/results/gluon_tgmm_ab_split_H200_2026-11-29.log``: the streaming kernel
 at DeepSeek-V3's ~128-row groups took 3.08-3.38 ms a product with a ``for ... range`` persistent loop and
-2.72-2.83 with this ``while`` loop, the same MMAs and loads.)
+2.72-2.83 as it is now, the same MMAs and loads; the forward kernels gained nothing from the loop form.)
 
 ``tgmm_sm90_pingpong_kernel`` splits the consumers as :mod:`.gluon_kernels`' ping-pong kernel does: two
 warp groups take the program's tiles alternately, whole, and take turns at the mainloop, so one's

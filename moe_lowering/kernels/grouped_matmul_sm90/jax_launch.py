@@ -122,7 +122,7 @@ DEFAULT_TGMM_CONFIG = gluon_launch.LONG_GROUPS_TGMM_CONFIG
 """The probe's best streaming weight-gradient configuration at every measured shape
 (``gluon_gmm_probe_tgmm_H200_2026-11-28``): 128 x 256 tiles over 64-row blocks, a group's last block in 16-row
 chunks; at Mixtral's and Qwen3's group sizes within 1% of whole-block zeroing. At DeepSeek-V3's ~128-row
-groups 2.72-2.83 ms a product since its persistent loop is a ``while`` loop (3.08-3.38 before,
+groups 2.72-2.83 ms a product since its loop jumps over other launches' groups (3.08-3.38 before,
 ``gluon_tgmm_ab_split_H200_2026-11-29.log``)."""
 
 RESIDENT_TGMM_CONFIG = gluon_launch.TGMM_CONFIGS["tgmm-128x256-r64-s4-t16-d3x8-w8-tma"]
