@@ -34,6 +34,21 @@ device_put_p = _dispatch.device_put_p
 stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
 
 
+def unit_tile_as_broadcast(primitive, params, operand_shape, out_shape):
+    """``(broadcast_in_dim_p, its params)`` for ``tile`` (its own primitive in recent JAX) whose every repeated
+    axis has size 1: the same values as a broadcast, the form the matcher reads; ``None`` for other eqns. The
+    params come from tracing the broadcast, so they are whatever this JAX version binds."""
+    if getattr(primitive, "name", None) != "tile" or len(operand_shape) != len(out_shape):
+        return None
+    if any(rep != 1 and size != 1 for rep, size in zip(params.get("reps", ()), operand_shape)):
+        return None
+    dims = tuple(range(len(out_shape)))
+    traced = jax.make_jaxpr(lambda a: jax.lax.broadcast_in_dim(a, tuple(out_shape), dims))(
+        jax.ShapeDtypeStruct(tuple(operand_shape), jax.numpy.float32))
+    (eqn,) = traced.jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)
+
+
 def jaxpr_parts(closed):
     """``(jaxpr, consts)`` of a closed jaxpr, whichever class this JAX version uses for it."""
     return closed.jaxpr, list(closed.consts)

@@ -172,7 +172,11 @@ def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = (), i
             continue
         outputs = tuple(Value(v.aval) for v in source.outvars)
         env.update(zip(source.outvars, outputs))
-        eqns.append(Eqn(len(eqns), source.primitive, dict(source.params), inputs, outputs, source, callers))
+        primitive, params = source.primitive, dict(source.params)
+        if primitive.name == "tile":  # jnp.tile of size-1 axes (Grok-1's tokens, tunix's weights): a broadcast
+            primitive, params = _compat.unit_tile_as_broadcast(primitive, params, inputs[0].shape,
+                                                               outputs[0].shape) or (primitive, params)
+        eqns.append(Eqn(len(eqns), primitive, params, inputs, outputs, source, callers))
     return [_read(env, a) for a in jaxpr.outvars]
 
 

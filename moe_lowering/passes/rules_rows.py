@@ -103,6 +103,14 @@ def _rows_elementwise(an: Analysis, eqn: Eqn, abstracts):
             return _step_before_first_product(eqn)
     elif first.gate is not None or any(r.gate is not None for r in rows):
         if prim is lax.convert_element_type_p:
+            source = eqn.inputs[0].dtype
+            if not (jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(out.dtype, jnp.floating)
+                    and jnp.finfo(out.dtype).nmant >= jnp.finfo(source).nmant
+                    and jnp.finfo(out.dtype).maxexp >= jnp.finfo(source).maxexp):
+                # a cast to an integer, a bool or a narrower float rounds each expert's weighted rows before
+                # their sum, which the rewrite (weights applied once, to the rows' sum) cannot reproduce
+                return FailedMatch(f"weighted expert activations are cast from {source} to {out.dtype}; only a "
+                                   "widening float cast may follow the routing weights", eqn, "linear-after-gate")
             return replace(first, node=_elementwise_node(an, eqn, abstracts, first))
         return FailedMatch(
             f"routing weights are applied before the nonlinear step `{prim}`; only linear steps may follow them", eqn,

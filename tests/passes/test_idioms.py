@@ -869,3 +869,36 @@ def test_explain_says_where_approx_max_k_is_an_exact_top_k(num_experts, exact_on
     assert "also exact" not in note or exact_on_tpu
     if _compat.approx_top_k_candidates(num_experts, 2, 2, 0.95, -1) is not None:  # this jaxlib says how many
         assert ("also exact" in note) == exact_on_tpu and ("keeps 128 of the E=256" in note) == (not exact_on_tpu)
+
+
+def _tiled_weights_layer(tile_weights):
+    """tunix's dense Qwen3 MoE (google/tunix ``tunix/models/qwen3/model.py``, its un-meshed fallback): a one-hot
+    dispatch loop whose per-choice routing weights are spread over the experts by ``tile_weights``."""
+
+    def layer(params, x):  # x [B, S, d]
+        num_experts = params["router"].shape[-1]
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        mask = jnp.swapaxes(jax.nn.one_hot(index, num_experts), -1, -2)  # [B, S, E, k]
+        expert_in = jnp.einsum("BTID,BTEK->BTED", x[:, :, None, :], mask)
+        outs = jnp.stack([jax.nn.gelu(expert_in[:, :, e] @ params["w_up"][e]) @ params["w_down"][e]
+                          for e in range(num_experts)], axis=2)
+        return jnp.einsum("BTED,BTEK->BTD", outs, mask * tile_weights(weights, num_experts))
+
+    return layer
+
+
+def test_tile_of_size_one_axes_is_read_as_the_broadcast_it_is():
+    """``jnp.tile`` (its own primitive in recent JAX) repeating only size-1 axes gives a broadcast's values."""
+    params, x = _params(jax.random.key(40)), jax.random.normal(jax.random.key(41), (2, 8, 8))
+    assert rewritten_exactly(_tiled_weights_layer(lambda w, e: jnp.tile(w[:, :, None, :], (1, 1, e, 1))), params, x)
+
+
+def test_tile_of_a_longer_axis_is_not_a_broadcast():
+    """Tiling a longer axis (here each token given the weights of a token of the first half) is another
+    order, not a broadcast: declined, or exact."""
+    params, x = _params(jax.random.key(42)), jax.random.normal(jax.random.key(43), (2, 8, 8))
+    half = x.shape[1] // 2
+    first_half = _tiled_weights_layer(lambda w, e: jnp.tile(w[:, :half, None, :], (1, 2, e, 1)))
+    rewritten_exactly(first_half, params, x)
+    swapped = _tiled_weights_layer(lambda w, e: jnp.tile(w[:, :, None, ::-1], (1, 1, e, 1)))
+    rewritten_exactly(swapped, params, x)

@@ -298,6 +298,43 @@ def test_index_cast_that_keeps_values_is_rewritten(dtype):
     assert rewritten_exactly(_top2(dtype), _params(jax.random.key(10)), _tokens(jax.random.key(11)))
 
 
+def _weighted_rows_cast(cast, scale=4.0, before_down=False):
+    """Top-2 one-hot layer whose weighted expert rows are cast (``cast``) before their sum over the experts,
+    or, ``before_down``, whose weighted hidden rows are cast before the down projection."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        gate = (jax.nn.one_hot(index, params["router"].shape[-1]) * weights[..., None]).sum(-2)
+        hidden = jax.nn.relu(jnp.einsum("td,edf->tef", x * scale, params["w_up"]))
+        if before_down:
+            return jnp.einsum("tef,efd->td", cast(hidden * gate[..., None]), params["w_down"])
+        rows = gate[..., None] * jnp.einsum("tef,efd->ted", hidden, params["w_down"])
+        return cast(rows).astype(jnp.float32).sum(1)
+
+    return layer
+
+
+@pytest.mark.parametrize("cast", [
+    lambda r: r.astype(jnp.int32), lambda r: r.astype(jnp.uint8), lambda r: r.astype(jnp.bool_),
+    lambda r: r.astype(jnp.bfloat16), lambda r: r.astype(jnp.float16),
+], ids=["int32", "uint8", "bool", "bfloat16", "float16"])
+@pytest.mark.parametrize("before_down", [False, True], ids=["before-sum", "before-down"])
+def test_weighted_rows_cast_to_a_narrower_type_declines(cast, before_down):
+    """Each expert's weighted rows rounded (to an integer, a bool or a narrower float) before they are summed
+    cannot be had from the rows' sum weighted once; the pass rewrote these (audit 2026-11-29)."""
+    declined_because(_weighted_rows_cast(cast, before_down=before_down), _params(jax.random.key(30)),
+                     _tokens(jax.random.key(31)), "only a widening float cast may follow the routing weights")
+
+
+def test_weighted_rows_cast_wider_is_rewritten():
+    """The control (no cast) is rewritten exactly, and so is a bf16 layer's rows widened to float32."""
+    layer = _weighted_rows_cast(lambda r: r, scale=1.0)
+    assert rewritten_exactly(layer, _params(jax.random.key(32)), _tokens(jax.random.key(33)))
+    bf16_params = jax.tree.map(lambda w: w.astype(jnp.bfloat16), _params(jax.random.key(34)))
+    widened = _weighted_rows_cast(lambda r: r.astype(jnp.float32), scale=1.0)
+    assert explain(widened, bf16_params, _tokens(jax.random.key(35)).astype(jnp.bfloat16)).regions
+
+
 @pytest.mark.parametrize("quantiser", [
     lambda g: (g * 127).astype(jnp.int8).astype(jnp.float32) / 127,
     lambda g: g.astype(jnp.bfloat16).astype(jnp.float32),
