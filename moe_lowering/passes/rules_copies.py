@@ -47,13 +47,19 @@ def tiled_tokens(an: Analysis, atom) -> tuple[Value, Roles] | None:
     broadcast = _producer(an, reshape.inputs[0])
     if broadcast is None or broadcast.primitive is not lax.broadcast_in_dim_p:
         return None
-    tokens = broadcast.inputs[0]
     n = len(token_shape)
+    spread = tuple(broadcast.outputs[0].shape)
+    inner = _producer(an, broadcast.inputs[0])
+    if (tuple(broadcast.params["broadcast_dimensions"]) == tuple(range(n + 2)) and inner is not None
+            and inner.primitive is lax.broadcast_in_dim_p and tuple(inner.outputs[0].shape) == token_shape + (1,) + spread[-1:]):
+        # x[..., None, :] spread over the size-1 copy axis (jnp.tile(x[:, None], (1, k, 1)), Grok-1): one broadcast
+        broadcast = inner
+    tokens = broadcast.inputs[0]
     if not isinstance(tokens, Value) or tuple(tokens.shape[:-1]) != token_shape or len(tokens.shape) != n + 1:
         return None
     d = tokens.shape[-1]
-    spread = tuple(broadcast.outputs[0].shape)
-    if tuple(broadcast.params["broadcast_dimensions"]) != tuple(range(n)) + (n + 1,) or spread != token_shape + (k, d):
+    if (tuple(broadcast.params["broadcast_dimensions"]) != tuple(range(n)) + (n + 1,)
+            or spread != token_shape + (k, d)):
         return None
     if tuple(atom.shape) != token_shape[:-1] + (token_shape[-1] * k, d):
         return None

@@ -710,6 +710,17 @@ def _tiled_args(key):
     return params, jax.random.normal(jax.random.fold_in(key, 3), (16, 8))
 
 
+def test_tokens_tiled_by_jnp_tile_of_a_unit_axis_are_rewritten():
+    """Grok-1's copies (xai-org/grok-1 ``MoELayer``): ``jnp.tile(x[:, None, :], (1, k, 1)).reshape(-1, d)``,
+    copy ``n`` token ``n // k`` as ``jnp.repeat`` makes them."""
+    params, x = _tiled_args(jax.random.key(52))
+    grok = _tiled(tile=lambda x: jnp.tile(x[:, None, :], (1, 2, 1)).reshape(-1, x.shape[-1]))
+    assert rewritten_exactly(grok, params, x)
+    assert explain(grok, params, x).regions[0].style == "tokens tiled per choice"
+    outer = _tiled(tile=lambda x: jnp.tile(x[None], (2, 1, 1)).reshape(-1, x.shape[-1]))  # copy n: token n % T
+    declined_because(outer, params, x, "tiled otherwise, as jnp.tile does")
+
+
 @pytest.mark.parametrize("before", [None, jnp.tanh, jax.nn.gelu], ids=["after-selection", "tanh-before", "gelu-before"])
 def test_tokens_tiled_per_choice_are_rewritten(before):
     """Each copy keeps its own expert's product; a step finite everywhere (tanh, gelu) may also run on every
