@@ -42,11 +42,18 @@ def unit_tile_as_broadcast(primitive, params, operand_shape, out_shape):
         return None
     if any(rep != 1 and size != 1 for rep, size in zip(params.get("reps", ()), operand_shape)):
         return None
+    return jax.lax.broadcast_in_dim_p, dict(_broadcast_params(tuple(operand_shape), tuple(out_shape)))
+
+
+@functools.lru_cache(maxsize=256)
+def _broadcast_params(operand_shape: tuple, out_shape: tuple) -> tuple:
+    """A same-rank ``broadcast_in_dim``'s params as this JAX version binds them (traced once a shape pair:
+    the graph is built many times a trace)."""
     dims = tuple(range(len(out_shape)))
-    traced = jax.make_jaxpr(lambda a: jax.lax.broadcast_in_dim(a, tuple(out_shape), dims))(
-        jax.ShapeDtypeStruct(tuple(operand_shape), jax.numpy.float32))
+    traced = jax.make_jaxpr(lambda a: jax.lax.broadcast_in_dim(a, out_shape, dims))(
+        jax.ShapeDtypeStruct(operand_shape, jax.numpy.float32))
     (eqn,) = traced.jaxpr.eqns
-    return eqn.primitive, dict(eqn.params)
+    return tuple(eqn.params.items())
 
 
 def jaxpr_parts(closed):

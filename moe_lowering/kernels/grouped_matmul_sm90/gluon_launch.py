@@ -135,8 +135,9 @@ def compile_offline(config: GluonTileConfig, num_groups: int):
 
 def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
     """``config.kernel`` (arguments ``a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E``, the
-    streaming weight gradient's ``min_group_rows``, and the constexprs ``fixed``) compiled for ``sm_90``; ``boxes``: each descriptor's ``(type, box, layout)``,
-    the output's type also ``out_ptr``'s; pointers, ``N`` and ``K`` taken 16-byte aligned."""
+    streaming weight gradient's ``min_group_rows``, and the constexprs ``fixed``) compiled for ``sm_90``;
+    ``boxes``: each descriptor's ``(type, box, layout)``, the output's type also ``out_ptr``'s; pointers, ``N``
+    and ``K`` taken 16-byte aligned."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 

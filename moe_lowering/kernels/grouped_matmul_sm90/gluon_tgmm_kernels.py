@@ -451,8 +451,8 @@ def _resident_producer(a_desc, b_desc, a_bufs, res, ready, empty, res_ready, res
 def _resident_consumer(a_bufs, res, ready, empty, res_ready, res_empty, c_smem, out_desc, out_ptr, group_sizes_ptr,
                        M, N, K, E, K_CHUNK: gl.constexpr, TMA_STORE: gl.constexpr, TAIL_ROWS: gl.constexpr):
     """Cooperative: all ``num_warps`` warps on every tile of the program's items of the groups it takes; a
-    group's ``dout`` rows past its end zeroed once when they arrive, and ``res`` handed back after the item's
-    last tile. An empty group's tiles are zeros."""
+    group's ``dout`` rows past its end zeroed once when they arrive, and ``res`` handed back once the item's
+    last MMAs have retired (before that tile's epilogue). An empty group's tiles are zeros."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = res.type.shape[2]

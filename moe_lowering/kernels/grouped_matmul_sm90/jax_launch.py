@@ -133,8 +133,8 @@ DeepSeek-V3's ~128-row groups 2.60-2.93 ms a product (the output's write floor: 
 (its long groups reloaded their rows every k tile) and the streaming kernel alone 3.05-3.11
 (``gluon_tgmm_ab_split_H200_2026-11-29.log``)."""
 
-RESIDENT_MAX_MEAN_ROWS = 192
-"""Groups averaging at most this many rows (the resident window's) take :data:`RESIDENT_TGMM_CONFIG`."""
+RESIDENT_MAX_MEAN_ROWS = RESIDENT_TGMM_CONFIG.resident_rows
+"""Groups averaging at most this many rows (the resident kernel's, 192) take :data:`RESIDENT_TGMM_CONFIG`."""
 
 
 def tgmm_config(num_rows: int, num_groups: int, expected_rows: int | None = None) -> gluon_launch.GluonTgmmConfig:
