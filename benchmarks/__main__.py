@@ -60,6 +60,8 @@ kernel sweeps:
                                         TFLOP/s against gmm_kernel, torch._grouped_mm and dense at d = 4096
   gluon-tgmm-ab gluon_tgmm_ab.py        the Hopper weight-gradient kernels against another revision's, DeepSeek-V3's
                                         products with multinomial and skewed group sizes (A/B)
+  gluon-forward-ab gluon_forward_ab.py  the layer's forward and input-gradient products, one form at a time, on the
+                                        Gluon kernels against Triton's gmm_kernel at the benchmark layers' shapes
   gluon-jax     gluon_jax.py            the Gluon grouped GEMMs launched from JAX against our Triton ones, d = 4096
   gluon-layer-ops gluon_layer_ops.py    the layer's grouped products (gathered weight gradients included) at
                                         the benchmark layers' shapes, Triton's kernels beside every Gluon config

@@ -11,6 +11,9 @@
 #             TGMM_CONFIGS entry at the benchmark layers' shapes, then the layer as routed, streaming both
 #             operands at every group size, and with Triton's kernels) gluon-tgmm-ab (the weight-gradient
 #             kernels against another revision's, carried as .baseline_tgmm.py: see the step)
+#             gluon-forward-tests gluon-forward-ab gluon-forward (the forward and input-gradient products on the
+#             Gluon kernels: their GPU tests; each product form against gmm_kernel; the layer with them and
+#             with Triton's gmm_kernel, and a profile)
 #             sonic-small sonic-large (SonicMoE itself and ours side by side, six shapes a call: carry the
 #             shared harness as .sonic, `cp -r ../shared/sonic .sonic`, beside .whl without tokamax)
 #   4 GPUs:   fp8-layer peer peer-tests issue4-rows dedup push-sweep swiglu-final tiles tiles-fwdbwd
@@ -118,6 +121,18 @@ for step in "$@"; do
         timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --weight-gradient $variant \
           --out "$OUT/layer_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
       done ;;
+    gluon-forward-tests) timeout 560 python3 -m pytest tests/gpu/test_gluon_grouped_matmul_jax.py \
+        tests/gpu/test_triton_grouped_matmul.py tests/gpu/test_triton_gather_rows.py -q -rs -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_gluon_forward_tests.log" | tail -6 ;;
+    gluon-forward-ab) timeout 300 python3 benchmarks/gluon_forward_ab.py --out "$OUT" 2>&1 | grep -v "INFO\|Unable" \
+        | tee "$OUT/gluon_forward_ab.log" | tail -14 ;;
+    gluon-forward) for variant in auto triton; do
+        timeout 200 python3 benchmarks/moe_layer.py --impls moe_optimize --back-to-back --forward-products $variant \
+          --out "$OUT/layer_fwd_$variant" 2>&1 | grep "^[a-z].*moe_optimize"
+      done
+      timeout 150 python3 benchmarks/layer_profile.py --configs deepseek mixtral qwen3 --out "$OUT/profile" 2>&1 \
+        | grep -v "INFO\|Unable" | tee "$OUT/layer_profile_gluon_forward.log" | grep -A8 "^=="
+      rm -rf "$OUT"/profile/trace_* ;;
     # the baseline: git show REV:moe_lowering/kernels/grouped_matmul_sm90/gluon_tgmm_kernels.py > .baseline_tgmm.py
     gluon-tgmm-ab) timeout 300 python3 benchmarks/gluon_tgmm_ab.py --baseline "${BASELINE_TGMM:-.baseline_tgmm.py}" \
         --out "$OUT" 2>&1 | tee "$OUT/gluon_tgmm_ab.log" | tail -40 ;;

@@ -361,7 +361,15 @@ def main(argv=None):
                         help="the backend's weight-gradient kernel: its own choice (the Hopper Gluon kernel where it "
                              "applies, with a resident dout for small groups), the Gluon kernel streaming both "
                              "operands at every group size, or Triton's kernels only (A/Bs of those choices)")
+    parser.add_argument("--forward-products", choices=("auto", "triton"), default="auto",
+                        help="the backend's forward-kernel products (gmm, gmm_pair, gmm_sum: the forward and the input "
+                             "gradient): its own choice (the Hopper Gluon kernels where they apply) or Triton's "
+                             "gmm_kernel only (the A/B of that choice)")
     args = parser.parse_args(argv)
+    if args.forward_products == "triton":
+        from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
+
+        jax_launch.gmm_applies = lambda *_, **__: False
     if args.weight_gradient != "auto":
         from moe_lowering.kernels.grouped_matmul_sm90 import jax_launch
 

@@ -32,6 +32,8 @@ COMPILE_TIME = "compile_time_cpu_2026-11-27.json"
 TUTORIAL = "tutorial_cpu_2026-11-27.json"
 HOPPER_TGMM = ("moe_layer_triton_tgmm_NVIDIA_H200_2026-11-28.json", "moe_layer_gluon_tgmm_NVIDIA_H200_2026-11-28.json")
 RESIDENT_TGMM = ("moe_layer_tgmm_streamed_NVIDIA_H200_2026-11-29.json", "moe_layer_tgmm_resident_NVIDIA_H200_2026-11-29.json")
+GLUON_FORWARD = ("moe_layer_gluon_forward_triton_NVIDIA_H200_2026-11-29.json",
+                 "moe_layer_gluon_forward_auto_NVIDIA_H200_2026-11-29.json")
 SPLIT_TGMM = ("moe_layer_tgmm_split_streamed_NVIDIA_H200_2026-11-29.json",
               "moe_layer_tgmm_split_auto_NVIDIA_H200_2026-11-29.json")
 GLUON_JAX = "gluon_jax_NVIDIA_H200_2026-11-28.json"
@@ -282,6 +284,25 @@ def _hopper_tgmm_section() -> list[str]:
     ]
     for config, name in LAYER_NAMES.items():
         lines.append(f"| {name} | {routed[config]['fwdbwd_ms']:.2f} | {streamed[config]['fwdbwd_ms']:.2f} |")
+    triton_only, gluon = ({row["config"]: row for row in _load(name)["rows"] if row["impl"] == "moe_optimize"}
+                          for name in GLUON_FORWARD)
+    lines += [
+        "",
+        "Since 2026-11-29 the forward and input-gradient products (SwiGLU's gate and up pair, the down projection, "
+        "the transposed weights of the input gradient, and the gate and up cotangents summed in one accumulator) "
+        "also run Gluon kernels where groups average at most 1024 rows; Mixtral's ~2048-row groups keep Triton's "
+        "`gmm_kernel`, which ran them faster. The layers with Triton's forward products and as routed, "
+        f"{_load(GLUON_FORWARD[1])['device']}, {_day(_load(GLUON_FORWARD[1]))}, same call "
+        f"(`benchmarks/results/{GLUON_FORWARD[0]}`, `benchmarks/results/{GLUON_FORWARD[1]}`; Mixtral runs the same "
+        "kernels in both, the run's noise):",
+        "",
+        "| layer | Triton forward products (ms, synchronised / back to back) | as routed (ms) |",
+        "|---|---|---|",
+    ]
+    for config, name in LAYER_NAMES.items():
+        before, after = triton_only[config], gluon[config]
+        lines.append(f"| {name} | {before['fwdbwd_ms']:.2f} / {before['fwdbwd_back_to_back_ms']:.2f} | "
+                     f"{after['fwdbwd_ms']:.2f} / {after['fwdbwd_back_to_back_ms']:.2f} |")
     lines.append("")
     return lines
 

@@ -203,12 +203,13 @@ def triton_kernels() -> KernelBackend:
         name="triton",
         swiglu_gmm=sequential_under_vmap(swiglu_gmm.swiglu_gmm_or_pair),
         swiglu_gmm_max_n=swiglu_gmm.FUSED_MAX_N,
-        gmm_sum=sequential_under_vmap(grouped_matmul.gmm_sum),
-        gmm=sequential_under_vmap(grouped_matmul.gmm),
-        tgmm=sequential_under_vmap(grouped_matmul_sm90.backend_tgmm),  # Gluon on Hopper where it applies
+        # the grouped products run the Hopper Gluon kernels where they apply, Triton's elsewhere
+        gmm_sum=sequential_under_vmap(grouped_matmul_sm90.backend_gmm_sum),
+        gmm=sequential_under_vmap(grouped_matmul_sm90.backend_gmm),
+        tgmm=sequential_under_vmap(grouped_matmul_sm90.backend_tgmm),
         swiglu_rows=sequential_under_vmap(swiglu_rows.swiglu_rows),
         swiglu_rows_grads=sequential_under_vmap(swiglu_rows.swiglu_rows_grads),
-        gmm_pair=sequential_under_vmap(grouped_matmul.gmm_pair),
+        gmm_pair=sequential_under_vmap(grouped_matmul_sm90.backend_gmm_pair),
         gather_gmm=sequential_under_vmap(grouped_matmul.gather_gmm),
         gather_tgmm=sequential_under_vmap(grouped_matmul.gather_tgmm),
         gather_swiglu_gmm=sequential_under_vmap(swiglu_gmm.gather_swiglu_gmm),

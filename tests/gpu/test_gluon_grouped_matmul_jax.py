@@ -74,6 +74,106 @@ def test_gmm_unzeroed_keeps_the_groups_rows(config):
     assert _relative_error(np.asarray(out, np.float32)[:sum(sizes)], want[:sum(sizes)]) < 1e-2
 
 
+FORWARD_CONFIGS = ["default", "64x256x64-s4-pingpong-tma", "128x256x64-s3-w8-tma"]
+
+
+def _weights_transposed(seed, groups, n, k):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((groups, n, k)) / np.sqrt(k), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gmm_with_transposed_weights_matches_reference(name, config):
+    """``ct @ w[g]^T`` (the input gradient) from ``[E, N, K]`` weights: any K (the boxes' contiguous axis),
+    N off the tile (a box's columns past N come from the next group and must never be stored)."""
+    sizes, rows, k, n = CASES[name]
+    chosen = None if config == "default" else jax_launch.gluon_launch.CONFIGS[config]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    lhs, _, _ = _data(11, rows, k, n, len(sizes))
+    rhs_t = _weights_transposed(12, len(sizes), n, k)
+    out = jax.jit(lambda a, b, g: jax_launch.gmm(a, b, g, config=chosen, transpose_rhs=True))(lhs, rhs_t, group_sizes)
+    want = reference.gmm_rows(np.asarray(lhs, np.float32), np.swapaxes(np.asarray(rhs_t, np.float32), 1, 2), sizes)
+    assert out.shape == (rows, n)
+    assert _relative_error(out, want) < 1e-2
+    assert np.all(np.asarray(out, np.float32)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gmm_sum_matches_the_sum_of_the_products(name, config, transpose_rhs):
+    """Both products in one accumulator; neither alone (a mutant dropping one is off by a whole product)."""
+    sizes, rows, k, n = CASES[name]
+    if k % 64 and not transpose_rhs:
+        pytest.skip("untransposed weights need K a multiple of block_k (64)")
+    chosen = None if config == "default" else jax_launch.gluon_launch.CONFIGS[config]
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    (lhs_a, rhs_a, _), (lhs_b, rhs_b, _) = _data(13, rows, k, n, len(sizes)), _data(14, rows, k, n, len(sizes))
+    if transpose_rhs:
+        rhs_a, rhs_b = (jnp.swapaxes(w, 1, 2) for w in (rhs_a, rhs_b))
+    step = jax.jit(lambda a, b, wa, wb, g: jax_launch.gmm_sum(a, b, wa, wb, g, config=chosen,
+                                                              transpose_rhs=transpose_rhs))
+    out = step(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes)
+    as_kn = (lambda w: np.swapaxes(np.asarray(w, np.float32), 1, 2)) if transpose_rhs else (
+        lambda w: np.asarray(w, np.float32))
+    want = (reference.gmm_rows(np.asarray(lhs_a, np.float32), as_kn(rhs_a), sizes)
+            + reference.gmm_rows(np.asarray(lhs_b, np.float32), as_kn(rhs_b), sizes))
+    assert _relative_error(out, want) < 1e-2
+    assert np.all(np.asarray(out, np.float32)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("config", FORWARD_CONFIGS)
+def test_rows_past_the_groups_are_zeroed_by_the_kernel_over_stale_memory(config):
+    """The output is not handed in zeroed: the kernel writes the rows past the groups itself. A freed
+    NaN-filled buffer of the output's size comes first, so an output laid over it shows any row left out
+    (without ``zero_outside`` they keep what the memory held)."""
+    sizes, rows, k, n = [100, 0, 37], 700, 256, 272
+    chosen = None if config == "default" else jax_launch.gluon_launch.CONFIGS[config]
+    lhs, rhs, _ = _data(17, rows, k, n, len(sizes))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    outs = {}
+    for zero_outside in (False, True):
+        junk = jnp.full((rows, n), jnp.nan, jnp.bfloat16).block_until_ready()
+        del junk
+        outs[zero_outside] = np.asarray(jax.jit(lambda a, b, g, z=zero_outside: jax_launch.gmm(
+            a, b, g, config=chosen, zero_outside=z))(lhs, rhs, group_sizes), np.float32)
+    assert np.all(outs[True][sum(sizes):] == 0)
+    np.testing.assert_array_equal(outs[True][:sum(sizes)], outs[False][:sum(sizes)])
+
+
+def test_the_backends_products_run_gluon_and_match_triton():
+    """The Triton backend's ``gmm`` (both forms), ``gmm_pair`` and ``gmm_sum`` on a Hopper GPU launch the Gluon
+    kernel (a ``moe_gluon_call`` in the program) and agree with Triton's kernels; a group offset (an
+    expert-parallel shard) keeps Triton's."""
+    from moe_lowering.kernels import get_backend
+
+    backend = get_backend("triton")
+    sizes = [190, 70, 0, 400]
+    rows, k, n = sum(sizes) + 9, 512, 384
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    (lhs, rhs, dout), (lhs2, rhs2, _) = _data(15, rows, k, n, len(sizes)), _data(16, rows, k, n, len(sizes))
+    rhs_t, rhs2_t = (jnp.swapaxes(w, 1, 2) for w in (rhs, rhs2))
+    cases = {
+        "gmm": (lambda: backend.gmm(lhs, rhs, group_sizes),
+                lambda: triton_launch.gmm(lhs, rhs, group_sizes)),
+        "gmm-transposed": (lambda: backend.gmm(dout, rhs, group_sizes, transpose_rhs=True),
+                           lambda: triton_launch.gmm(dout, rhs, group_sizes, transpose_rhs=True)),
+        "gmm_pair": (lambda: backend.gmm_pair(lhs, rhs, rhs2, group_sizes),
+                     lambda: triton_launch.gmm_pair(lhs, rhs, rhs2, group_sizes)),
+        "gmm_sum": (lambda: backend.gmm_sum(lhs, lhs2, rhs_t, rhs2_t, group_sizes),
+                    lambda: triton_launch.gmm_sum(lhs, lhs2, rhs_t, rhs2_t, group_sizes)),
+    }
+    for name, (ours, triton_only) in cases.items():
+        assert "moe_gluon_call" in str(jax.make_jaxpr(ours)()), name
+        got, want = jax.jit(ours)(), jax.jit(triton_only)()
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert _relative_error(g, w) < 1e-2, name
+            assert np.all(np.asarray(g, np.float32)[sum(sizes):] == 0), name
+    offset = jax.make_jaxpr(lambda: backend.gmm(lhs, rhs[:2], group_sizes, group_offset=1))()
+    assert "moe_gluon_call" not in str(offset)
+
+
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_tgmm_matches_reference(name, out_dtype):

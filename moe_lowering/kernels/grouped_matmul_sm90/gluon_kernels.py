@@ -4,6 +4,13 @@ bf16 operands, float32 accumulation, bf16 output; ``lhs [M, K]`` rows sorted by 
 read as its ``[E*K, N]`` view, group sizes on the device (any sizes, empty groups included). Needs
 ``K % BLOCK_K == 0`` (a weight block never reaches into the next group's rows).
 
+``TRANSPOSE_B``: ``rhs`` is ``[E, N, K]`` (the input gradient's ``ct @ w[g]^T``), read as ``[E*N, K]`` in
+``[BLOCK_N, BLOCK_K]`` boxes that the MMA reads transposed from shared memory; K is then the boxes'
+contiguous axis, zero-filled past its end, so any K runs (a box's columns past ``N`` come from the next
+group's rows and reach only output columns that are never stored). ``PRODUCTS = 2``: the sum of two such
+products, ``lhs[r] @ rhs[g] + lhs2[r] @ rhs2[g]``, one accumulator over both contractions (SwiGLU's gate
+and up cotangents into the rows' gradient, written once).
+
 Each program is one CTA per SM, split in two partitions that meet at a ring of ``STAGES`` shared-memory
 stages, each guarded by a ``ready`` and an ``empty`` mbarrier:
 
@@ -84,48 +91,88 @@ def _walk_start(group_sizes_ptr, N, E, BLOCK_M: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
-              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr):
-    """One warp: TMA loads of every tile's K steps into the ring, a stage at a time as it empties."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+def _zero_rows_past_groups(out_ptr, group_sizes_ptr, M, N, E, item0, items_step, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, GROUPS_PAD: gl.constexpr):
+    """Zeros into ``out``'s rows past the groups (``sum(group_sizes)`` to ``M``), ``BLOCK_M x BLOCK_N`` chunks
+    ``item0, item0 + items_step, ...``: what ``zero_outside`` promises, without a zero-filled output handed in
+    (a whole pass over it, and a copy where XLA shares one zeros buffer between calls). Nothing to do when
+    the groups cover every row, as a dropless layer's do."""
+    sizes_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    groups = gl.arange(0, GROUPS_PAD, layout=sizes_layout)
+    covered = gl.minimum(gl.sum(gl.maximum(gl.load(group_sizes_ptr + groups, mask=groups < E, other=0), 0), axis=0), M)
+    zero_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows_in = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, zero_layout))
+    cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, zero_layout))
+    zeros = gl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty, zero_layout)
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    items = gl.cdiv(M - covered, BLOCK_M) * n_tiles
+    for item in range(item0, items, items_step):
+        row0 = covered + (item // n_tiles) * BLOCK_M
+        col0 = (item % n_tiles) * BLOCK_N
+        mask = ((row0 + rows_in) < M)[:, None] & ((col0 + cols_in) < N)[None, :]
+        offsets = (row0 + rows_in).to(gl.int64)[:, None] * N + (col0 + cols_in)[None, :]
+        gl.store(out_ptr + offsets, zeros, mask=mask)
+
+
+@gluon.jit
+def _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, counter, row0, group, col0, K, N,
+                TRANSPOSE_B: gl.constexpr):
+    """One product's K steps of a tile into the ring from ring use ``counter`` on; returns the next use."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     stage_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    for k in range(0, K, BLOCK_K):
+        stage = counter % STAGES
+        # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
+        mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(stage), stage_bytes)
+        tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(stage), a_bufs.index(stage))
+        if TRANSPOSE_B:
+            tma.async_copy_global_to_shared(b_desc, [group * N + col0, k], ready.index(stage), b_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [group * K + k, col0], ready.index(stage), b_bufs.index(stage))
+        counter += 1
+    return counter
+
+
+@gluon.jit
+def _producer(a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
+              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TRANSPOSE_B: gl.constexpr, PRODUCTS: gl.constexpr):
+    """One warp: TMA loads of every tile's K steps (of each product) into the ring, a stage at a time as it empties."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0] if TRANSPOSE_B else b_desc.block_type.shape[1]
     n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
     counter = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
                                                         BLOCK_N, GROUP_M)
-        weight_row = group * K
-        for k in range(0, K, BLOCK_K):
-            stage = counter % STAGES
-            # a fresh mbarrier counts as having completed the phase before 0: the first pass waits on nothing
-            mbarrier.wait(empty.index(stage), ((counter // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(stage), stage_bytes)
-            tma.async_copy_global_to_shared(a_desc, [row0, k], ready.index(stage), a_bufs.index(stage))
-            tma.async_copy_global_to_shared(b_desc, [weight_row + k, col0], ready.index(stage), b_bufs.index(stage))
-            counter += 1
+        counter = _load_steps(a_desc, b_desc, a_bufs, b_bufs, ready, empty, counter, row0, group, col0, K, N,
+                              TRANSPOSE_B)
+        if PRODUCTS == 2:
+            counter = _load_steps(a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, counter, row0, group, col0, K, N,
+                                  TRANSPOSE_B)
 
 
 @gluon.jit
-def _mainloop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout: gl.constexpr):
-    """One tile's ``wgmma`` chain over the ring from ring use ``counter`` on, one MMA in flight; every
-    stage is handed back to the producer as soon as its MMA has retired. Returns ``(acc, counter)``."""
+def _mainloop(a_bufs, b_bufs, ready, empty, counter, k_steps, acc_layout: gl.constexpr, TRANSPOSE_B: gl.constexpr):
+    """One tile's ``wgmma`` chain of ``k_steps`` over the ring from ring use ``counter`` on, one MMA in flight;
+    every stage is handed back to the producer as soon as its MMA has retired. Returns ``(acc, counter)``."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] if TRANSPOSE_B else b_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-    for k in range(0, K, BLOCK_K):
+    for step in range(k_steps):
         stage = counter % STAGES
         mbarrier.wait(ready.index(stage), (counter // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, is_async=True)
+        if TRANSPOSE_B:
+            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         # The previous step's MMA has retired in this warp group; the barrier makes it so in all of
         # them before the one arriving thread hands its stage back to the producer.
         gl.thread_barrier()
-        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=k > 0)
+        mbarrier.arrive(empty.index((counter + STAGES - 1) % STAGES), pred=step > 0)
         counter += 1
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     gl.thread_barrier()
@@ -159,19 +206,25 @@ def _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE:
 
 @gluon.jit
 def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr):
+              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, TRANSPOSE_B: gl.constexpr,
+              PRODUCTS: gl.constexpr, ZERO_OUTSIDE: gl.constexpr):
     """Cooperative: all ``num_warps`` warps (two warp groups of 64 rows at 8) on every tile."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] if TRANSPOSE_B else b_bufs.type.shape[2]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
+    k_steps = PRODUCTS * gl.cdiv(K, BLOCK_K)
     counter = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
                                                         BLOCK_N, GROUP_M)
-        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, counter, K, acc_layout)
+        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, counter, k_steps, acc_layout, TRANSPOSE_B)
         _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE, acc_layout)
+    if ZERO_OUTSIDE:
+        _zero_rows_past_groups(out_ptr, group_sizes_ptr, M, N, E, gl.program_id(0), gl.num_programs(0), BLOCK_M,
+                               BLOCK_N, GROUPS_PAD)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -179,28 +232,33 @@ def _consumer(a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_siz
 @gluon.jit
 def _pingpong_consumer(a_bufs, b_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
                        GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr,
+                       TRANSPOSE_B: gl.constexpr, PRODUCTS: gl.constexpr, ZERO_OUTSIDE: gl.constexpr,
                        WG: gl.constexpr):
     """Ping-pong: warp group ``WG`` (of 2) takes every other tile of the program, whole. The two take
     turns at the mainloop (``turn``), so one's epilogue runs under the other's MMAs; taking turns also
     keeps each within one phase of the ring's barriers (the other's uses come between its own)."""
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] if TRANSPOSE_B else b_bufs.type.shape[2]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     n_tiles, total, cursor = _walk_start(group_sizes_ptr, N, E, BLOCK_M, BLOCK_N, GROUPS_PAD)
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    k_steps = PRODUCTS * gl.cdiv(K, BLOCK_K)
     for tile in range(pid + WG * programs, total, 2 * programs):
         cursor, group, row0, row_end, col0 = _next_tile(tile, cursor, group_sizes_ptr, M, n_tiles, BLOCK_M,
                                                         BLOCK_N, GROUP_M)
         program_tile = (tile - pid) // programs
         # warp group 0's first turn passes on the fresh barrier; warp group 1's waits for 0's first tile
         mbarrier.wait(turn.index(WG), ((program_tile // 2) & 1) ^ (1 - WG))
-        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, program_tile * k_steps, K, acc_layout)
+        acc, counter = _mainloop(a_bufs, b_bufs, ready, empty, program_tile * k_steps, k_steps, acc_layout,
+                                 TRANSPOSE_B)
         mbarrier.arrive(turn.index(1 - WG))
         _epilogue(acc, c_smem, out_desc, out_ptr, row0, row_end, col0, N, TMA_STORE, acc_layout)
+    if ZERO_OUTSIDE:
+        _zero_rows_past_groups(out_ptr, group_sizes_ptr, M, N, E, 2 * pid + WG, 2 * programs, BLOCK_M, BLOCK_N,
+                               GROUPS_PAD)
     if TMA_STORE:
         tma.store_wait(0)
 
@@ -229,15 +287,18 @@ def allocate_turns():
 
 
 @gluon.jit
-def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
+def grouped_gemm_sm90_kernel(a_desc, b_desc, a2_desc, b2_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
                              GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                             TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """``out[r] = lhs[r] @ rhs[group(r)]`` for the rows of the groups (rows past ``sum(group_sizes)`` are
-    left unwritten). ``a_desc``: ``lhs [M, K]`` in ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``rhs`` as
-    ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes; ``out_desc``: ``out [M, N]`` in ``[BLOCK_M, BLOCK_N]``
-    boxes (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+                             TMA_STORE: gl.constexpr, TRANSPOSE_B: gl.constexpr, PRODUCTS: gl.constexpr,
+                             ZERO_OUTSIDE: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (``+ lhs2[r] @ rhs2[group(r)]`` with ``PRODUCTS = 2``) for the rows
+    of the groups; rows past ``sum(group_sizes)`` zero with ``ZERO_OUTSIDE``, else left unwritten. ``a_desc``: ``lhs [M, K]`` in
+    ``[BLOCK_M, BLOCK_K]`` boxes; ``b_desc``: ``rhs`` as ``[E*K, N]`` in ``[BLOCK_K, BLOCK_N]`` boxes (as
+    ``[E*N, K]`` in ``[BLOCK_N, BLOCK_K]`` boxes with ``TRANSPOSE_B``); ``a2_desc``, ``b2_desc``: the second
+    product's, read only with ``PRODUCTS = 2``; ``out_desc``: ``out [M, N]`` in ``[BLOCK_M, BLOCK_N]`` boxes
+    (read only with ``TMA_STORE``); ``out_ptr``: the same output."""
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     # without TMA_STORE the staging buffer is never used: a token 8 rows
     C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
@@ -246,21 +307,22 @@ def grouped_gemm_sm90_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr,
 
     gl.warp_specialize([
         (_consumer, (a_bufs, b_bufs, ready, empty, c_smem, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                     GROUPS_PAD, GROUP_M, TMA_STORE)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
-                     GROUP_M)),
+                     GROUPS_PAD, GROUP_M, TMA_STORE, TRANSPOSE_B, PRODUCTS, ZERO_OUTSIDE)),
+        (_producer, (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
+                     GROUPS_PAD, GROUP_M, TRANSPOSE_B, PRODUCTS)),
     ], [1], [PRODUCER_REGS])
 
 
 @gluon.jit
-def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E,
-                                      GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                                      TMA_STORE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, a2_desc, b2_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K,
+                                      E, GROUPS_PAD: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                                      TMA_STORE: gl.constexpr, TRANSPOSE_B: gl.constexpr, PRODUCTS: gl.constexpr,
+                                      ZERO_OUTSIDE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                       PRODUCER_REGS: gl.constexpr):
     """:func:`grouped_gemm_sm90_kernel` with two consumer warp groups taking whole tiles in turn (the
     default partition, ``num_warps`` = 4, and a worker of 4 warps), each with its own staging buffer."""
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     a_bufs, b_bufs, ready, empty = allocate_ring(a_desc, b_desc, STAGES)
     C_ROWS: gl.constexpr = BLOCK_M if TMA_STORE else 8
     c_smem = gl.allocate_shared_memory(out_desc.dtype, [2, C_ROWS, BLOCK_N], out_desc.layout)
@@ -269,9 +331,9 @@ def grouped_gemm_sm90_pingpong_kernel(a_desc, b_desc, out_desc, out_ptr, group_s
 
     gl.warp_specialize([
         (_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(0), out_desc, out_ptr,
-                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 0)),
+                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, TRANSPOSE_B, PRODUCTS, ZERO_OUTSIDE, 0)),
         (_pingpong_consumer, (a_bufs, b_bufs, ready, empty, turn, c_smem.index(1), out_desc, out_ptr,
-                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, 1)),
-        (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E, GROUPS_PAD,
-                     GROUP_M)),
+                              group_sizes_ptr, M, N, K, E, GROUPS_PAD, GROUP_M, TMA_STORE, TRANSPOSE_B, PRODUCTS, ZERO_OUTSIDE, 1)),
+        (_producer, (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, group_sizes_ptr, M, N, K, E,
+                     GROUPS_PAD, GROUP_M, TRANSPOSE_B, PRODUCTS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

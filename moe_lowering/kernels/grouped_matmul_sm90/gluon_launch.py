@@ -107,44 +107,68 @@ def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
 
 
-def shared_layouts(config: GluonTileConfig):
-    """NVMMA shared layouts of the ``lhs``, weight and output boxes."""
+def shared_layouts(config: GluonTileConfig, transpose_b: bool = False):
+    """NVMMA shared layouts of the ``lhs``, weight and output boxes (the weight's ``[block_n, block_k]`` with
+    ``transpose_b``)."""
+    b_box = [config.block_n, config.block_k] if transpose_b else [config.block_k, config.block_n]
     return (gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for(b_box, gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_n], gl.bfloat16))
 
 
-def constexprs(config: GluonTileConfig, num_groups: int) -> dict:
+@dataclass(frozen=True)
+class GemmForm:
+    """What a forward-kernel launch computes besides its tiles: ``transpose_b``, weights ``[E, N, K]`` read
+    transposed (the input gradient); ``products``, 1 or 2 (the sum of two products over one accumulator);
+    ``zero_outside``, the kernel writes zeros to the rows past the groups."""
+
+    transpose_b: bool = False
+    products: int = 1
+    zero_outside: bool = False
+
+    def __post_init__(self):
+        if self.products not in (1, 2):
+            raise ValueError(f"products must be 1 or 2, got {self.products}")
+
+
+def constexprs(config: GluonTileConfig, num_groups: int, form: GemmForm = GemmForm()) -> dict:
     return dict(GROUPS_PAD=max(32, _next_power_of_two(num_groups)), GROUP_M=config.group_m, STAGES=config.stages,
-                TMA_STORE=config.tma_store) | config.register_constexprs()
+                TMA_STORE=config.tma_store, TRANSPOSE_B=form.transpose_b, PRODUCTS=form.products,
+                ZERO_OUTSIDE=form.zero_outside) | config.register_constexprs()
 
 
-def check_shapes(k: int, config: GluonTileConfig):
-    if k % config.block_k:
+def check_shapes(k: int, config: GluonTileConfig, form: GemmForm = GemmForm()):
+    if k % config.block_k and not form.transpose_b:
         raise ValueError(f"K = {k} is not a multiple of block_k = {config.block_k}: a weight block would read "
                          "the next group's rows")
 
 
-def compile_offline(config: GluonTileConfig, num_groups: int):
+GEMM_DESCRIPTORS = ("a_desc", "b_desc", "a2_desc", "b2_desc", "out_desc")
+"""The forward kernels' descriptor parameters, in order (the second product's read only with ``products = 2``)."""
+
+
+def compile_offline(config: GluonTileConfig, num_groups: int, form: GemmForm = GemmForm()):
     """The kernel compiled for ``sm_90`` without a GPU (bf16 descriptors, 16-byte aligned ``int`` sizes)."""
-    a_layout, b_layout, c_layout = shared_layouts(config)
-    boxes = (("bf16", [config.block_m, config.block_k], a_layout), ("bf16", [config.block_k, config.block_n], b_layout),
-             ("bf16", [config.block_m, config.block_n], c_layout))
-    return _compile_sm90(config, boxes, constexprs(config, num_groups))
+    a_layout, b_layout, c_layout = shared_layouts(config, form.transpose_b)
+    a_box = ("bf16", [config.block_m, config.block_k], a_layout)
+    b_box = ("bf16", [config.block_n, config.block_k] if form.transpose_b else [config.block_k, config.block_n],
+             b_layout)
+    boxes = dict(zip(GEMM_DESCRIPTORS, (a_box, b_box, a_box, b_box,
+                                        ("bf16", [config.block_m, config.block_n], c_layout))))
+    return _compile_sm90(config, boxes, constexprs(config, num_groups, form))
 
 
-def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
-    """``config.kernel`` (arguments ``a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, M, N, K, E``, the
-    streaming weight gradient's ``min_group_rows``, and the constexprs ``fixed``) compiled for ``sm_90``;
-    ``boxes``: each descriptor's ``(type, box, layout)``, the output's type also ``out_ptr``'s; pointers, ``N``
-    and ``K`` taken 16-byte aligned."""
+def _compile_sm90(config: _WarpSpecialised, boxes: dict, fixed: dict):
+    """``config.kernel`` (arguments: the descriptors ``boxes`` names, then ``out_ptr, group_sizes_ptr, M, N, K,
+    E``, the streaming weight gradient's ``min_group_rows``, and the constexprs ``fixed``) compiled for
+    ``sm_90``; ``boxes``: each descriptor's ``(type, box, layout)`` by parameter name, ``out_desc``'s type also
+    ``out_ptr``'s; pointers, ``N`` and ``K`` taken 16-byte aligned."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    signature = {name: f"tensordesc<{dtype}{box},{layout!r}>"
-                 for name, (dtype, box, layout) in zip(("a_desc", "b_desc", "out_desc"), boxes)}
-    signature |= {"out_ptr": f"*{boxes[2][0]}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                  "E": "i32"}
+    signature = {name: f"tensordesc<{dtype}{box},{layout!r}>" for name, (dtype, box, layout) in boxes.items()}
+    signature |= {"out_ptr": f"*{boxes['out_desc'][0]}", "group_sizes_ptr": "*i32", "M": "i32", "N": "i32",
+                  "K": "i32", "E": "i32"}
     names = config.kernel.arg_names
     if "min_group_rows" in names:  # the streaming weight gradient: the groups it leaves to the resident kernel
         signature["min_group_rows"] = "i32"
@@ -155,29 +179,38 @@ def _compile_sm90(config: _WarpSpecialised, boxes, fixed: dict):
                           options={"num_warps": config.num_warps, "maxnreg": config.maxnreg})
 
 
-def make_launch(lhs, rhs, group_sizes, out, config: GluonTileConfig, num_sms: int | None = None):
+def make_launch(lhs, rhs, group_sizes, out, config: GluonTileConfig, num_sms: int | None = None,
+                form: GemmForm = GemmForm(), lhs2=None, rhs2=None):
     """A callable that runs ``out[r] = lhs[r] @ rhs[group(r)]`` on torch CUDA tensors (``lhs [M, K]`` bf16,
-    ``rhs [E, K, N]`` bf16, ``group_sizes [E]`` int32, ``out [M, N]`` bf16), its descriptors built once;
-    rows past ``sum(group_sizes)`` keep what ``out`` held."""
+    ``rhs [E, K, N]`` bf16 (``[E, N, K]`` with ``form.transpose_b``), ``group_sizes [E]`` int32, ``out [M, N]``
+    bf16; with ``form.products = 2`` plus ``lhs2[r] @ rhs2[group(r)]``), its descriptors built once; rows past
+    ``sum(group_sizes)`` keep what ``out`` held."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     num_rows, k = lhs.shape
-    num_groups, _, n = rhs.shape
-    check_shapes(k, config)
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if form.transpose_b else rhs.shape[2]
+    check_shapes(k, config, form)
     if num_rows == 0:
         return lambda: None
-    a_layout, b_layout, c_layout = shared_layouts(config)
-    a_desc = TensorDescriptor.from_tensor(lhs, [config.block_m, config.block_k], a_layout)
-    b_desc = TensorDescriptor.from_tensor(rhs.reshape(num_groups * k, n), [config.block_k, config.block_n], b_layout)
+    a_layout, b_layout, c_layout = shared_layouts(config, form.transpose_b)
+    b_box = [config.block_n, config.block_k] if form.transpose_b else [config.block_k, config.block_n]
+
+    def operand_descriptors(a, b):
+        return (TensorDescriptor.from_tensor(a, [config.block_m, config.block_k], a_layout),
+                TensorDescriptor.from_tensor(b.reshape(num_groups * b.shape[1], b.shape[2]), b_box, b_layout))
+
+    descriptors = operand_descriptors(lhs, rhs)
+    descriptors += descriptors if form.products == 1 else operand_descriptors(lhs2, rhs2)
     out_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n], c_layout)
     num_sms = num_sms or torch.cuda.get_device_properties(lhs.device).multi_processor_count
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = (max(1, min(num_sms, max_tiles)), )
-    fixed = constexprs(config, num_groups)
+    fixed = constexprs(config, num_groups, form)
 
     def launch():
-        config.kernel[grid](a_desc, b_desc, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
+        config.kernel[grid](*descriptors, out_desc, out, group_sizes, num_rows, n, k, num_groups, **fixed,
                             num_warps=config.num_warps, maxnreg=config.maxnreg)
 
     return launch
@@ -329,8 +362,9 @@ def compile_tgmm_offline(config: GluonTgmmConfig, out_dtype: str = "bf16"):
     """``tgmm_sm90_kernel`` compiled for ``sm_90`` without a GPU (bf16 operands, ``out_dtype`` ``"bf16"`` or
     ``"fp32"`` output, 16-byte aligned ``int`` sizes)."""
     a_layout, b_layout, c_layout = tgmm_shared_layouts(config, gl.bfloat16 if out_dtype == "bf16" else gl.float32)
-    boxes = (("bf16", [config.block_m, config.block_k], a_layout), ("bf16", [config.block_m, config.block_n], b_layout),
-             (out_dtype, [config.block_k, config.block_n], c_layout))
+    boxes = {"a_desc": ("bf16", [config.block_m, config.block_k], a_layout),
+             "b_desc": ("bf16", [config.block_m, config.block_n], b_layout),
+             "out_desc": (out_dtype, [config.block_k, config.block_n], c_layout)}
     return _compile_sm90(config, boxes, tgmm_constexprs(config))
 
 

@@ -1,10 +1,11 @@
-"""The Gluon grouped GEMMs as JAX functions on Hopper GPUs: ``gmm`` (the forward product) and ``tgmm``
-(the weight gradient), each one ``moe_gluon_call`` custom call (:mod:`.xla_call`) whose kernel is
-compiled for ``sm_90`` at trace time and cached per (configuration, shapes).
+"""The Gluon grouped GEMMs as JAX functions on Hopper GPUs: ``gmm`` (the forward product, also from
+transposed weights: the input gradient), ``gmm_sum`` (two products into one output) and ``tgmm`` (the
+weight gradient), each one ``moe_gluon_call`` custom call (:mod:`.xla_call`) whose kernel is compiled
+for ``sm_90`` at trace time and cached per (configuration, shapes); ``backend_*`` are the Triton
+backend's entry points, which take them where they apply and Triton's kernels elsewhere.
 
-Contracts as :mod:`.reference`'s: ``gmm``'s rows past ``sum(group_sizes)`` are zero (the output starts
-from zeros aliased into the call: the kernel writes only the groups' rows); ``tgmm`` writes every
-group (zeros for empty ones).
+Contracts as :mod:`.reference`'s: ``gmm``'s rows past ``sum(group_sizes)`` are zero (the kernel writes
+them after its tiles); ``tgmm`` writes every group (zeros for empty ones).
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ def _triton_cache_dir():
 
 
 @functools.cache
-def _compiled_gmm(config: gluon_launch.GluonTileConfig, num_groups: int):
+def _compiled_gmm(config: gluon_launch.GluonTileConfig, num_groups: int, form: gluon_launch.GemmForm):
     with _triton_cache_dir():
-        return gluon_launch.compile_offline(config, num_groups)
+        return gluon_launch.compile_offline(config, num_groups, form)
 
 
 @functools.cache
@@ -105,15 +106,15 @@ def _compiled_tgmm(config: gluon_launch.GluonTgmmConfig, out_dtype: str):
         return gluon_launch.compile_tgmm_offline(config, out_dtype)
 
 
-def _plan(compiled, grid: int, buffers_shapes, scalars) -> xla_call.LaunchPlan:
-    """The plan for a kernel of arguments ``(a_desc, b_desc, out_desc, out_ptr, group_sizes_ptr, *scalars)``:
-    ``buffers_shapes``: ``(a buffer, a shape), (b ...), (out ...)``, the group sizes' buffer index last."""
+def _plan(compiled, grid: int, descriptors, group_sizes: int, scalars) -> xla_call.LaunchPlan:
+    """The plan for a kernel of arguments ``(*descriptors, out_ptr, group_sizes_ptr, *scalars)``:
+    ``descriptors``: each descriptor parameter's ``(buffer, shape)`` in order, the output's last (also
+    ``out_ptr``); ``group_sizes``: the sizes' buffer index."""
     meta = compiled.metadata
-    (a, a_shape), (b, b_shape), (out, out_shape), group_sizes = buffers_shapes
-    descs = [("desc", _descriptor(buffer, shape, m))
-             for (buffer, shape), m in zip(((a, a_shape), (b, b_shape), (out, out_shape)), meta.tensordesc_meta)]
+    descs = [("desc", _descriptor(buffer, shape, m)) for (buffer, shape), m in zip(descriptors, meta.tensordesc_meta)]
+    out, out_shape = descriptors[-1]
     params = (*descs, ("ptr", out), ("ptr", group_sizes), *(("i32", int(s)) for s in scalars))
-    result = (out, math.prod(out_shape) * meta.tensordesc_meta[2]["elem_size"])
+    result = (out, math.prod(out_shape) * meta.tensordesc_meta[-1]["elem_size"])
     return xla_call.LaunchPlan(compiled.asm["cubin"], meta.name, meta.num_warps, meta.shared, grid, params, result,
                                kernel_hash=str(getattr(meta, "hash", "") or ""))
 
@@ -145,39 +146,73 @@ def tgmm_config(num_rows: int, num_groups: int, expected_rows: int | None = None
     return RESIDENT_TGMM_CONFIG if rows <= RESIDENT_MAX_MEAN_ROWS * max(num_groups, 1) else DEFAULT_TGMM_CONFIG
 
 
-def gmm_config(k: int) -> gluon_launch.GluonTileConfig:
+PINGPONG_MAX_MEAN_ROWS = 256
+"""Groups averaging at most this many rows take the ping-pong 64 x 256 tile whatever the contraction: at
+DeepSeek-V3's ~128-row groups it ran the plain products in 2.29-2.45 ms against 2.55-2.78 for Triton's
+``gmm_kernel`` (``gluon_gmm_while_loop_ab_H200_2026-11-29.log``), where a 128-row tile pads a group's
+second tile."""
+
+
+def gmm_config(k: int, num_rows: int | None = None, num_groups: int | None = None) -> gluon_launch.GluonTileConfig:
     """The probe's best configuration by contraction length (``gluon_gmm_probe_H200_2026-11-28.json``, d =
     4096): ping-pong 64 x 256 tiles for the short contractions of down projections (K < 1024: 480-529
-    against 400-505 TFLOP/s for the cooperative 128 x 256), the cooperative 128 x 256 tile otherwise."""
-    return gluon_launch.CONFIGS["64x256x64-s4-pingpong-tma" if k < 1024 else "128x256x64-s3-w8-tma"]
+    against 400-505 TFLOP/s for the cooperative 128 x 256) and for small groups
+    (:data:`PINGPONG_MAX_MEAN_ROWS`), the cooperative 128 x 256 tile otherwise."""
+    small_groups = (num_rows is not None and num_groups
+                    and num_rows <= PINGPONG_MAX_MEAN_ROWS * num_groups)
+    return gluon_launch.CONFIGS["64x256x64-s4-pingpong-tma" if k < 1024 or small_groups else "128x256x64-s3-w8-tma"]
 
 
-def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig | None = None, zero_outside: bool = True):
-    """``out[r] = lhs[r] @ rhs[group(r)]`` (bf16 ``[M, K]`` and ``[E, K, N]``, int32 ``[E]``); rows past the
-    groups are zero (the output starts as zeros aliased into the call), or unspecified without
-    ``zero_outside`` (no zeroing pass over the output). ``config``: :func:`gmm_config`'s by default."""
+def gmm(lhs, rhs, group_sizes, config: gluon_launch.GluonTileConfig | None = None, zero_outside: bool = True,
+        transpose_rhs: bool = False):
+    """``out[r] = lhs[r] @ rhs[group(r)]`` (bf16 ``[M, K]`` and ``[E, K, N]``, or ``[E, N, K]`` read transposed
+    with ``transpose_rhs``; int32 ``[E]``); rows past the groups are zero (the kernel writes them after its
+    tiles), or unspecified without ``zero_outside``. ``config``: :func:`gmm_config`'s by default."""
+    return _gmm_call(((lhs, rhs),), group_sizes, config, zero_outside, transpose_rhs, "gmm")
+
+
+def gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, config: gluon_launch.GluonTileConfig | None = None,
+            zero_outside: bool = True, transpose_rhs: bool = True):
+    """``lhs_a[r] @ rhs_a[g]^T + lhs_b[r] @ rhs_b[g]^T`` (weights ``[E, N, K]``; ``[E, K, N]`` without
+    ``transpose_rhs``) accumulated in float32 over both contractions and written once, as bf16: the rows'
+    cotangent of SwiGLU's gate and up products. Rows past the groups as :func:`gmm`'s."""
+    if lhs_b.shape != lhs_a.shape or rhs_b.shape != rhs_a.shape:
+        raise ValueError(f"gluon gmm_sum: the two products differ in shape: {lhs_a.shape} x {rhs_a.shape} and "
+                         f"{lhs_b.shape} x {rhs_b.shape}")
+    return _gmm_call(((lhs_a, rhs_a), (lhs_b, rhs_b)), group_sizes, config, zero_outside, transpose_rhs, "gmm_sum")
+
+
+def _gmm_call(products, group_sizes, config, zero_outside: bool, transpose_rhs: bool, op: str):
+    """One forward-kernel launch over ``products`` (``(lhs, rhs)`` pairs, summed) as a ``moe_gluon_call``."""
+    (lhs, rhs) = products[0]
     num_rows, k = lhs.shape
-    num_groups, _, n = rhs.shape
-    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
-        raise TypeError(f"gluon gmm: bf16 operands only, got {lhs.dtype} and {rhs.dtype}")
-    _check_widths("gmm", k, n)
-    config = config or gmm_config(k)
-    gluon_launch.check_shapes(k, config)
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if any(a.dtype != jnp.bfloat16 for pair in products for a in pair):
+        raise TypeError(f"gluon {op}: bf16 operands only, got {[str(a.dtype) for pair in products for a in pair]}")
+    if (rhs.shape[2] if transpose_rhs else rhs.shape[1]) != k:
+        raise ValueError(f"gluon {op}: lhs {lhs.shape} and rhs {rhs.shape} disagree on the contraction")
+    _check_widths(op, k, n)
+    form = gluon_launch.GemmForm(transpose_b=transpose_rhs, products=len(products), zero_outside=zero_outside)
+    config = config or gmm_config(k, num_rows, num_groups)
+    gluon_launch.check_shapes(k, config, form)
     if num_rows == 0 or num_groups == 0:
         return jnp.zeros((num_rows, n), jnp.bfloat16)
-    compiled = _compiled_gmm(config, num_groups)
+    compiled = _compiled_gmm(config, num_groups, form)
     max_tiles = (triton.cdiv(num_rows, config.block_m) + num_groups) * triton.cdiv(n, config.block_n)
     grid = max(1, min(_num_sms(), max_tiles))
-    # operands: lhs 0, rhs 1, group_sizes 2 (and with zero_outside the zeros 3, aliased to the result); the
-    # result is buffer 3 either way
-    plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_groups * k, n)), (3, (num_rows, n)), 2),
+    # operands: each product's lhs and rhs, then group_sizes; the result is the buffer after them
+    weight_shape = (num_groups * n, k) if transpose_rhs else (num_groups * k, n)
+    operand_shapes = [shape for _ in products for shape in ((num_rows, k), weight_shape)]
+    sizes_buffer = len(operand_shapes)
+    descriptors = list(enumerate(operand_shapes))
+    if len(products) == 1:
+        descriptors += descriptors  # the second product's descriptors, never read
+    plan = _plan(compiled, grid, (*descriptors, (sizes_buffer + 1, (num_rows, n))), sizes_buffer,
                  (num_rows, n, k, num_groups))
-    operands = (lhs, rhs, group_sizes.astype(jnp.int32))
-    if zero_outside:
-        operands += (jnp.zeros((num_rows, n), jnp.bfloat16),)
-    (result,) = gluon_call_p.bind(*operands, opaque=xla_call.register_plan(plan),
-                                  out_avals=(_compat.ShapedArray((num_rows, n), jnp.bfloat16),),
-                                  aliases=((3, 0),) if zero_outside else ())
+    (result,) = gluon_call_p.bind(*(a for pair in products for a in pair), group_sizes.astype(jnp.int32),
+                                  opaque=xla_call.register_plan(plan),
+                                  out_avals=(_compat.ShapedArray((num_rows, n), jnp.bfloat16),), aliases=())
     return result
 
 
@@ -209,12 +244,102 @@ def tgmm(lhs, dout, group_sizes, out_dtype=None, config: gluon_launch.GluonTgmmC
         grid = max(1, min(_num_sms(), launch_config.work_items(num_groups, k, n)))
         scalars = (num_rows, n, k, num_groups) + (() if min_group_rows is None else (min_group_rows, ))
         # operands: lhs 0, dout 1, group_sizes 2 (and the output so far 3, aliased); the result is buffer 3
-        plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n)), 2), scalars)
+        plan = _plan(compiled, grid, ((0, (num_rows, k)), (1, (num_rows, n)), (3, (num_groups * k, n))), 2, scalars)
         (result,) = gluon_call_p.bind(*operands, *(() if result is None else (result, )),
                                       opaque=xla_call.register_plan(plan),
                                       out_avals=(_compat.ShapedArray((num_groups, k, n), out_dtype),),
                                       aliases=() if result is None else ((3, 0), ))
     return result
+
+
+GLUON_GMM_MAX_MEAN_ROWS = 1024
+"""Groups averaging at most this many rows run the forward and input-gradient products on the Gluon kernels;
+longer ones keep Triton's ``gmm_kernel``. In the layers' profiles (H200, 2026-11-29,
+``layer_profile_gluon_forward_H200_2026-11-29.log``) the Gluon kernels took DeepSeek-V3's (~128 rows a
+group) 13.07 ms against 13.78-13.87 and Qwen3's (~1024) 3.68 against 3.94, but Mixtral's (~2048) 15.54
+against 15.04; on Mixtral's products alone the cooperative kernel ran 5-14% slower
+(``gluon_forward_ab_H200_2026-11-29.log``)."""
+
+
+def _mean_rows(lhs, num_groups: int, expected_rows: int | None) -> int:
+    num_rows = lhs.shape[0]
+    rows = num_rows if expected_rows is None else max(1, min(expected_rows, num_rows))
+    return rows // max(num_groups, 1)
+
+
+def gmm_applies(lhs, rhs, group_sizes, group_offset, out_dtype, transpose_rhs: bool,
+                expected_rows: int | None = None) -> bool:
+    """Whether a forward-kernel product (``gmm``, each of ``gmm_pair``'s, ``gmm_sum``) runs the Hopper Gluon
+    kernel: groups averaging at most :data:`GLUON_GMM_MAX_MEAN_ROWS` rows, bf16 operands and result, every
+    group local (``group_offset`` 0, a size per weight), K and N multiples of 16 (K of ``block_k`` for an
+    untransposed weight: a weight box must not reach into the next group), every GPU an sm_90 one, each
+    process tracing its own program (see :func:`tgmm_applies`)."""
+    if lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16 or jnp.dtype(out_dtype) != jnp.bfloat16:
+        return False
+    if lhs.ndim != 2 or rhs.ndim != 3 or not (isinstance(group_offset, int) and group_offset == 0):
+        return False
+    if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        return False  # the Triton path raises, naming the problem
+    k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if group_sizes.shape[0] != rhs.shape[0] or lhs.shape[1] != k or k % 16 or n % 16:
+        return False
+    if not transpose_rhs and k % min(c.block_k for c in gluon_launch.CONFIGS.values()):
+        return False
+    if _mean_rows(lhs, rhs.shape[0], expected_rows) > GLUON_GMM_MAX_MEAN_ROWS:
+        return False
+    if getattr(jax.config, "jax_share_binary_between_hosts", False):
+        return False
+    return _all_gpus_sm90() and _gluon_available()
+
+
+def _gluon_gmm_config(lhs, rhs, expected_rows: int | None):
+    return gmm_config(lhs.shape[1], _mean_rows(lhs, rhs.shape[0], expected_rows) * rhs.shape[0], rhs.shape[0])
+
+
+def backend_gmm(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, preferred_element_type=None,
+                config=None, zero_outside=True, expected_rows=None):
+    """The Triton backend's ``gmm`` (``grouped_matmul.triton_launch.gmm``'s arguments): the Gluon kernel where
+    :func:`gmm_applies`, Triton's ``gmm_kernel`` otherwise."""
+    from moe_lowering.kernels.grouped_matmul import triton_launch
+
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
+    if config is None and gmm_applies(lhs, rhs, group_sizes, group_offset, out_dtype, transpose_rhs, expected_rows):
+        return gmm(lhs, rhs, group_sizes, _gluon_gmm_config(lhs, rhs, expected_rows), zero_outside, transpose_rhs)
+    return triton_launch.gmm(lhs, rhs, group_sizes, group_offset=group_offset, transpose_rhs=transpose_rhs,
+                             preferred_element_type=preferred_element_type, config=config, zero_outside=zero_outside,
+                             expected_rows=expected_rows)
+
+
+def backend_gmm_pair(lhs, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None, config=None,
+                     zero_outside=True, expected_rows=None):
+    """The Triton backend's ``gmm_pair``: two Gluon launches where :func:`gmm_applies` to both (the Gluon
+    kernel finishes its partial tiles itself: no tail launch to share), Triton's pair otherwise."""
+    from moe_lowering.kernels.grouped_matmul import triton_launch
+
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs_a.dtype))
+    if config is None and all(gmm_applies(lhs, rhs, group_sizes, group_offset, out_dtype, False, expected_rows)
+                              for rhs in (rhs_a, rhs_b)):
+        return tuple(gmm(lhs, rhs, group_sizes, _gluon_gmm_config(lhs, rhs, expected_rows), zero_outside)
+                     for rhs in (rhs_a, rhs_b))
+    return triton_launch.gmm_pair(lhs, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
+                                  preferred_element_type=preferred_element_type, config=config,
+                                  zero_outside=zero_outside, expected_rows=expected_rows)
+
+
+def backend_gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, *, group_offset=0, preferred_element_type=None,
+                    config=None, expected_rows=None):
+    """The Triton backend's ``gmm_sum`` (``lhs_a @ rhs_a[g]^T + lhs_b @ rhs_b[g]^T``): one Gluon launch
+    accumulating both products where :func:`gmm_applies` to both, Triton's ``gmm_sum_kernel`` otherwise."""
+    from moe_lowering.kernels.grouped_matmul import triton_launch
+
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs_a.dtype, rhs_a.dtype))
+    if (config is None and lhs_a.shape == lhs_b.shape and rhs_a.shape == rhs_b.shape
+            and all(gmm_applies(lhs, rhs, group_sizes, group_offset, out_dtype, True, expected_rows)
+                    for lhs, rhs in ((lhs_a, rhs_a), (lhs_b, rhs_b)))):
+        return gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, _gluon_gmm_config(lhs_a, rhs_a, expected_rows))
+    return triton_launch.gmm_sum(lhs_a, lhs_b, rhs_a, rhs_b, group_sizes, group_offset=group_offset,
+                                 preferred_element_type=preferred_element_type, config=config,
+                                 expected_rows=expected_rows)
 
 
 def tgmm_applies(lhs, grad, group_sizes, num_groups, group_offset, out_dtype) -> bool:

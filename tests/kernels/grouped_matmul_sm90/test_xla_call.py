@@ -398,3 +398,52 @@ def test_an_expert_parallel_buffer_picks_the_weight_gradient_by_its_balanced_row
         with pytest.raises(RuntimeError, match="planned"):
             jax_launch.backend_tgmm(lhs, grad, sizes, expected_rows=expected_rows)
         assert launched.pop().name == config.name
+
+
+@pytest.mark.parametrize("rows, groups, kernel", [
+    (8 * 128, 8, "gluon-pingpong"),  # DeepSeek-V3-like ~128 rows a group: the ping-pong tile
+    (4 * 1024, 4, "gluon-cooperative"),  # Qwen3-like ~1024, a long contraction: the cooperative tile
+    (4 * 2048, 4, "triton"),  # Mixtral-like ~2048: gmm_kernel measured faster there
+])
+def test_which_kernel_the_backends_forward_products_take(monkeypatch, triton_launch, rows, groups, kernel):
+    """``gmm`` (both weight layouts), ``gmm_pair`` and ``gmm_sum`` go to the Gluon kernels by the rows a group
+    holds on average, with the tile :func:`~jax_launch.gmm_config` picks, and to Triton's otherwise."""
+    taken = []
+    monkeypatch.setattr(jax_launch, "_all_gpus_sm90", lambda: True)
+    monkeypatch.setattr(jax_launch, "_gluon_available", lambda: True)
+    gluon_name = lambda config: "gluon-pingpong" if config.pingpong else "gluon-cooperative"
+    monkeypatch.setattr(jax_launch, "gmm", lambda *args, **__: taken.append(gluon_name(args[3])))
+    monkeypatch.setattr(jax_launch, "gmm_sum", lambda *args, **__: taken.append(gluon_name(args[5])))
+    for name in ("gmm", "gmm_pair", "gmm_sum"):
+        monkeypatch.setattr(triton_launch, name, lambda *_, **__: taken.append("triton"))
+    k, n = 2048, 256
+    lhs, weight = jnp.zeros((rows, k), jnp.bfloat16), jnp.zeros((groups, k, n), jnp.bfloat16)
+    weight_t = jnp.zeros((groups, n, k), jnp.bfloat16)  # [E, N, K], read transposed
+    sizes = jnp.full((groups,), rows // groups, jnp.int32)
+    jax_launch.backend_gmm(lhs, weight, sizes)
+    jax_launch.backend_gmm(lhs, weight_t, sizes, transpose_rhs=True)
+    jax_launch.backend_gmm_pair(lhs, weight, weight, sizes)
+    jax_launch.backend_gmm_sum(lhs, lhs, weight_t, weight_t, sizes)
+    pairs = 1 if kernel == "triton" else 2  # the Gluon pair is two launches, Triton's one call
+    assert taken == [kernel] * (3 + pairs)
+
+
+def test_forward_products_the_gluon_kernels_cannot_take_stay_on_triton(monkeypatch, triton_launch):
+    """A group offset (an expert-parallel shard's local experts), float32 operands, a float32 result, K off the
+    weight box for untransposed weights, fewer sizes than weights: Triton's kernels, whatever the GPU."""
+    monkeypatch.setattr(jax_launch, "_all_gpus_sm90", lambda: True)
+    monkeypatch.setattr(jax_launch, "_gluon_available", lambda: True)
+    sizes = jnp.full((4,), 64, jnp.int32)
+    lhs, weight = jnp.zeros((256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
+    assert jax_launch.gmm_applies(lhs, weight, sizes, 0, jnp.bfloat16, False)
+    assert not jax_launch.gmm_applies(lhs, weight, sizes, 1, jnp.bfloat16, False)
+    assert not jax_launch.gmm_applies(lhs, weight, sizes, 0, jnp.float32, False)
+    assert not jax_launch.gmm_applies(lhs.astype(jnp.float32), weight, sizes, 0, jnp.bfloat16, False)
+    odd_k = jnp.zeros((256, 80), jnp.bfloat16)
+    assert not jax_launch.gmm_applies(odd_k, jnp.zeros((4, 80, 256), jnp.bfloat16), sizes, 0, jnp.bfloat16, False)
+    assert jax_launch.gmm_applies(odd_k, jnp.zeros((4, 256, 80), jnp.bfloat16), sizes, 0, jnp.bfloat16, True)
+    assert not jax_launch.gmm_applies(lhs, weight, sizes[:3], 0, jnp.bfloat16, False)
+    # an expert-parallel receive buffer judged by the rows it holds when balanced
+    big = jnp.zeros((4 * 4096, 128), jnp.bfloat16)
+    assert not jax_launch.gmm_applies(big, weight, sizes, 0, jnp.bfloat16, False)
+    assert jax_launch.gmm_applies(big, weight, sizes, 0, jnp.bfloat16, False, expected_rows=4096)
