@@ -381,6 +381,20 @@ def custom_jvp_node(params, name: str, operands: tuple) -> CustomJvpCall:
     body = params["call_jaxpr"]
     rule_jaxpr, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(operands))
     body_jaxpr, body_consts = _compat.open_jaxpr(body), _compat.sub_jaxpr_consts(body)
-    text = "\n".join([str(body_jaxpr), repr([np.asarray(c).tolist() for c in body_consts]), str(rule_jaxpr),
+    return CustomJvpCall(name, (body_jaxpr, body_consts), (rule_jaxpr, rule_consts), operands, bool(out_zeros[0]),
+                         _printed(body_jaxpr, body_consts, rule_jaxpr, rule_consts))
+
+
+def custom_jvp_text(params, num_inputs: int) -> str:
+    """A ``custom_jvp_call`` eqn's body and derivative rule as printed, with their constants: equal for two
+    calls of one function at the same types, traced apart (what ``CustomJvpCall`` equality compares)."""
+    from moe_lowering import _compat
+
+    body = params["call_jaxpr"]
+    rule_jaxpr, rule_consts, _ = _compat.custom_jvp_rule(params, num_inputs)
+    return _printed(_compat.open_jaxpr(body), _compat.sub_jaxpr_consts(body), rule_jaxpr, rule_consts)
+
+
+def _printed(body_jaxpr, body_consts, rule_jaxpr, rule_consts) -> str:
+    return "\n".join([str(body_jaxpr), repr([np.asarray(c).tolist() for c in body_consts]), str(rule_jaxpr),
                       repr([np.asarray(c).tolist() for c in rule_consts])])
-    return CustomJvpCall(name, (body_jaxpr, body_consts), (rule_jaxpr, rule_consts), operands, bool(out_zeros[0]), text)

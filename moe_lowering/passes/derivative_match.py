@@ -31,6 +31,7 @@ import jax
 import numpy as np
 
 from moe_lowering import _compat
+from moe_lowering.expert_program import custom_jvp_text
 from moe_lowering.passes.canonicalize import is_identity_rounding
 from moe_lowering.passes.derivative_support import tangent_free
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value, build_graph
@@ -203,9 +204,10 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     through the ``reduce_precision`` remat marks them with (``is_identity_rounding``), which is dropped, and
     an offloaded one as the value offloaded (its move to host memory dropped where nothing else reads it).
     Eqns with effects or state are kept; params that are not plain values (a jaxpr, an array, an
-    unhashable object) must be the same object."""
+    unhashable object) must be the same object, except a ``custom_jvp_call``'s (``_mergeable_params_key``)."""
     alias: dict = {}
     first: dict = {}
+    printed: dict = {}
     offloaded: dict = {}  # a value moved to host memory -> the value moved
     eqns: list[Eqn] = []
     for eqn in graph.eqns:
@@ -219,7 +221,7 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
             continue
         key = None
         if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
-            key = (eqn.primitive, plain_params_key(eqn.params),
+            key = (eqn.primitive, _mergeable_params_key(eqn, printed),
                    tuple(a if isinstance(a, Value) else ("const", id(a.value)) for a in inputs))
         earlier = first.get(key) if key is not None else None
         if earlier is not None:
@@ -237,6 +239,43 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     if unread_offloads:
         eqns = [dataclasses.replace(e, index=i) for i, e in enumerate(e for e in eqns if e not in unread_offloads)]
     return JaxprGraph(tuple(eqns), graph.inputs, outputs, graph.input_shardings)
+
+
+def unmerged_recomputation(graph: JaxprGraph) -> str | None:
+    """Names a ``custom_jvp`` call that a remat body (inlined, ``merged_recomputation``'s ``graph``) makes on the
+    operands of a call outside it and that was not merged with it (``_mergeable_params_key``), for ``explain``."""
+    def in_remat(eqn: Eqn) -> bool:
+        return any(c.primitive is _compat.remat_p for c in eqn.callers)
+
+    calls = [e for e in graph.eqns if e.primitive is _compat.custom_jvp_call_p]
+    forward = {e.inputs: e for e in calls if not in_remat(e)}
+    for eqn in calls:
+        if in_remat(eqn) and eqn.inputs in forward:
+            return (f"jax.checkpoint's recomputation of the custom_jvp function "
+                    f"`{_compat.custom_jvp_name(eqn.params)}` at {eqn.where()} is not the forward's call at "
+                    f"{forward[eqn.inputs].where()} (another body or derivative rule, or a rule that does not "
+                    "trace on its own), so it is not merged with it")
+    return None
+
+
+def _mergeable_params_key(eqn: Eqn, printed: dict):
+    """``plain_params_key`` of ``eqn``'s params; a ``custom_jvp_call``'s body and derivative rule by their printed
+    text (``custom_jvp_text``, cached in ``printed``). ``jax.checkpoint``'s recomputation of a ``custom_jvp``
+    function (``jax.nn.relu``) is a call of its own, traced apart from the forward's: the same body and rule, other
+    objects. Merged, the forward's call and its rule stand for both, and the backward's ops that apply the rule
+    are proven against that rule's derivative; a rule that cannot be traced here keeps the call apart."""
+    if eqn.primitive is not _compat.custom_jvp_call_p:
+        return plain_params_key(eqn.params)
+    call = (id(eqn.params["call_jaxpr"]), id(eqn.params["jvp_jaxpr_fun"]), len(eqn.inputs))
+    if call not in printed:
+        try:
+            printed[call] = custom_jvp_text(eqn.params, len(eqn.inputs))
+        except Exception:  # noqa: BLE001 - a rule that does not trace is compared by identity
+            printed[call] = None
+    if printed[call] is None:
+        return plain_params_key(eqn.params)
+    rest = {name: value for name, value in eqn.params.items() if name not in ("call_jaxpr", "jvp_jaxpr_fun")}
+    return ("custom_jvp", printed[call], plain_params_key(rest))
 
 
 def _is_move_to(eqn: Eqn, memory: str) -> bool:

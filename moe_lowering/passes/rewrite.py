@@ -25,7 +25,8 @@ from moe_lowering.expert_program import ParamKind, RowContext, evaluate
 from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, StackedWeights, token_roles
 from moe_lowering.passes.assumptions import GATE_ON_TOKENS
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
-from moe_lowering.passes.derivative_match import common_rest, merged_recomputation, unavailable_sums
+from moe_lowering.passes.derivative_match import (common_rest, merged_recomputation, unavailable_sums,
+                                                   unmerged_recomputation)
 from moe_lowering.passes.derivative_support import support_indicator
 from moe_lowering.passes.match import FailedMatch, MoeRegion, RoutingAnchor, analyse
 from moe_lowering.passes.scan_derivative import analyse_scan_pairs, emit_backward, emit_forward
@@ -81,12 +82,17 @@ def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
     found = _analyse_graph(build_graph(closed_jaxpr), path)
     if not _may_recompute_a_region(found):
         return found
-    inlined = _analyse_graph(merged_recomputation(build_graph(closed_jaxpr, inline_remat=True)), path)
+    merged = merged_recomputation(build_graph(closed_jaxpr, inline_remat=True))
+    inlined = _analyse_graph(merged, path)
     if _backward_count(inlined) > _backward_count(found) and len(list(inlined.all_regions())) >= len(
             list(found.all_regions())):
         log.info("remat inlined at %s: %d backward(s) rewritten", path or "top level", _backward_count(inlined))
         return dataclasses.replace(inlined, remat_inlined=True)
-    return found
+    note = unmerged_recomputation(merged)
+    if note is None:
+        return found
+    return dataclasses.replace(found, near_misses=tuple((a, FailedMatch(f"{f.reason} ({note})", f.eqn, f.assumption))
+                                                        for a, f in found.near_misses))
 
 
 def _may_recompute_a_region(scope: ScopeResult) -> bool:

@@ -177,17 +177,14 @@ def _join(graph: JaxprGraph, forward: Eqn, backward: Eqn, inline_remat: bool) ->
                        carry_outputs + tuple(a for _, a in kept) + backward_outputs,
                        {**f_body.input_shardings, **b_body.input_shardings})
     forward_values = frozenset(f_body.inputs + shared) | {v for e in prologue + list(f_body.eqns) for v in e.outputs}
-    forward_count = len(prologue) + len(f_body.eqns)
+    joint = restored_rules(joint)  # first: the call bound again merges with a remat's recomputation of it
     if inline_remat:
         merged = merged_recomputation(joint)
         alias = {a: b for a, b in zip(joint.outputs, merged.outputs)}
-        forward_count = next((e.index for e in merged.eqns if any(v not in forward_values for v in e.outputs)),
-                             len(merged.eqns))
         carry_outputs = tuple(alias.get(a, a) for a in carry_outputs)
         kept = tuple((i, alias.get(a, a)) for i, a in kept)
         backward_outputs = tuple(alias.get(a, a) for a in backward_outputs)
         joint = merged
-    joint = restored_rules(joint)
     forward_count = next((e.index for e in joint.eqns if any(v not in forward_values for v in e.outputs)),
                          len(joint.eqns))
     return _Joined(joint, forward_count, forward_values, tuple(f_body.inputs), tuple(fresh), carry_outputs, kept,

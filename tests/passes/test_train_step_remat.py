@@ -259,3 +259,97 @@ def test_checkpointed_blocks_with_sharding_constraints_under_a_mesh():
     with set_mesh(mesh):
         report = _check_rewritten(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x, regions=2)
     assert all(r.remat_inlined for r in report.regions)
+
+
+# --------------------------------------------------------------------------- a ReLU-family expert under remat
+
+def _relu_at_zeros(activation=jax.nn.relu, policy=None, seed=31):
+    """The zoo's ReLU MLP layer (per-expert biases) under ``jax.checkpoint``, with a quarter of the tokens zero
+    and half of the up-projection biases zero: its pre-activations there are exactly 0, where relu's rule has
+    derivative 0 and ``max(x, 0)``'s autodiff 0.5. Returns the step, its arguments and the pre-activations."""
+    model = zoo.ZOO["mlp_relu_bias"].sized(T=SIZES.T, d=SIZES.d, f=SIZES.f, E=SIZES.E, k=SIZES.k)
+    params, x = model.args(jax.random.key(seed))
+    params = {**params, "b_up": params["b_up"].at[:, :SIZES.f // 2].set(0.0)}
+    x = x.at[:SIZES.T // 4].set(0.0)
+    layer = jax.checkpoint(zoo._mlp_fn("mlp_relu_bias", SIZES.k, activation, True), policy=policy)
+    step = jax.value_and_grad(lambda p, x: jnp.mean(jnp.sin(x + layer(p, x) + 0.5) ** 2), argnums=(0, 1))
+    return step, (params, x), jnp.einsum("td,edf->tef", x, params["w_up"]) + params["b_up"]
+
+
+def _user_relu(floor=0.0, mask=jax.lax.gt):
+    """A ``custom_jvp`` relu written by a user: ``max(v, floor)``, its derivative ``mask(v, 0)`` (``ge``: 1 at 0)."""
+
+    @jax.custom_jvp
+    def relu(v):
+        return jnp.maximum(v, floor)
+
+    @relu.defjvp
+    def rule(primals, tangents):
+        (v,), (t,) = primals, tangents
+        return relu(v), jnp.where(mask(v, 0.0), t, 0.0)
+
+    return relu
+
+
+_BY_MAX = {"relu": lambda v: jnp.maximum(v, 0.0), "relu6": lambda v: jnp.minimum(jnp.maximum(v, 0.0), 6.0)}
+
+
+def _largest_difference(results, others) -> float:
+    """The largest relative error between two steps' losses and gradients, leaf by leaf."""
+    return max(_relative_error(a, b) for a, b in zip(jax.tree.leaves(results), jax.tree.leaves(others), strict=True))
+
+
+@pytest.mark.parametrize("name, policy", [("relu", None), ("relu6", "nothing_saveable"),
+                                          ("squared_relu", "dots_saveable")])
+def test_a_relu_expert_under_checkpoint_is_rewritten_with_the_rule_derivative_at_zero(name, policy):
+    """The forward calls relu's custom_jvp, and remat's backward calls it again on the same pre-activations
+    (traced apart: other objects, the same printed body and rule), then applies the rule (select(x > 0)). The two
+    calls are merged (``merged_recomputation``), so the forward and the backward are rewritten, the backward
+    proven against the rule's derivative: equal to the untouched step at the exact zeros, where max's is not."""
+    activation = zoo.squared_relu if name == "squared_relu" else getattr(jax.nn, name)
+    step, args, hidden = _relu_at_zeros(activation, policy and getattr(jax.checkpoint_policies, policy))
+    assert int(jnp.sum(hidden == 0)) >= SIZES.T // 4 * SIZES.E * SIZES.f // 2
+    report = _check_rewritten(step, *args)
+    assert report.regions[0].remat_inlined
+    if name in _BY_MAX:  # the zeros reach the rule: max's derivative there gives other gradients
+        by_max, _, _ = _relu_at_zeros(_BY_MAX[name], policy and getattr(jax.checkpoint_policies, policy))
+        assert _largest_difference(step(*args), by_max(*args)) > 1e-3
+
+
+def test_a_user_relu_with_its_own_derivative_at_zero_is_rewritten_with_its_rule():
+    """A custom_jvp relu whose derivative at 0 is 1 (``ge``), under remat: rewritten with its own rule, the
+    untouched step's gradients at the zeros, which jax.nn.relu's rule would not give."""
+    step, args, _ = _relu_at_zeros(_user_relu(mask=jax.lax.ge))
+    _check_rewritten(step, *args)
+    by_rule_of_nn, _, _ = _relu_at_zeros(jax.nn.relu)
+    assert _largest_difference(step(*args), by_rule_of_nn(*args)) > 1e-3
+
+
+def _recomputed_by(forward, recompute):
+    """The step of ``_relu_at_zeros(forward)`` (no policy) with the remat body's call of the activation, the
+    backward's recomputation, swapped for ``recompute``: the forward and the backward's rule ops unchanged."""
+    step, args, _ = _relu_at_zeros(forward)
+    flat = jax.tree.leaves(args)
+    graph = build_graph(jax.make_jaxpr(lambda *a: step(*jax.tree.unflatten(jax.tree.structure(args), a)))(*flat))
+    remat = next(e for e in graph.eqns if e.primitive is _compat.remat_p)
+    body = build_graph(_compat.as_closed(remat.params["jaxpr"]))
+    [call] = [e for e in body.eqns if e.primitive is _compat.custom_jvp_call_p]
+    return graph, flat, _in_the_backward(remat, body, call.index, lambda eqn, inputs, env: [recompute(inputs[0])])
+
+
+@pytest.mark.parametrize("forward, recompute, outcome", [
+    (jax.nn.relu, jax.nn.relu, "exact"),  # traced again: the same body and rule
+    (jax.nn.relu, jax.nn.relu6, "declined"),  # the same values here (all below 6), another function
+    (jax.nn.relu, lambda v: jnp.maximum(v, 0.0), "declined"),  # the primal without relu's rule
+    (_user_relu(), _user_relu(), "exact"),
+    (_user_relu(), _user_relu(floor=1e-6), "declined"),  # another body
+    (_user_relu(), _user_relu(mask=jax.lax.ge), "declined"),  # the same body, another rule
+], ids=["relu", "relu6", "max", "user_relu", "user_floor", "user_rule"])
+def test_a_recomputation_that_is_not_the_forward_call_declines(forward, recompute, outcome):
+    """The backward's recomputation merges with the forward's call only where it is the same function: its body
+    and its derivative rule as printed. Any other is declined (explain names a custom_jvp call left apart)."""
+    graph, flat, mutation = _recomputed_by(forward, recompute)
+    assert _outcome(graph, flat, mutation) == outcome
+    if outcome == "declined" and isinstance(recompute, jax.custom_jvp):
+        report = explain(lambda *a: _evaluate(graph, a, mutation), *flat)
+        assert any("is not merged with it" in m.reason for m in report.near_misses), str(report)

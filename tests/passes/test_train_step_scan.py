@@ -209,19 +209,22 @@ def test_nnx_scan_over_a_vmapped_stack_of_blocks():
     _check_scan_rewritten(step, state, MIXTRAL.args(jax.random.key(12))[1])
 
 
-def _relu_step_with_zeros(activation=jax.nn.relu, seed=25, scanned=True):
-    """The zoo's relu MLP layer scanned over two layers (or one layer, unscanned), with a quarter of the
-    tokens zero and half of the first layer's up-projection biases zero: its pre-activations there are
-    exactly 0, where relu's rule has derivative 0 and ``max(x, 0)``'s autodiff 0.5. The loss's cotangent is
-    not zero at h = 0."""
+def _relu_step_with_zeros(activation=jax.nn.relu, seed=25, scanned=True, checkpoint=False):
+    """The zoo's relu MLP layer scanned over two layers (or one layer, unscanned; the scanned block under
+    ``jax.checkpoint`` with ``checkpoint``), with a quarter of the tokens zero and half of the first layer's
+    up-projection biases zero: its pre-activations there are exactly 0, where relu's rule has derivative 0
+    and ``max(x, 0)``'s autodiff 0.5. The loss's cotangent is not zero at h = 0."""
     model = _model("mlp_relu_bias")
     params, x = _stacked_args(model, seed=seed)
     params = {**params, "b_up": params["b_up"].at[0, :, :SIZES.f // 2].set(0.0)}
     x = x.at[:SIZES.T // 4].set(0.0)
     fn = zoo._mlp_fn("mlp_relu_bias", SIZES.k, activation, True)
 
+    def block(h, p):
+        return h + fn(p, h), None
+
     def loss(params, x):
-        h = lax.scan(lambda h, p: (h + fn(p, h), None), x, params)[0] if scanned else x + fn(params, x)
+        h = lax.scan(jax.checkpoint(block) if checkpoint else block, x, params)[0] if scanned else x + fn(params, x)
         return jnp.mean(jnp.sin(h + 0.5) ** 2)
 
     return jax.value_and_grad(loss, argnums=(0, 1)), params if scanned else jax.tree.map(lambda a: a[0], params), x
@@ -258,6 +261,17 @@ def test_an_unscanned_relu_layer_at_exact_zeros_keeps_its_custom_jvp():
     step, params, x = _relu_step_with_zeros(scanned=False)
     _check_rewritten(step, params, x)
     by_max, _, _ = _relu_step_with_zeros(_BY_MAX["relu"], scanned=False)
+    assert not jnp.allclose(step(params, x)[1][1], by_max(params, x)[1][1]), "the zeros do not reach the rule"
+
+
+def test_a_scanned_relu_layer_under_checkpoint_at_exact_zeros():
+    """The forward body holds relu's primal (bound again as its custom_jvp), the backward body remat's
+    recomputation, a custom_jvp call of its own: merged once the primal is bound again, so the backward body
+    is proven against the rule's derivative."""
+    step, params, x = _relu_step_with_zeros(checkpoint=True)
+    [region] = _check_scan_rewritten(step, params, x).regions
+    assert region.remat_inlined
+    by_max, _, _ = _relu_step_with_zeros(_BY_MAX["relu"], checkpoint=True)
     assert not jnp.allclose(step(params, x)[1][1], by_max(params, x)[1][1]), "the zeros do not reach the rule"
 
 
