@@ -177,7 +177,12 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
             claimed.add(region.output)
         regions.extend(found)
         if not found and not _feeds_later_anchor(graph, anchor, anchors):
-            near_misses.append((anchor, failures[0] if failures else _why_not(analysis)))
+            why = failures[0] if failures else _why_not(analysis)
+            if analysis.anchor.split_tokens:
+                why = FailedMatch(f"{why.reason} (read over one axis of {analysis.anchor.token_shape[0]} tokens, as a "
+                                  f"reshape merges the router's {list(anchor.token_shape)} token axes)", why.eqn,
+                                  why.assumption)
+            near_misses.append((anchor, why))
     counted = {id(a.eqn) for region in regions for a in _region_anchors(graph, region, anchors)}
     return regions, [(a, f) for a, f in near_misses if id(a.eqn) not in counted]
 

@@ -81,6 +81,14 @@ def _combined_over_experts(split_outputs=lambda out, b, s: out.reshape(E, b, s, 
     return layer
 
 
+def _rows_on_unmerged_tokens(p, x):
+    """Every expert on the ``[B, S, d]`` tokens, combined with a gate whose token axes were merged first."""
+    w, idx = lax.top_k(jax.nn.softmax(x @ p["router"]), K)
+    gate = jnp.sum(jax.nn.one_hot(idx, E) * w[..., None], axis=-2).reshape(-1, E)
+    out = jnp.einsum("bsef,efd->bsed", jax.nn.gelu(jnp.einsum("bsd,edf->bsef", x, p["w_up"])), p["w_down"])
+    return jnp.einsum("te,ted->td", gate, out.reshape(-1, E, D))
+
+
 @pytest.mark.parametrize("layer, style", [
     (_gathered(), "gathered weights"),
     (_tiled(), "tokens tiled per choice"),
@@ -111,12 +119,14 @@ def test_token_axes_merged_or_split_in_order_are_rewritten(layer, style):
      "routing weights do not line up"),
     (_combined_over_experts(split_scores=lambda scores, b, s: scores.T.reshape(E, b, s).swapaxes(1, 2)),
      "routing weights do not line up"),
+    (_rows_on_unmerged_tokens, "as a reshape merges the router's [4, 4] token axes"),
 ], ids=["index-transposed-merge", "index-choice-major", "copies-split-permuted", "output-split-permuted",
-        "copies-split-permuted-merged", "weights-of-one-part", "outputs-split-permuted", "scores-split-permuted"])
+        "copies-split-permuted-merged", "weights-of-one-part", "outputs-split-permuted", "scores-split-permuted",
+        "rows-on-unmerged-tokens"])
 def test_token_axes_regrouped_otherwise_decline(layer, reason):
     """Token axes merged transposed (``[S, B]``), mixed with the choices, or split and then permuted or read
     in part: a row would meet another token's index, weight or output. Square ``[4, 4]`` tokens, so that
-    every permuted shape still fits."""
+    every permuted shape still fits. A layer read over the merged tokens says so in its reason."""
     params, x = _args(jax.random.key(61), shape=(4, 4))
     declined_because(layer, params, x, reason)
 
