@@ -3,11 +3,13 @@
 Each dimension of a value carries a *role*: ``t0, t1, ...`` (token axes, in the routing's
 order), ``k`` (top-k choice), ``E`` (expert), ``C`` (capacity slot), ``F`` (a feature axis),
 ``1`` (a size-1 axis), ``*`` (an axis that only broadcasts). Roles make the rules independent of
-layout: a transpose only permutes them, ``einsum`` orderings do not matter.
+layout: a transpose only permutes them, ``einsum`` orderings do not matter, and a reshape that merges
+or splits token axes in order (``x.reshape(B * S, d)`` and back) renames them (``reshaped_roles``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,116 @@ def token_roles(rank: int) -> Roles:
 
 def is_token(role: str) -> bool:
     return role.startswith("t")
+
+
+# --------------------------------------------------------------------------------------------
+# Token axes merged or split by a reshape, row-major (``x.reshape(B * S, d)`` and back): a token axis split
+# into factors gives one role per factor, a *part* (``t0#1/2x16``: part 1 of t0 split as 2 x 16); its
+# parts, adjacent, complete and in order, are that axis again. Any other regrouping has no roles.
+
+
+def token_part(role: str, index: int, factors: tuple[int, ...]) -> str:
+    """Part ``index`` of token axis ``role`` split row-major into ``factors``."""
+    return f"{role}#{index}/{'x'.join(map(str, factors))}"
+
+
+def token_parts(role: str, factors: tuple[int, ...]) -> Roles:
+    return tuple(token_part(role, i, factors) for i in range(len(factors)))
+
+
+def _part_of(role: str) -> tuple[str, tuple[int, ...]] | None:
+    """The token axis ``role`` is a part of, and that axis's factors; None for any other role."""
+    if not is_token(role) or "#" not in role:
+        return None
+    base, rest = role.split("#", 1)
+    return base, tuple(int(f) for f in rest.split("/", 1)[1].split("x"))
+
+
+def _merge_parts(atoms: list) -> list:
+    """``(role, size)`` atoms with each run of one token axis's parts, complete and in order, merged back."""
+    out, i = [], 0
+    while i < len(atoms):
+        part = _part_of(atoms[i][0])
+        if part is not None and tuple(r for r, _ in atoms[i:i + len(part[1])]) == token_parts(*part):
+            out.append((part[0], math.prod(part[1])))
+            i += len(part[1])
+        else:
+            out.append(atoms[i])
+            i += 1
+    return out
+
+
+def whole_token_axes(roles: Roles, shape) -> tuple[Roles, tuple[int, ...]] | None:
+    """``roles`` and ``shape`` with every token axis split into parts merged back (the reshape that undoes
+    the split); None where parts are apart, permuted or missing (no one token axis they are the split of)."""
+    atoms = _merge_parts(list(zip(roles, shape)))
+    if any(_part_of(role) is not None for role, _ in atoms):
+        return None
+    return tuple(r for r, _ in atoms), tuple(n for _, n in atoms)
+
+
+def reshaped_roles(roles: Roles, in_shape, out_shape, copies: tuple[str, int] | None = None) -> Roles | None:
+    """The roles after a reshape that only regroups token axes, row-major: a token axis split into factors
+    (its parts), parts merged back into their axis, unit axes added or dropped, every other axis kept whole
+    and in order. With ``copies`` (the last token axis and k, for indices and chosen copies), that axis
+    followed by ``k`` merges into one ``COPY`` axis (copy n = token * k + choice) and a ``COPY`` axis splits
+    back into them. None for any other reshape: one that mixes a token axis with another axis, or merges
+    token axes that are not one axis's parts in order, changes which token an element belongs to."""
+    atoms = []
+    for role, size in zip(roles, in_shape):
+        if size == 1:
+            continue
+        if role == COPY:
+            if copies is None:
+                return None
+            atoms += [(copies[0], size // copies[1]), (CHOICE, copies[1])]
+        else:
+            atoms.append((role, size))
+    atoms = _merge_parts(atoms)
+    out: list = []
+    position, dim = 0, 0
+    while dim < len(out_shape):
+        size = out_shape[dim]
+        if size == 1:
+            out.append(ONE)
+            dim += 1
+            continue
+        if position == len(atoms):
+            return None
+        role, atom_size = atoms[position]
+        if atom_size == size:
+            out.append(role)
+            position, dim = position + 1, dim + 1
+        elif (copies is not None and role == copies[0] and size == atom_size * copies[1]
+              and atoms[position + 1:position + 2] == [(CHOICE, copies[1])]):
+            out.append(COPY)
+            position, dim = position + 2, dim + 1
+        elif is_token(role) and _part_of(role) is None and size and atom_size % size == 0:
+            factors, product = [], 1
+            while dim < len(out_shape) and product < atom_size and out_shape[dim] != 1:
+                factors.append(out_shape[dim])
+                product *= out_shape[dim]
+                dim += 1
+            if product != atom_size:
+                return None
+            out.extend(token_parts(role, tuple(factors)))
+            position += 1
+        else:
+            return None
+    named = [r for r in out if r != ONE]
+    if position != len(atoms) or len(set(named)) != len(named) or not _split_one_way(named):
+        return None
+    return tuple(out)
+
+
+def _split_one_way(roles) -> bool:
+    """Each token axis among ``roles`` whole or split into parts one way, never both."""
+    splits: dict = {}
+    for role in filter(is_token, roles):
+        base, factors = _part_of(role) or (role, ())
+        if splits.setdefault(base, factors) != factors:
+            return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from moe_lowering.passes.abstract import (
     Rows,
     is_token,
     token_roles,
+    whole_token_axes,
 )
 from moe_lowering.passes.derivative_match import RegionDerivative, is_inexact, match_derivative
 from moe_lowering.passes.derivative_support import Support, bounded_construction, derivative_support, tangent_free
@@ -164,15 +165,11 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
     anchors = find_anchors(graph)
     claimed: set = set()
     for anchor in anchors:
-        analysis = Analysis(graph, anchor)
-        analysis.run()
-        results = _regions_of(analysis, anchors)
-        if analysis.ambiguous_expert_axis and not any(isinstance(r, MoeRegion) for r in results):
-            retry = Analysis(graph, anchor, expert_axis_choice=-1)
-            retry.run()
-            retried = _regions_of(retry, anchors)
-            if any(isinstance(r, MoeRegion) for r in retried):
-                analysis, results = retry, retried
+        analysis, results = _analysed(graph, anchor, anchors)
+        if analysis.token_axes_merged and not any(isinstance(r, MoeRegion) for r in results):
+            # the program merges the router's token axes: its layer is over one token axis, and why not is
+            # said there too (past the merge)
+            analysis, results = _analysed(graph, anchor.over_one_token_axis(), anchors)
         found = [r for r in results if isinstance(r, MoeRegion)]
         failures = [r for r in results if isinstance(r, FailedMatch)]
         found = [r for r in found if r.output not in claimed]
@@ -180,9 +177,29 @@ def analyse(graph: JaxprGraph) -> tuple[list[MoeRegion], list[tuple[RoutingAncho
             claimed.add(region.output)
         regions.extend(found)
         if not found and not _feeds_later_anchor(graph, anchor, anchors):
-            near_misses.append((anchor, failures[0] if failures else _why_not(analysis)))
+            why = failures[0] if failures else _why_not(analysis)
+            if analysis.anchor.split_tokens:
+                why = FailedMatch(f"{why.reason} (read over one axis of {analysis.anchor.token_shape[0]} tokens, as a "
+                                  f"reshape merges the router's {list(anchor.token_shape)} token axes)", why.eqn,
+                                  why.assumption)
+            near_misses.append((anchor, why))
     counted = {id(a.eqn) for region in regions for a in _region_anchors(graph, region, anchors)}
     return regions, [(a, f) for a, f in near_misses if id(a.eqn) not in counted]
+
+
+def _analysed(graph: JaxprGraph, anchor: RoutingAnchor, anchors) -> tuple[Analysis, list]:
+    """The analysis from ``anchor`` and its regions or failures; where a weight's expert axis was ambiguous
+    and no region followed, the other candidate axis's, should it give one."""
+    analysis = Analysis(graph, anchor)
+    analysis.run()
+    results = _regions_of(analysis, anchors)
+    if analysis.ambiguous_expert_axis and not any(isinstance(r, MoeRegion) for r in results):
+        retry = Analysis(graph, anchor, expert_axis_choice=-1)
+        retry.run()
+        retried = _regions_of(retry, anchors)
+        if any(isinstance(r, MoeRegion) for r in retried):
+            return retry, retried
+    return analysis, results
 
 
 def _region_anchors(graph: JaxprGraph, region: MoeRegion, anchors) -> list[RoutingAnchor]:
@@ -270,7 +287,18 @@ def _finish_region(an: Analysis, output: Value, combined: Combined, anchors) -> 
     if not program.matmuls():
         return FailedMatch("the expert computation has no projection with an expert weight")
     token_roles_ = token_roles(len(an.token_shape))
-    out_roles = combined.roles
+    whole = whole_token_axes(combined.roles, output.shape)
+    if whole is None:
+        return FailedMatch("the MoE output's tokens are split by a reshape and then permuted or regrouped, not kept "
+                           "in order (row-major, as x.reshape(B, S, d) splits them)", graph.producer[output])
+    out_roles = whole[0]
+    per_token = [(v.atom, v.roles) for v in combined.gate_values if v is not None]
+    per_token += [(p.source, p.roles) for p in params if p.kind is ParamKind.PER_TOKEN]
+    apart = [atom for atom, roles in per_token if whole_token_axes(roles, atom.shape) is None]
+    if apart:
+        return FailedMatch(f"a {list(apart[0].shape)} routing weight or per-token value meets the expert activations "
+                           "over a token axis split by a reshape, but not over all of its parts in order: which token "
+                           "each entry is for is not known", graph.producer[output])
     present = [r for r in out_roles if is_token(r)]
     unit = {r for r, n in zip(token_roles_, an.token_shape) if n == 1}  # a reshape may drop these
     if (len(set(present)) != len(present) or not set(token_roles_) - unit <= set(present) <= set(token_roles_)

@@ -14,14 +14,26 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 from jax import lax
 
 from moe_lowering.expert_program import ParamKind
-from moe_lowering.passes.abstract import BROADCAST, CHOICE, EXPERT, ONE, Combined, ExpertIndex, Roles, Rows, token_roles
+from moe_lowering.passes.abstract import (
+    BROADCAST,
+    CHOICE,
+    EXPERT,
+    ONE,
+    Combined,
+    ExpertIndex,
+    Roles,
+    Rows,
+    token_parts,
+    token_roles,
+)
 from moe_lowering.passes.assumptions import BY_NAME
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
@@ -71,9 +83,22 @@ class RoutingAnchor:
     top_k: int
     token_shape: tuple[int, ...]
     kind: str  # "top_k", "approx_top_k", "argmax" or "argsort"
+    split_tokens: tuple[int, ...] = ()  # the indices' own token axes, read as parts of the one axis of token_shape
 
     def describe(self) -> str:
         return f"{self.kind} (k={self.top_k}, E={self.num_experts}) at {self.eqn.where()}"
+
+    def over_one_token_axis(self) -> RoutingAnchor:
+        """The same decision over its T tokens in one axis, row-major as ``x.reshape(T, d)`` has them: what a
+        program that merges the router's token axes (``idx.reshape(B * S, k)``) computes its layer over."""
+        return replace(self, token_shape=(math.prod(self.token_shape),), split_tokens=self.token_shape)
+
+    def index_token_roles(self) -> Roles:
+        """The roles of the indices' token axes: each its own, or (``split_tokens``) parts of one axis."""
+        if not self.split_tokens:
+            return token_roles(len(self.token_shape))
+        parts = iter(token_parts(token_roles(1)[0], tuple(n for n in self.split_tokens if n != 1)))
+        return tuple(ONE if n == 1 else next(parts) for n in self.split_tokens)
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,9 @@ class Analysis:
     # candidate is tried, and, if no region follows, the last (see ``analyse``).
     expert_axis_choice: int = 0
     ambiguous_expert_axis: bool = False
+    # A reshape merged the routing's token axes (``idx.reshape(B * S, k)``): the layer may be read over
+    # one token axis instead (``RoutingAnchor.over_one_token_axis``, see ``analyse``).
+    token_axes_merged: bool = False
 
     @property
     def token_shape(self) -> tuple[int, ...]:
@@ -166,7 +194,7 @@ class Analysis:
     def run(self) -> None:
         table = rules()
         index = self.anchor.indices
-        roles = token_roles(len(self.token_shape)) + ((CHOICE,) if self.anchor.kind != "argmax" else ())
+        roles = self.anchor.index_token_roles() + ((CHOICE,) if self.anchor.kind != "argmax" else ())
         self.values[index] = ExpertIndex(roles)
         from moe_lowering.passes.rules_rows import separate_expert_weights  # a rule module: imported by rules()
 

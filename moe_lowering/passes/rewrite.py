@@ -22,7 +22,16 @@ from jax import lax
 
 from moe_lowering import _compat
 from moe_lowering.expert_program import ParamKind, RowContext, evaluate
-from moe_lowering.passes.abstract import CHOICE, EXPERT, FEATURE, ONE, SLOT, StackedWeights, token_roles
+from moe_lowering.passes.abstract import (
+    CHOICE,
+    EXPERT,
+    FEATURE,
+    ONE,
+    SLOT,
+    StackedWeights,
+    token_roles,
+    whole_token_axes,
+)
 from moe_lowering.passes.assumptions import GATE_ON_TOKENS
 from moe_lowering.passes.graph import Const, JaxprGraph, Value, build_graph
 from moe_lowering.passes.derivative_match import (common_rest, merged_recomputation, unavailable_sums,
@@ -463,8 +472,10 @@ def _canonical(value, roles, order):
 
 def _per_token(value, roles, token_shape, trailing=()):
     """``value`` as ``[T, *trailing]``: its token axes (any subset, in any order) broadcast to every
-    token, its ``trailing`` roles last, axes of other roles (size 1, or only broadcast) read at 0."""
-    value = jnp.asarray(value)
+    token, its ``trailing`` roles last, axes of other roles (size 1, or only broadcast) read at 0. A token
+    axis a reshape split into parts (``x.reshape(B, S, d)`` of ``[T, d]`` tokens) is merged back first."""
+    roles, shape = whole_token_axes(roles, jnp.shape(value))
+    value = jnp.asarray(value).reshape(shape)
     tokens = token_roles(len(token_shape))
     index = tuple(slice(None) if r in tokens or r in trailing else 0 for r in roles)
     value = value[index]

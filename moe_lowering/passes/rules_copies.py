@@ -22,7 +22,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_lowering.expert_program import ExpertMatmul
-from moe_lowering.passes.abstract import CHOICE, COPY, EXPERT, FEATURE, ONE, CopyOneHot, Roles, Rows, token_roles
+from moe_lowering.passes.abstract import (
+    COPY,
+    EXPERT,
+    FEATURE,
+    ONE,
+    CopyOneHot,
+    Roles,
+    Rows,
+    reshaped_roles,
+    token_roles,
+)
 from moe_lowering.passes.assumptions import TILED_CHOICES
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Eqn, Value
@@ -162,17 +172,18 @@ def _holds_every_value(eqn: Eqn) -> bool:
 
 def split_copies(an: Analysis, eqn: Eqn, rows: Rows):
     """A reshape of chosen rows with a copy axis: the rows with it split back into (token, k) in place,
-    everything else unmoved (copy n = token * k + choice); why not, for any other reshape of them; None
-    for rows without one."""
+    everything else unmoved (copy n = token * k + choice), the token axis maybe split further in order
+    (Grok-1's ``[T * k, d] -> [B, S, k, d]``); why not, for any other reshape of them; None for rows
+    without one."""
     if COPY not in rows.roles or rows.space != "choice" or rows.gate is not None:
         return None
-    axis = rows.roles.index(COPY)
     in_shape, out_shape = tuple(eqn.inputs[0].shape), tuple(eqn.outputs[0].shape)
     split = (an.token_shape[-1], an.anchor.top_k)
     last_token = token_roles(len(an.token_shape))[-1]
-    if out_shape != in_shape[:axis] + split + in_shape[axis + 1:] or last_token in rows.roles:
+    roles = reshaped_roles(rows.roles, in_shape, out_shape, (last_token, split[1]))
+    if roles is None or COPY in roles or last_token in rows.roles:
         return FailedMatch(f"the chosen copies {list(in_shape)} are reshaped to {list(out_shape)}, not split back in "
                            f"place into the {split[0]} tokens and k = {split[1]} choices they were merged from (copy "
-                           "n = token * k + choice)", eqn,
+                           "n = token * k + choice), those tokens split only in order", eqn,
                            "copy-selects-own-expert" if rows.style == TILED_CHOICES else "sorted-copy-own-expert")
-    return replace(rows, roles=rows.roles[:axis] + (last_token, CHOICE) + rows.roles[axis + 1:])
+    return replace(rows, roles=roles)

@@ -1,5 +1,5 @@
-"""Rules that move axes without changing values: broadcast, reshape (unit axes; slot rows regrouped
-by ``_slot_reshape_roles``), transpose, squeeze, slice (a feature slice, one expert's weight
+"""Rules that move axes without changing values: broadcast, reshape (unit axes; token axes merged or
+split in order, ``abstract.reshaped_roles``; slot rows regrouped by ``_slot_reshape_roles``), transpose, squeeze, slice (a feature slice, one expert's weight
 ``w[e]``, one expert's rows ``xin[:, :, e]``), split and concatenate along the features, the
 experts' outputs stacked along a new axis (``jnp.stack``), and the sum over experts or choices that
 turns gated rows into the combined output.
@@ -30,6 +30,9 @@ from moe_lowering.passes.abstract import (
     Rows,
     StackedWeights,
     is_token,
+    reshaped_roles,
+    token_part,
+    token_roles,
 )
 from moe_lowering.passes.assumptions import SEPARATE_EXPERTS
 from moe_lowering.passes.graph import Const, Eqn
@@ -65,27 +68,54 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
     value = abstracts[0]
     if value is None or not hasattr(value, "roles"):
         return None
-    mapping = _unit_reshape(eqn.inputs[0].shape, eqn.outputs[0].shape)
-    if mapping is None:
-        copies = split_copies(an, eqn, value) if isinstance(value, Rows) else None
-        if copies is not None:  # chosen copies back as (token, choice), or why not
-            return copies
-        if isinstance(value, Rows) and value.space == "slot" and value.gate is None:
-            roles = _slot_reshape_roles(value.roles, eqn.inputs[0].shape, eqn.outputs[0].shape)
-            if roles is not None:
-                return replace(value, roles=roles)
-        if isinstance(value, (Rows, Combined)):
-            return FailedMatch("a reshape merges or splits the axes of expert activations", eqn)
-        if isinstance(value, ExpertIndex) and copy_index(an, eqn, value) is not None:
-            return copy_index(an, eqn, value)  # [.., L, k] -> [.., L * k]: one index per (token, choice) copy
-        if isinstance(value, ExpertIndex):
-            return FailedMatch(
-                f"the routing indices are reshaped {list(eqn.inputs[0].shape)} -> {list(eqn.outputs[0].shape)}, merging "
-                "or splitting their token and choice axes (tokens tiled per choice, say): a one-hot, gather or "
-                "scatter built from them after that is not followed, so no expert is known to be selected", eqn)
-        return None
-    roles = tuple(ONE if m is None else value.roles[m] for m in mapping)
-    return replace(value, roles=roles)
+    in_shape, out_shape = eqn.inputs[0].shape, eqn.outputs[0].shape
+    mapping = _unit_reshape(in_shape, out_shape)
+    if mapping is not None:
+        return replace(value, roles=tuple(ONE if m is None else value.roles[m] for m in mapping))
+    copies = split_copies(an, eqn, value) if isinstance(value, Rows) else None
+    if copies is not None:  # chosen copies back as (token, choice), or why not
+        return copies
+    if isinstance(value, Rows) and value.space == "slot":
+        roles = _slot_reshape_roles(value.roles, in_shape, out_shape) if value.gate is None else None
+        if roles is not None:
+            return replace(value, roles=roles)
+    elif isinstance(value, ExpertIndex) and copy_index(an, eqn, value) is not None:
+        return copy_index(an, eqn, value)  # [.., L, k] -> [.., L * k]: one index per (token, choice) copy
+    elif isinstance(value, _RELABELLED):
+        roles = reshaped_roles(value.roles, in_shape, out_shape)
+        if roles is not None:  # token axes merged or split in order: the same values, their tokens renamed
+            return replace(value, roles=roles)
+    if isinstance(value, _RELABELLED) and _merges_token_axes(an, value.roles, in_shape, out_shape):
+        an.token_axes_merged = True
+        what = {ExpertIndex: "the routing indices", IndexInBounds: "the routing indices' range checks",
+                Gate: "routing weights"}.get(type(value), "expert activations")
+        return FailedMatch(f"{what} are reshaped {list(in_shape)} -> {list(out_shape)}, merging their token axes "
+                           f"{list(an.token_shape)} in order (as x.reshape(B * S, d) does): read over one token axis "
+                           "instead", eqn)
+    if isinstance(value, ExpertIndex):
+        return FailedMatch(
+            f"the routing indices are reshaped {list(in_shape)} -> {list(out_shape)}, which neither merges or splits "
+            "their token axes in order (row-major, as x.reshape(B * S, d) does) nor merges the last token axis with "
+            "the choices ([.., L, k] -> [.., L * k]: copy n = token * k + choice): a one-hot, gather or scatter built "
+            "from them after that is not followed, so no expert is known to be selected", eqn)
+    if isinstance(value, (Rows, Combined)):
+        return FailedMatch("a reshape regroups the axes of expert activations other than by merging or splitting "
+                           "their token axes in order (row-major, as x.reshape(B * S, d) does)", eqn)
+    return None
+
+
+# the values whose token axes a reshape may merge or split (``reshaped_roles``)
+_RELABELLED = (ExpertIndex, IndexInBounds, Gate, Rows, Combined)
+
+
+def _merges_token_axes(an: Analysis, roles: Roles, in_shape, out_shape) -> bool:
+    """The reshape, not a relabelling of these roles, is one were the routing's token axes parts of one
+    token axis (``RoutingAnchor.over_one_token_axis``): it merges them in order."""
+    if an.anchor.split_tokens or sum(n != 1 for n in an.token_shape) < 2:
+        return False
+    parts = dict(zip(token_roles(len(an.token_shape)), an.anchor.over_one_token_axis().index_token_roles()))
+    renamed = tuple(parts.get(r, r) for r in roles)
+    return reshaped_roles(renamed, in_shape, out_shape, (token_roles(1)[0], an.anchor.top_k)) is not None
 
 
 def _merged_role(parts) -> str:
@@ -100,12 +130,6 @@ def _merged_parts(role: str) -> list | None:
     return [(name, int(size)) for name, size in (part.rsplit("=", 1) for part in role[1:-1].split(","))]
 
 
-def _split_part(role: str, index: int, factors: tuple) -> str:
-    """Part ``index`` of a token group axis split row-major into ``factors`` (flaxformer's
-    ``[G, ...] -> [E, G / E, ...]``); the parts, adjacent and in order, merge back into ``role``."""
-    return f"{role}#{index}/{'x'.join(map(str, factors))}"
-
-
 def _unsplit(atoms) -> str | None:
     """``role`` if ``atoms`` are all parts of one split of ``role``, in order; else None."""
     bases = {name.split("#")[0] for name, _ in atoms}
@@ -113,7 +137,7 @@ def _unsplit(atoms) -> str | None:
         return None
     base = bases.pop()
     factors = atoms[0][0].split("/")[1]
-    expected = [_split_part(base, i, tuple(int(f) for f in factors.split("x"))) for i in range(len(atoms))]
+    expected = [token_part(base, i, tuple(int(f) for f in factors.split("x"))) for i in range(len(atoms))]
     return base if [name for name, _ in atoms] == expected and len(factors.split("x")) == len(atoms) else None
 
 
@@ -146,8 +170,8 @@ def _slot_reshape_roles(roles: Roles, in_shape, out_shape) -> Roles | None:
             if size % product or atom_size % rest or "#" in role or not is_token(role):
                 return None  # a split that is not of a whole token group axis
             factors = (rest, atom_size // rest)
-            taken.append((_split_part(role, 0, factors), rest))
-            atoms[position] = (_split_part(role, 1, factors), atom_size // rest)
+            taken.append((token_part(role, 0, factors), rest))
+            atoms[position] = (token_part(role, 1, factors), atom_size // rest)
             product *= rest
         if product != size or not taken:
             return None

@@ -23,7 +23,6 @@ from jax import lax
 from moe_lowering.expert_program import ExpertMatmul, RowInput
 from moe_lowering.passes.abstract import (
     BROADCAST,
-    CHOICE,
     COPY,
     EXPERT,
     FEATURE,
@@ -40,6 +39,7 @@ from moe_lowering.passes.abstract import (
     ShiftedIndex,
     SortOrder,
     is_token,
+    reshaped_roles,
     token_roles,
 )
 from moe_lowering.passes.assumptions import SORTED_RANGE_MASK
@@ -76,12 +76,12 @@ def _max_copies(an: Analysis) -> int:
 
 
 def copy_index(an: Analysis, eqn: Eqn, index: ExpertIndex):
-    """``idx.reshape(.., L * k)``: the last token axis and k merged, tokens outer (copy n = l * k + j)."""
+    """``idx.reshape(.., L * k)``: the last token axis and k merged, tokens outer (copy n = l * k + j); the
+    token axes, split by a reshape before (``[B, S, k] -> [B * S * k]`` over T = B * S tokens), merged back
+    first, in order."""
     tokens = token_roles(len(an.token_shape))
-    in_shape, out_shape = eqn.inputs[0].shape, eqn.outputs[0].shape
-    if index.roles != tokens + (CHOICE,) or tuple(out_shape) != tuple(in_shape[:-2]) + (in_shape[-2] * in_shape[-1],):
-        return None
-    return CopyIndex(tokens[:-1] + (COPY,))
+    roles = reshaped_roles(index.roles, eqn.inputs[0].shape, eqn.outputs[0].shape, (tokens[-1], an.anchor.top_k))
+    return CopyIndex(roles) if roles == tokens[:-1] + (COPY,) else None
 
 
 @rule(lax.sort_p)
