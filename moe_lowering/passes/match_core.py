@@ -21,7 +21,18 @@ import numpy as np
 from jax import lax
 
 from moe_lowering.expert_program import ParamKind
-from moe_lowering.passes.abstract import BROADCAST, CHOICE, EXPERT, ONE, Combined, ExpertIndex, Roles, Rows, token_roles
+from moe_lowering.passes.abstract import (
+    BROADCAST,
+    CHOICE,
+    EXPERT,
+    ONE,
+    Combined,
+    ExpertIndex,
+    FusedRows,
+    Roles,
+    Rows,
+    token_roles,
+)
 from moe_lowering.passes.assumptions import BY_NAME
 from moe_lowering.passes.canonicalize import identity_annotations
 from moe_lowering.passes.graph import Const, Eqn, JaxprGraph, Value
@@ -183,7 +194,7 @@ class Analysis:
             return
         fn = table.get(eqn.primitive)
         if fn is None:
-            if any(isinstance(a, (Rows, Combined)) for a in abstracts):
+            if any(isinstance(a, (Rows, Combined, FusedRows)) for a in abstracts):
                 self.fail(f"`{eqn.primitive}` is applied to expert activations and is not understood", eqn)
             return
         try:
@@ -209,7 +220,7 @@ class Analysis:
     def param(self, source, kind: ParamKind, roles: Roles) -> int:
         entry = ParamSource(source, kind, roles)
         for i, existing in enumerate(self.params):
-            if existing.source is source and existing.kind is kind and existing.roles == roles:
+            if existing.source == source and existing.kind is kind and existing.roles == roles:  # equal WeightParts
                 return i
         self.params.append(entry)
         return len(self.params) - 1
