@@ -300,7 +300,8 @@ def _unstack(an: Analysis, eqn: Eqn, abstracts):
         failed = next((p for p in pieces if isinstance(p, FailedMatch)), None)
         return failed or tuple(replace(p, roles=p.roles[:axis] + p.roles[axis + 1:]) for p in pieces)
     if isinstance(value, (Rows, Combined)):
-        return FailedMatch("expert activations are unstacked along a token or expert axis", eqn)
+        return FailedMatch("expert activations are unstacked (x1, x2 = h) along an axis that is not the parts of a "
+                           "fused weight", eqn)
     return None
 
 
