@@ -90,13 +90,29 @@ def _dot_general(an: Analysis, eqn: Eqn, abstracts):
     view = canonical_product(an.graph, eqn)
     axis = taken_apart_axis(an.graph, eqn.outputs[0])
     parts = weight_parts(view, axis) if axis is not None else None
-    if parts:
-        fused = _fused_product(an, parts, axis)
-        if fused is not None:
-            return fused
+    fused = _fused_product(an, parts, axis) if parts else None
+    if isinstance(fused, FusedRows):
+        return fused
     if view.eqn is eqn:
-        return _product(an, eqn, abstracts)
-    return _laid_out(_product(an, view.eqn, [an.abstract(a) for a in view.eqn.inputs]), view.dims)
+        found = _product(an, eqn, abstracts)
+    else:
+        found = _laid_out(_product(an, view.eqn, [an.abstract(a) for a in view.eqn.inputs]), view.dims)
+    if found is not None:
+        return found
+    return fused if parts else _parts_not_taken_apart(an, view.eqn)
+
+
+def _parts_not_taken_apart(an: Analysis, eqn: Eqn) -> FailedMatch | None:
+    """Why the tokens times a plain weight of an expert axis and one axis more is not read: the parts of a
+    fused weight are read only as the uses take them apart. None for any other product."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    for x, w, xc in ((eqn.inputs[0], eqn.inputs[1], lc), (eqn.inputs[1], eqn.inputs[0], rc)):
+        if (an.abstract(x) is None and an.abstract(w) is None and not lb and tuple(x.shape[:-1]) == an.token_shape
+                and tuple(xc) == (len(x.shape) - 1,) and len(w.shape) == 4 and an.num_experts in w.shape):
+            return FailedMatch(f"the tokens meet a {list(w.shape)} weight: one with an axis more than [E, d, f] (gate "
+                               "and up fused on an axis of their own) is read part by part only where every use of "
+                               "the product takes one part at a time (x1, x2 = h; h[0], h[1])", eqn)
+    return None
 
 
 def _fused_product(an: Analysis, parts, axis: int):
