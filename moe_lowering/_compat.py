@@ -32,6 +32,7 @@ stop_gradient_p = _ad_util.stop_gradient_p
 name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
 device_put_p = _dispatch.device_put_p
 stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
+unstack_p = getattr(jax.lax, "unstack_p", None)  # tuple unpacking of an array (0.11+); before, slices + squeezes
 
 
 def unit_tile_as_broadcast(primitive, params, operand_shape, out_shape):

@@ -2,7 +2,8 @@
 
 Each dimension of a value carries a *role*: ``t0, t1, ...`` (token axes, in the routing's
 order), ``k`` (top-k choice), ``E`` (expert), ``C`` (capacity slot), ``F`` (a feature axis),
-``1`` (a size-1 axis), ``*`` (an axis that only broadcasts). Roles make the rules independent of
+``1`` (a size-1 axis), ``*`` (an axis that only broadcasts), ``P`` (the parts of a weight that fuses
+several projections, until they are taken apart). Roles make the rules independent of
 layout: a transpose only permutes them, ``einsum`` orderings do not matter, and a reshape that merges
 or splits token axes in order (``x.reshape(B * S, d)`` and back) renames them (``reshaped_roles``).
 """
@@ -23,6 +24,7 @@ EXPERT = "E"
 CHOICE = "k"
 SLOT = "C"
 FEATURE = "F"
+PART = "P"
 
 
 def token_roles(rank: int) -> Roles:
@@ -259,6 +261,26 @@ class StackedWeights:
 
 
 @dataclass(frozen=True)
+class WeightPart:
+    """``lax.index_in_dim(whole, index, axis, keepdims=False)``: one part of a weight that fuses several
+    projections along an axis of its own (Gemma 4's gate and up, ``[E, 2, f, d]``), read as a weight of
+    its own. Equal parts are one param; the rewrite indexes ``whole`` where it reads it, so a cotangent
+    reaches ``whole``."""
+
+    whole: Any  # graph Value or Const
+    axis: int
+    index: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n for d, n in enumerate(self.whole.shape) if d != self.axis)
+
+    @property
+    def dtype(self):
+        return self.whole.dtype
+
+
+@dataclass(frozen=True)
 class Rows:
     """Expert outputs for (token, expert) pairs, computed by ``node`` from token rows ``tokens``.
 
@@ -279,6 +301,16 @@ class Rows:
     dispatch: Any = None  # slot space: the [t.., E, C] dispatch tensor
     gate_value: GateValue | None = None  # set with ``gate``: the value that was multiplied in
     style: str = ""  # how the dense program computed them, where the space does not say it
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """The products of the tokens (or rows) with a weight of several parts (``WeightPart``), computed as one:
+    ``roles`` has ``PART`` on the parts' axis, ``parts[i]`` is part ``i``'s rows (their own roles are not
+    kept up: ``roles``, read at one part, is their layout). Only taking the parts apart reads them."""
+
+    roles: Roles
+    parts: tuple[Rows, ...]
 
 
 @dataclass(frozen=True)

@@ -5,21 +5,23 @@ and matching, the derivative bounds and the token source see through them; on ex
 name is kept by ``_annotation``, the rule for every one of them. A cast keeps expert indices when
 the new type holds each of them (``_holds_integers_up_to``). ``_params_tuple`` is an eqn's params in
 one canonical, hashable order (how a replayed eqn records them). ``floor_division_fixup`` sees
-``jnp.floor_divide``'s sign correction, a no-op for a non-negative dividend.
+``jnp.floor_divide``'s sign correction, a no-op for a non-negative dividend. A ``dot_general`` is read
+as a ``CanonicalProduct``: an operand only broadcast along batch axes unbroadcast (``unbatched_product``),
+and a weight whose parts the uses take apart one by one read part by part (``weight_parts``).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moe_lowering import _compat
 from moe_lowering.expert_program import Elementwise
-from moe_lowering.passes.abstract import Combined, Rows
-from moe_lowering.passes.graph import Eqn
+from moe_lowering.passes.abstract import Combined, Rows, WeightPart
+from moe_lowering.passes.graph import Const, Eqn, Value
 
 if TYPE_CHECKING:
     from moe_lowering.passes.match_core import Analysis
@@ -118,8 +120,6 @@ def scalar_constant(graph, atom):
     Python int divisor); else None."""
     from jax import lax
 
-    from moe_lowering.passes.graph import Const
-
     while not isinstance(atom, Const):
         eqn = graph.producer.get(atom)
         if eqn is None or eqn.primitive not in (lax.convert_element_type_p, lax.broadcast_in_dim_p):
@@ -137,3 +137,136 @@ def _unbroadcast(graph, atom):
         atom = eqn.inputs[0]
         eqn = graph.producer.get(atom)
     return atom
+
+
+@dataclass(frozen=True)
+class CanonicalProduct:
+    """A ``dot_general`` the matcher reads in place of a program's: ``eqn`` (outside the graph; its operands
+    are program values or ``WeightPart``s of one) computes the same values laid out by ``dims``, the
+    program's output dim ``i`` being ``eqn``'s dim ``dims[i]``, or an axis ``eqn`` does not have where
+    ``None`` (a unit axis; for a part, the axis of the parts)."""
+
+    eqn: Eqn
+    dims: tuple
+
+
+def canonical_product(graph, eqn: Eqn) -> CanonicalProduct:
+    """``eqn``, a ``dot_general``, as ``unbatched_product`` reads it, or as it is."""
+    return unbatched_product(graph, eqn) or CanonicalProduct(eqn, tuple(range(len(eqn.outputs[0].shape))))
+
+
+def unbatched_product(graph, eqn: Eqn) -> CanonicalProduct | None:
+    """A ``dot_general`` one operand of which is only a broadcast along batch axes of the product (bonsai
+    GPT-OSS's ``einsum('enh,ehd->end', broadcast_to(x[None], (E, T, H)), W)``, Gemma 4's
+    ``repeat(expand_dims(x, (0, 1)), E, 1)``), as the product of the value broadcast, those axes free on the
+    other operand (``einsum('th,ehd->ted', x, W)``): every output element is the same sum of the same
+    products. ``None`` unless some batch axis is such a broadcast, every other axis of that operand a unit
+    axis or one of the value's (through ``_unit_view``: broadcasts, unit reshapes, annotations)."""
+    from moe_lowering.passes.rules_rows import _unit_view
+
+    contract, batch = eqn.params["dimension_numbers"]
+    for side in (0, 1):
+        operand, other = eqn.inputs[side], eqn.inputs[1 - side]
+        source, mapping = _unit_view(graph, operand)
+        if source is operand or None in mapping or any(
+                source.shape[s] != operand.shape[d] for s, d in enumerate(mapping)):
+            continue
+        source_dim = {d: s for s, d in enumerate(mapping)}
+        spread = [i for i, d in enumerate(batch[side]) if d not in source_dim]
+        free = [d for d in range(len(operand.shape)) if d not in contract[side] and d not in batch[side]]
+        if not spread or any(d not in source_dim for d in contract[side]) or any(
+                d not in source_dim and operand.shape[d] != 1 for d in free):
+            continue
+        kept = [i for i in range(len(batch[side])) if i not in spread]
+        own_c, own_b = tuple(source_dim[d] for d in contract[side]), tuple(source_dim[batch[side][i]] for i in kept)
+        other_b = tuple(batch[1 - side][i] for i in kept)
+        own_free = [("own", s) for s in range(len(source.shape)) if s not in own_c and s not in own_b]
+        other_free = [("other", d) for d in range(len(other.shape)) if d not in contract[1 - side] and d not in other_b]
+        labels = [("batch", i) for i in kept] + (own_free + other_free if side == 0 else other_free + own_free)
+        program_own = [("own", source_dim[d]) if d in source_dim else None for d in free]
+        program_other = [("other", d) for d in range(len(other.shape))
+                         if d not in contract[1 - side] and d not in batch[1 - side]]
+        program = [("batch", i) if i in kept else ("other", batch[1 - side][i]) for i in range(len(batch[side]))]
+        program += program_own + program_other if side == 0 else program_other + program_own
+        sizes = {("batch", i): other.shape[batch[1 - side][i]] for i in kept}
+        sizes.update({("own", s): source.shape[s] for s in range(len(source.shape))})
+        sizes.update({("other", d): other.shape[d] for d in range(len(other.shape))})
+        numbers = ((own_c, tuple(contract[1])), (own_b, other_b)) if side == 0 else (
+            (tuple(contract[0]), own_c), (other_b, own_b))
+        inputs = (source, other) if side == 0 else (other, source)
+        product = _product_eqn(eqn, inputs, numbers, tuple(sizes[label] for label in labels))
+        return CanonicalProduct(product, tuple(None if label is None else labels.index(label) for label in program))
+    return None
+
+
+def weight_parts(view: CanonicalProduct, axis: int) -> tuple[CanonicalProduct, ...] | None:
+    """``view``'s product read part by part along the program's output ``axis``, where that is a free axis
+    of an operand: one product per index, with that operand's ``WeightPart`` (Gemma 4's
+    ``x1, x2 = einsum('td,ekfd->ketf', x, W)`` as ``x @ W[:, 0]`` and ``x @ W[:, 1]``). Each part's
+    ``dims`` has ``None`` at ``axis``."""
+    eqn = view.eqn
+    position = view.dims[axis]
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if position is None or position < len(lb):
+        return None
+    lhs_free = [d for d in range(len(eqn.inputs[0].shape)) if d not in lc and d not in lb]
+    rhs_free = [d for d in range(len(eqn.inputs[1].shape)) if d not in rc and d not in rb]
+    side, dim = (0, lhs_free[position - len(lb)]) if position - len(lb) < len(lhs_free) else (
+        1, rhs_free[position - len(lb) - len(lhs_free)])
+    whole = eqn.inputs[side]
+    if isinstance(whole, WeightPart):
+        return None
+
+    def shifted(dims):
+        return tuple(d - (d > dim) for d in dims)
+
+    numbers = ((shifted(lc), rc), (shifted(lb), rb)) if side == 0 else ((lc, shifted(rc)), (lb, shifted(rb)))
+    shape = tuple(n for d, n in enumerate(eqn.outputs[0].shape) if d != position)
+    dims = tuple(None if i == axis or d is None else d - (d > position) for i, d in enumerate(view.dims))
+    parts = []
+    for index in range(whole.shape[dim]):
+        inputs = list(eqn.inputs)
+        inputs[side] = WeightPart(whole, dim, index)
+        parts.append(CanonicalProduct(_product_eqn(eqn, tuple(inputs), numbers, shape), dims))
+    return tuple(parts)
+
+
+def taken_apart_axis(graph, value) -> int | None:
+    """The axis (of 2 or more) of ``value`` whose every use reads single indices of it, seen through
+    transposes and annotations: ``x1, x2 = h`` (``unstack``), ``h[0]`` and ``h[1]`` (``slice``), ``jnp.split``
+    into single indices. ``None`` where a use reads more, or where ``value`` leaves the function."""
+    if value in graph.output_set:
+        return None
+    axes = {_axis_read_by(graph, user, value) for user in graph.users.get(value, ())}
+    if len(axes) != 1 or None in axes:
+        return None
+    axis = axes.pop()
+    return axis if value.shape[axis] >= 2 else None
+
+
+def _axis_read_by(graph, user: Eqn, value) -> int | None:
+    from jax import lax
+
+    if user.inputs[0] is not value:
+        return None
+    if user.primitive is lax.transpose_p or user.primitive in identity_annotations():
+        inner = taken_apart_axis(graph, user.outputs[0])
+        return None if inner is None else (user.params["permutation"][inner] if user.primitive is lax.transpose_p
+                                           else inner)
+    if _compat.unstack_p is not None and user.primitive is _compat.unstack_p:
+        return user.params["axis"]
+    if user.primitive is lax.split_p:
+        return user.params["axis"] if set(user.params["sizes"]) == {1} else None
+    if user.primitive in (lax.slice_p, lax.dynamic_slice_p):
+        if user.primitive is lax.dynamic_slice_p and not all(isinstance(a, Const) for a in user.inputs[1:]):
+            return None
+        changed = [d for d, (a, b) in enumerate(zip(value.shape, user.outputs[0].shape)) if a != b]
+        return changed[0] if len(changed) == 1 and user.outputs[0].shape[changed[0]] == 1 else None
+    return None
+
+
+def _product_eqn(eqn: Eqn, inputs, dimension_numbers, shape) -> Eqn:
+    """A ``dot_general`` like ``eqn`` (its source location, its precision and result type) of ``inputs``."""
+    output = Value(_compat.ShapedArray(shape, eqn.outputs[0].dtype))
+    params = dict(eqn.params, dimension_numbers=dimension_numbers)
+    return Eqn(eqn.index, eqn.primitive, params, tuple(inputs), (output,), eqn.source, eqn.callers)

@@ -50,10 +50,12 @@ from moe_lowering.passes.abstract import (
     Combined,
     CopyIndex,
     CopyOneHot,
+    FusedRows,
     Gate,
     GateValue,
     Roles,
     Rows,
+    WeightPart,
     is_token,
     token_roles,
     whole_token_axes,
@@ -377,15 +379,21 @@ def _derivative(an: Analysis, combined: Combined, replaced, output: Value, param
     graph = an.graph
     if combined.combine is not None:  # combine rebuilt from the router's float values (``bounded_construction``)
         gate_eqns, leaves = bounded_construction(graph, combined.combine[0])
-        reads = {combined.tokens} | {p.source for p in params} | set(leaves)
+        reads = {combined.tokens} | {_read_value(p.source) for p in params} | set(leaves)
     else:
         gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
-        reads = {combined.tokens, an.anchor.indices} | {p.source for p in params} | {v.atom for v in combined.gate_values}
+        reads = {combined.tokens, an.anchor.indices} | {_read_value(p.source) for p in params} | {
+            v.atom for v in combined.gate_values}
         reads |= {a for e in gate_eqns for a in e.inputs}
     prologue = _layout_prologue(graph, [graph.eqns[i] for i in replaced] + list(gate_eqns), reads)
     return match_derivative(graph, frozenset(replaced), output, tuple(sorted(set(gate_eqns) | set(prologue),
                                                                              key=lambda e: e.index)),
                             frozenset(reads | {a for e in prologue for a in e.inputs}))
+
+
+def _read_value(source):
+    """The program value the sparse layer reads for a param's ``source``: a fused weight for its part."""
+    return source.whole if isinstance(source, WeightPart) else source
 
 
 def _layout_prologue(graph: JaxprGraph, eqns, reads, depth: int = 8) -> list[Eqn]:
@@ -448,7 +456,7 @@ def _interior(an: Analysis, output: Value) -> set[int]:
             continue
         seen.add(value)
         eqn = graph.producer.get(value)
-        if eqn is None or not isinstance(an.values.get(value), (Rows, Combined)):
+        if eqn is None or not isinstance(an.values.get(value), (Rows, Combined, FusedRows)):
             continue
         interior.add(eqn.index)
         stack.extend(eqn.inputs)

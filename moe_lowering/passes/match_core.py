@@ -29,6 +29,7 @@ from moe_lowering.passes.abstract import (
     ONE,
     Combined,
     ExpertIndex,
+    FusedRows,
     Roles,
     Rows,
     token_parts,
@@ -211,7 +212,7 @@ class Analysis:
             return
         fn = table.get(eqn.primitive)
         if fn is None:
-            if any(isinstance(a, (Rows, Combined)) for a in abstracts):
+            if any(isinstance(a, (Rows, Combined, FusedRows)) for a in abstracts):
                 self.fail(f"`{eqn.primitive}` is applied to expert activations and is not understood", eqn)
             return
         try:
@@ -237,7 +238,7 @@ class Analysis:
     def param(self, source, kind: ParamKind, roles: Roles) -> int:
         entry = ParamSource(source, kind, roles)
         for i, existing in enumerate(self.params):
-            if existing.source is source and existing.kind is kind and existing.roles == roles:
+            if existing.source == source and existing.kind is kind and existing.roles == roles:  # equal WeightParts
                 return i
         self.params.append(entry)
         return len(self.params) - 1

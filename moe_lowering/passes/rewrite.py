@@ -29,6 +29,7 @@ from moe_lowering.passes.abstract import (
     ONE,
     SLOT,
     StackedWeights,
+    WeightPart,
     token_roles,
     whole_token_axes,
 )
@@ -392,6 +393,16 @@ def declared_shardings(scope: ScopeResult, input_shardings) -> dict:
     return {value: sharding for value, sharding in declared.items() if sharding is not None}
 
 
+def _param_sharding(source, sharding_of):
+    """``(mesh, spec)`` of a param's ``source``; a fused weight's, less the parts' axis, for its part."""
+    if isinstance(source, Const):
+        return None
+    if not isinstance(source, WeightPart):
+        return sharding_of(source)
+    found = sharding_of(source.whole)
+    return found and (found[0], found[1][:source.axis] + found[1][source.axis + 1:])
+
+
 def region_layout(scope: ScopeResult, region: MoeRegion, input_shardings=()):
     """The expert-parallel layout of ``region`` (or None), as ``explain`` and the rewrite see it."""
     return _sharded_layout(region, functools.partial(_sharding_of, scope.graph, declared_shardings(scope, input_shardings)))
@@ -436,7 +447,7 @@ def _sharded_layout(region: MoeRegion, sharding_of):
             continue
         order = ("E", "K", "N") if param.kind is ParamKind.EXPERT_WEIGHT else (EXPERT, FEATURE)
         weight_shapes.append(tuple(param.source.shape[param.roles.index(r)] if r in param.roles else 1 for r in order))
-        found = sharding_of(param.source) if not isinstance(param.source, Const) else None
+        found = _param_sharding(param.source, sharding_of)
         if found is None:
             weight_specs.append(None)
             continue
@@ -622,11 +633,13 @@ def _region_params(region: MoeRegion, read) -> list:
 
 def _read_source(source, read):
     """A program input's value now: a constant's, E separate weights stacked (experts kept as separate
-    modules: a copy per call), or the value ``read`` gives."""
+    modules: a copy per call), one part of a fused weight, or the value ``read`` gives."""
     if isinstance(source, Const):
         return source.value
     if isinstance(source, StackedWeights):
         return jnp.stack([read(part) for part in source.parts])
+    if isinstance(source, WeightPart):
+        return lax.index_in_dim(_read_source(source.whole, read), source.index, source.axis, keepdims=False)
     return read(source)
 
 

@@ -17,24 +17,27 @@ from moe_lowering.passes.abstract import (
     EXPERT,
     FEATURE,
     ONE,
+    PART,
     SLOT,
     Combined,
     ExpertParamSlice,
     Factor,
+    FusedRows,
     Gate,
     GateValue,
     GatheredWeight,
     Roles,
     Rows,
+    WeightPart,
     is_token,
     token_roles,
 )
-from moe_lowering.passes.canonicalize import identity_annotations
+from moe_lowering.passes.canonicalize import canonical_product, identity_annotations, taken_apart_axis, weight_parts
 from moe_lowering.passes.assumptions import TILED_CHOICES
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
-from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, expert_weight, rule
+from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, _rows_like, expert_weight, rule
 from moe_lowering.passes.rules_copies import copies_dot, tiled_tokens
-from moe_lowering.passes.rules_layout import _merged_parts
+from moe_lowering.passes.rules_layout import PARTS_NOT_TAKEN_APART, _merged_parts
 from moe_lowering.passes.rules_sort import sorted_projection
 from moe_lowering.passes.rules_rows import (
     _as_contribution,
@@ -82,6 +85,59 @@ def _gathered_matmul(an: Analysis, eqn, x_roles, gathered: GatheredWeight, xc, w
 
 @rule(lax.dot_general_p)
 def _dot_general(an: Analysis, eqn: Eqn, abstracts):
+    """A ``dot_general`` in its canonical form (``canonical_product``): an operand only broadcast along
+    batch axes read unbroadcast; a weight whose parts the uses take apart one by one read part by part."""
+    view = canonical_product(an.graph, eqn)
+    axis = taken_apart_axis(an.graph, eqn.outputs[0])
+    parts = weight_parts(view, axis) if axis is not None else None
+    fused = _fused_product(an, parts, axis) if parts else None
+    if isinstance(fused, FusedRows):
+        return fused
+    if view.eqn is eqn:
+        found = _product(an, eqn, abstracts)
+    else:
+        found = _laid_out(_product(an, view.eqn, [an.abstract(a) for a in view.eqn.inputs]), view.dims)
+    if found is not None:
+        return found
+    return fused if parts else _parts_not_taken_apart(an, view.eqn)
+
+
+def _parts_not_taken_apart(an: Analysis, eqn: Eqn) -> FailedMatch | None:
+    """Why the tokens times a plain weight of an expert axis and one axis more is not read: the parts of a
+    fused weight are read only as the uses take them apart. None for any other product."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    for x, w, xc in ((eqn.inputs[0], eqn.inputs[1], lc), (eqn.inputs[1], eqn.inputs[0], rc)):
+        if (an.abstract(x) is None and an.abstract(w) is None and not lb and tuple(x.shape[:-1]) == an.token_shape
+                and tuple(xc) == (len(x.shape) - 1,) and len(w.shape) == 4 and an.num_experts in w.shape):
+            return FailedMatch(f"the tokens meet a {list(w.shape)} weight: one with an axis more than [E, d, f] (gate "
+                               "and up fused on an axis of their own) is read part by part only where every use of "
+                               "the product takes one part at a time (x1, x2 = h; h[0], h[1])", eqn)
+    return None
+
+
+def _fused_product(an: Analysis, parts, axis: int):
+    """The product with a weight of several parts, read part by part (``weight_parts``): ``FusedRows`` where
+    every part is a projection of the same rows by its part of a plain weight; a part's failure, or None."""
+    whole = next(a.whole for a in parts[0].eqn.inputs if isinstance(a, WeightPart))
+    if an.abstract(whole) is not None:
+        return None
+    found = [_laid_out(_product(an, p.eqn, [an.abstract(a) for a in p.eqn.inputs]), p.dims) for p in parts]
+    if not all(isinstance(rows, Rows) for rows in found):
+        return next((f for f in found if isinstance(f, FailedMatch)), None)
+    first = found[0]
+    if any(isinstance(rows.tokens, WeightPart) or not _rows_like(rows, first) for rows in found):
+        return None
+    return FusedRows(first.roles[:axis] + (PART,) + first.roles[axis + 1:], tuple(found))
+
+
+def _laid_out(result, dims):
+    """``result`` of a canonical product in the program's layout (``CanonicalProduct.dims``)."""
+    if result is None or isinstance(result, FailedMatch):
+        return result
+    return replace(result, roles=tuple(ONE if d is None else result.roles[d] for d in dims))
+
+
+def _product(an: Analysis, eqn: Eqn, abstracts):
     lhs, rhs = eqn.inputs
     a_lhs, a_rhs = abstracts
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -94,6 +150,8 @@ def _dot_general(an: Analysis, eqn: Eqn, abstracts):
         result = _dot_case(an, eqn, x, w, ax, aw, tuple(xc), tuple(wc), tuple(xb), tuple(wb), pet, swap)
         if result is not None:
             return result
+    if any(isinstance(a, FusedRows) for a in abstracts):
+        return FailedMatch(PARTS_NOT_TAKEN_APART, eqn)
     if any(isinstance(a, (Rows, Combined)) for a in abstracts):
         return FailedMatch("a matmul of expert activations that is neither an expert projection nor the combine", eqn)
     return None

@@ -11,6 +11,7 @@ from moe_lowering.passes.abstract import (
     Combined,
     ExpertIndex,
     ExpertParamSlice,
+    FusedRows,
     Gate,
     Iota,
     NegativeIndexCheck,
@@ -18,9 +19,10 @@ from moe_lowering.passes.abstract import (
     ShiftedIndex,
 )
 from moe_lowering.passes.graph import Eqn
-from moe_lowering.passes.match_core import Analysis, IndexInBounds
+from moe_lowering.passes.match_core import Analysis, FailedMatch, IndexInBounds
 from moe_lowering.passes.rules_copies import step_before_selection
 from moe_lowering.passes.rules_gate import _gate_arith
+from moe_lowering.passes.rules_layout import PARTS_NOT_TAKEN_APART
 from moe_lowering.passes.rules_routing import _bounds_arith, _index_arith
 from moe_lowering.passes.rules_sort import involves_sorted_dispatch, sorted_arith
 from moe_lowering.passes.rules_rows import _as_contribution, _combined_arith, _is_contribution, _rows_elementwise
@@ -35,6 +37,8 @@ def _elementwise_rule(an: Analysis, eqn: Eqn, abstracts: list):
     if prim is lax.add_p and any(_is_contribution(a) for a in abstracts):
         abstracts = [_as_contribution(a) for a in abstracts]
     kinds = {type(a) for a in abstracts if a is not None}
+    if FusedRows in kinds:
+        return FailedMatch(PARTS_NOT_TAKEN_APART, eqn)
     if Combined in kinds:
         return _combined_arith(an, eqn, abstracts)
     if Rows in kinds:

@@ -1,6 +1,7 @@
 """Rules that move axes without changing values: broadcast, reshape (unit axes; token axes merged or
-split in order, ``abstract.reshaped_roles``; slot rows regrouped by ``_slot_reshape_roles``), transpose, squeeze, slice (a feature slice, one expert's weight
-``w[e]``, one expert's rows ``xin[:, :, e]``), split and concatenate along the features, the
+split in order, ``abstract.reshaped_roles``; slot rows regrouped by ``_slot_reshape_roles``), transpose, squeeze,
+slice (a feature slice, one expert's weight ``w[e]``, one expert's rows ``xin[:, :, e]``, the parts of a fused
+weight's products taken apart with ``unstack`` and ``split`` too), split and concatenate along the features, the
 experts' outputs stacked along a new axis (``jnp.stack``), and the sum over experts or choices that
 turns gated rows into the combined output.
 """
@@ -19,10 +20,12 @@ from moe_lowering.passes.abstract import (
     EXPERT,
     FEATURE,
     ONE,
+    PART,
     SLOT,
     Combined,
     ExpertIndex,
     ExpertParamSlice,
+    FusedRows,
     Gate,
     Iota,
     PackedIndices,
@@ -54,7 +57,7 @@ def _broadcast(an: Analysis, eqn: Eqn, abstracts):
     for src, dst in enumerate(dims):
         roles[dst] = value.roles[src] if in_shape[src] == out_shape[dst] else BROADCAST
     roles = tuple(roles)
-    if isinstance(value, (Rows, Combined)):
+    if isinstance(value, (Rows, Combined, FusedRows)):
         if BROADCAST in roles:
             return FailedMatch("expert activations are broadcast to a larger shape", eqn)
         return replace(value, roles=roles)
@@ -98,7 +101,7 @@ def _reshape(an: Analysis, eqn: Eqn, abstracts):
             "their token axes in order (row-major, as x.reshape(B * S, d) does) nor merges the last token axis with "
             "the choices ([.., L, k] -> [.., L * k]: copy n = token * k + choice): a one-hot, gather or scatter built "
             "from them after that is not followed, so no expert is known to be selected", eqn)
-    if isinstance(value, (Rows, Combined)):
+    if isinstance(value, (Rows, Combined, FusedRows)):
         return FailedMatch("a reshape regroups the axes of expert activations other than by merging or splitting "
                            "their token axes in order (row-major, as x.reshape(B * S, d) does)", eqn)
     return None
@@ -208,6 +211,8 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
         return None
     if involves_sorted_dispatch([value]):
         return sorted_reduce_sum(an, eqn, value)
+    if isinstance(value, FusedRows):
+        return FailedMatch(PARTS_NOT_TAKEN_APART, eqn)
     summed = {value.roles[a] for a in axes} - {ONE}
     kept = tuple(r for i, r in enumerate(value.roles) if i not in axes)
     if isinstance(value, Gate):
@@ -246,6 +251,12 @@ def _slice(an: Analysis, eqn: Eqn, abstracts):
             starts.append(min(max(int(idx.value), 0), in_shape[dim] - out_shape[dim]))
         strides = (1,) * len(in_shape)
     changed = [d for d in range(len(in_shape)) if out_shape[d] != in_shape[d]]
+    if isinstance(value, FusedRows):
+        if len(changed) != 1:
+            return FailedMatch(PARTS_NOT_TAKEN_APART, eqn) if changed else value
+        axis = changed[0]
+        indices = range(starts[axis], in_shape[axis], strides[axis])[:out_shape[axis]]
+        return _parts_taken(value, axis, indices, eqn)
     if value is None:
         if len(changed) == 1 and in_shape[changed[0]] == an.num_experts and out_shape[changed[0]] == 1:
             axis = changed[0]
@@ -281,11 +292,19 @@ def _squeeze(an: Analysis, eqn: Eqn, abstracts):
 
 @rule(lax.split_p)
 def _split(an: Analysis, eqn: Eqn, abstracts):
-    """``jnp.split`` of a fused gate/up projection along the features."""
+    """``jnp.split`` of a fused gate/up projection along the features, or of a fused weight's products
+    into its parts."""
     value = abstracts[0]
+    axis = eqn.params["axis"]
+    if isinstance(value, FusedRows):
+        pieces, start = [], 0
+        for size in eqn.params["sizes"]:
+            pieces.append(_parts_taken(value, axis, range(start, start + size), eqn))
+            start += size
+        failed = next((p for p in pieces if isinstance(p, FailedMatch)), None)
+        return failed or tuple(pieces)
     if not isinstance(value, Rows):
         return None
-    axis = eqn.params["axis"]
     if value.roles[axis] != FEATURE or value.gate is not None:
         return FailedMatch("expert activations are split along a token or expert axis", eqn)
     pieces, start = [], 0
@@ -293,6 +312,36 @@ def _split(an: Analysis, eqn: Eqn, abstracts):
         pieces.append(replace(value, node=FeatureSlice(value.node, start, start + size)))
         start += size
     return tuple(pieces)
+
+
+@rule(*[p for p in (_compat.unstack_p,) if p is not None])
+def _unstack(an: Analysis, eqn: Eqn, abstracts):
+    """``x1, x2 = h`` (JAX 0.11+: one primitive): a fused weight's products taken apart into its parts."""
+    value = abstracts[0]
+    axis = eqn.params["axis"]
+    if isinstance(value, FusedRows):
+        pieces = [_parts_taken(value, axis, (i,), eqn) for i in range(eqn.inputs[0].shape[axis])]
+        failed = next((p for p in pieces if isinstance(p, FailedMatch)), None)
+        return failed or tuple(replace(p, roles=p.roles[:axis] + p.roles[axis + 1:]) for p in pieces)
+    if isinstance(value, (Rows, Combined)):
+        return FailedMatch("expert activations are unstacked (x1, x2 = h) along an axis that is not the parts of a "
+                           "fused weight", eqn)
+    return None
+
+
+PARTS_NOT_TAKEN_APART = ("the products with a weight that fuses several projections along an axis of its own "
+                          "([E, 2, f, d]: gate and up) are used before they are taken apart (x1, x2 = h; h[0], h[1])")
+
+
+def _parts_taken(value: FusedRows, axis: int, indices, eqn: Eqn):
+    """The parts ``indices`` along ``axis`` of a fused weight's products: one part's rows (a unit axis where
+    the parts were), or fewer parts still fused."""
+    if value.roles[axis] != PART:
+        return FailedMatch(PARTS_NOT_TAKEN_APART, eqn)
+    parts = tuple(value.parts[i] for i in indices)
+    if len(parts) == 1:
+        return replace(parts[0], roles=value.roles[:axis] + (ONE,) + value.roles[axis + 1:])
+    return replace(value, parts=parts)
 
 
 @rule(*[p for p in (_compat.stack_p,) if p is not None])
