@@ -406,9 +406,9 @@ def _reference(region_eqns, inputs, output, differentiated) -> _Reference | Fail
         cotangents = iter(jax.vjp(of_differentiated, *moving)[1](cotangent))
         return [next(cotangents) if d else None for d in differentiated]
 
-    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in inputs]
+    avals = [_compat.shape_struct(v.aval) for v in inputs]
     try:
-        closed = jax.make_jaxpr(pullback)(avals, jax.ShapeDtypeStruct(output.shape, output.dtype))
+        closed = jax.make_jaxpr(pullback)(avals, _compat.shape_struct(output.aval))
     except Exception as error:  # noqa: BLE001 - a region JAX cannot differentiate is declined, not raised
         return FailedMatch(f"JAX cannot differentiate the dense region on its own ({type(error).__name__}: "
                            f"{error}), so its derivative in the program cannot be checked", None, "private-interior")

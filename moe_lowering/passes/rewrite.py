@@ -215,7 +215,7 @@ def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
     """Re-emits a scan or while loop (its primitive, with the rewritten body traced in) or a remat."""
     body = make_rewritten(child, options)
     if eqn.primitive is not _compat.remat_p:
-        body_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in child.graph.inputs]
+        body_avals = [_compat.shape_struct(v.aval) for v in child.graph.inputs]
         new_body = jax.make_jaxpr(body)(*body_avals)
         return eqn.primitive.bind(*inputs, **{**eqn.params, _scope_primitives()[eqn.primitive]: new_body})
     return _compat.remat_wrapper(eqn.params)(lambda *a: body(*a))(*inputs)
@@ -305,6 +305,7 @@ def _dense_region(graph: JaxprGraph, region: MoeRegion, read):
 def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of):
     from moe_lowering.sparse_moe import sparse_moe
 
+    read = _varying_like_output(region, read)
     anchor = region.anchor
     num_tokens = region.num_tokens
     tokens = read(region.tokens).reshape(num_tokens, region.d_model)
@@ -345,6 +346,16 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     sparse.__name__ = "moe_lowering_sparse_moe"
     out = jax.jit(sparse)(tokens, expert_indices, expert_weights, *params)
     return _to_output_layout(out, region)
+
+
+def _varying_like_output(region: MoeRegion, read):
+    """``read`` whose values vary over the manual mesh axes the region's output varies over (inside
+    ``shard_map(check_vma=True)``; none elsewhere). The dense layer's values met its operands that do not
+    vary (a replicated weight) through a ``pvary``, whose cotangent sums over the devices; the sparse layer's
+    operands are cast the same way where they enter it, so its values and cotangents are typed as the
+    dense layer's and its output as the region's."""
+    axes = _compat.varying_axes(region.output.aval)
+    return (lambda atom: _compat.vary_over(read(atom), axes)) if axes else read
 
 
 def _report_dropped(region: MoeRegion, capacity_factor, dropped) -> None:

@@ -288,7 +288,7 @@ def restored_rules(graph: JaxprGraph) -> JaxprGraph:
 def _rule_call(graph: JaxprGraph, caller, eqns: list, function) -> Eqn | None:
     """The ``custom_jvp_call`` of ``function`` that ``eqns`` (the inlined body of the jit ``caller``) are the
     primal of, or None where they are not exactly its body."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in caller.invars]
+    avals = [_compat.shape_struct(v.aval) for v in caller.invars]
     try:
         traced = jax.make_jaxpr(function)(*avals)
     except Exception:  # noqa: BLE001 - a function that does not trace at these types is left inlined
