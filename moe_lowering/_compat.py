@@ -33,7 +33,8 @@ name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
 device_put_p = _dispatch.device_put_p
 # shard_map(check_vma=True)'s casts of a value that does not vary over manual mesh axes to one that does:
 # types only, the same values (``pvary``; ``reduced_vary_cast`` from a "reduced" value)
-varying_casts = tuple(p for p in (getattr(_core, "pvary_p", None), getattr(_core, "reduced_vary_cast_p", None)) if p)
+pvary_p = getattr(_core, "pvary_p", None)
+varying_casts = tuple(p for p in (pvary_p, getattr(_core, "reduced_vary_cast_p", None)) if p)
 stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
 
 

@@ -189,8 +189,10 @@ def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backwar
                 env[region.output] = lower_region(region, read, options, sharding_of, graph)
             claims = {}
             for region, out in cotangents_at.get(eqn.index, ()):
-                if callable(backward[id(region)]):
-                    backward[id(region)] = backward[id(region)](read(region.derivative.cotangent))
+                if callable(backward[id(region)]):  # the cotangent typed as the output (a cast read through)
+                    cotangent = _compat.vary_over(read(region.derivative.cotangent),
+                                                  _compat.varying_axes(region.output.aval))
+                    backward[id(region)] = backward[id(region)](cotangent)
                 claims.setdefault(out.value, []).append((backward[id(region)][out.input_index], out))
             for value, parts in claims.items():
                 env[value] = _region_cotangent(value, parts, read)
@@ -198,11 +200,11 @@ def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backwar
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
         if child is not None:
-            outputs = _rebind_scope(eqn, child, inputs, options)
+            outputs = _rebind_scope(eqn, child, eqn.as_traced(inputs), options)
+            if not eqn.primitive.multiple_results:
+                outputs = [outputs]
         else:
-            outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outputs = [outputs]
+            outputs = eqn.bind_as_traced(inputs)
         env.update(zip(eqn.outputs, outputs))
     return read
 
@@ -258,9 +260,7 @@ def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sh
         def value(atom):  # the eqns the sparse layer reads are re-bound on demand: not a dense weight copy
             if isinstance(atom, Value) and atom not in local and atom in producers:
                 eqn = producers[atom]
-                outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs],
-                                             **eqn.primitive.get_bind_params(eqn.params))
-                local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+                local.update(zip(eqn.outputs, eqn.bind_as_traced([value(a) for a in eqn.inputs])))
             return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
 
         return value
@@ -297,8 +297,7 @@ def _dense_region(graph: JaxprGraph, region: MoeRegion, read):
 
     for index in sorted(region.replaced):
         eqn = graph.eqns[index]
-        outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs], **eqn.primitive.get_bind_params(eqn.params))
-        local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+        local.update(zip(eqn.outputs, eqn.bind_as_traced([value(a) for a in eqn.inputs])))
     return local[region.output]
 
 
@@ -575,6 +574,7 @@ def _expert_output_finite_at_zero(region: MoeRegion, read):
     experts = jnp.arange(num_experts, dtype=jnp.int32)
 
     def one_row_per_expert(lhs, rhs, group_sizes, group_offset, preferred_element_type):
+        lhs, rhs = _compat.vary_alike([lhs, rhs])  # both branches typed alike inside shard_map(check_vma=True)
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         out_shape = (lhs.shape[0], rhs.shape[-1])
 
