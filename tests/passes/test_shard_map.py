@@ -50,11 +50,15 @@ def _args(key, num_experts=E):
 
 
 def _step(layer):
-    """The loss on this device's tokens and its gradients with respect to every input."""
+    """The layer's output, the loss on this device's tokens and its gradients with respect to every input."""
 
     def step(*args):
-        loss, grads = jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(layer(*a))), argnums=(0, 1, 2, 3))(*args)
-        return loss[None], grads
+        def loss(*args):
+            out = layer(*args)
+            return jnp.sum(jnp.sin(out)), out
+
+        (loss, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+        return out, loss[None], grads
 
     return step
 
@@ -72,40 +76,36 @@ TOKENS_SPLIT = (P("data"), P(), P(), P())  # data parallel: the weights replicat
 EXPERTS_SPLIT = (P(), P(None, "data"), P("data"), P("data"))  # each device its own experts: the tokens pvary'd
 
 
-def _per_device(fn, d_tokens_summed):
-    """``fn`` with a leading device axis on what differs per device when the tokens are replicated: the
-    output, the loss, and the tokens' gradient unless ``check_vma`` summed it over the devices."""
+def _per_device(step, d_tokens_summed):
+    """``step`` with a leading device axis on what differs per device when the tokens are replicated: the
+    output, and the tokens' gradient unless ``check_vma`` summed it over the devices."""
 
     def per_device(*args):
-        out = fn(*args)
-        if not isinstance(out, tuple):
-            return out[None]
-        loss, (d_tokens, *d_weights) = out
-        return loss, (d_tokens if d_tokens_summed else d_tokens[None], *d_weights)
+        out, loss, (d_tokens, *d_weights) = step(*args)
+        return out[None], loss, (d_tokens if d_tokens_summed else d_tokens[None], *d_weights)
 
     return per_device
 
 
-@pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
-@pytest.mark.parametrize("experts_split", [False, True], ids=["tokens_split", "experts_split"])
-def test_layer_and_training_step_inside_shard_map_are_rewritten(experts_split, check_vma):
-    """Outputs, and the gradients with respect to every input (a replicated input's summed over the devices
-    under ``check_vma``), as the dense program's; no dense ``[T, E, F]`` activation left, forward or backward."""
-    layer, step = _layer(), _step(_layer())
+@pytest.mark.parametrize("experts_split, check_vma", [(False, True), (True, True), (False, False)],
+                         ids=["tokens_split", "experts_split", "tokens_split_no_check_vma"])
+def test_training_step_inside_shard_map_is_rewritten(experts_split, check_vma):
+    """The output, the loss and the gradients with respect to every input (a replicated input's summed over
+    the devices under ``check_vma``) as the dense program's; no dense ``[T, E, F]`` activation left, forward
+    or backward."""
+    step = _step(_layer())
     if experts_split:
         in_specs, args = EXPERTS_SPLIT, _args(jax.random.key(0), num_experts=2 * E)
-        layer, step = _per_device(layer, check_vma), _per_device(step, check_vma)
-        d_tokens = P() if check_vma else P("data")
-        cases = ((layer, P("data")), (step, (P("data"), (d_tokens,) + in_specs[1:])))
+        step = _per_device(step, check_vma)
+        out_specs = (P("data"), P("data"), (P() if check_vma else P("data"),) + in_specs[1:])
     else:
         in_specs, args = TOKENS_SPLIT, _args(jax.random.key(0))
-        cases = ((layer, P("data")), (step, (P("data"), in_specs)))
-    for fn, out_specs in cases:
-        rewritten = _mapped(moe_optimize(fn, strict=True), in_specs, out_specs, check_vma)
-        _assert_close(rewritten(*args), _mapped(fn, in_specs, out_specs, check_vma)(*args))
-        program = str(jax.make_jaxpr(rewritten)(*args))
-        assert "moe_lowering_sparse_moe" in program
-        assert not re.search(rf"f32\[{2 * T if experts_split else T},{E},{F}\]", program), "a dense activation is left"
+        out_specs = (P("data"), P("data"), in_specs)
+    rewritten = _mapped(moe_optimize(step, strict=True), in_specs, out_specs, check_vma)
+    _assert_close(rewritten(*args), _mapped(step, in_specs, out_specs, check_vma)(*args))
+    program = str(jax.make_jaxpr(rewritten)(*args))
+    assert "moe_lowering_sparse_moe" in program
+    assert not re.search(rf"f32\[{2 * T if experts_split else T},{E},{F}\]", program), "a dense activation is left"
 
 
 @pytest.mark.parametrize("check_vma", [True, False], ids=["check_vma", "no_check_vma"])
