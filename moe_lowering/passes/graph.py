@@ -102,11 +102,9 @@ class Eqn:
         return [_compat.vary_over(v, _compat.varying_axes(t.aval)) if v is not None and _compat.varying_axes(t.aval)
                 else v for v, t in zip(values, traced)]
 
-    def bind_as_traced(self, values, **params) -> list:
-        """This eqn bound on ``values`` (its operands typed as traced), with ``params`` replacing its own:
-        its outputs, as a list."""
-        bound = {**self.primitive.get_bind_params(self.params), **params}
-        outputs = self.primitive.bind(*self.as_traced(values), **bound)
+    def bind_as_traced(self, values) -> list:
+        """This eqn bound on ``values`` (its operands typed as traced): its outputs, as a list."""
+        outputs = self.primitive.bind(*self.as_traced(values), **self.primitive.get_bind_params(self.params))
         return list(outputs) if self.primitive.multiple_results else [outputs]
 
 
@@ -172,7 +170,8 @@ def build_graph(closed_jaxpr, inline_remat: bool = False) -> JaxprGraph:
 
 
 def _typed_output(eqns: list, atom, aval):
-    """``atom``, an output read through a varying cast, cast again (an eqn appended) to vary as traced."""
+    """``atom``, a jaxpr output read through a varying cast, cast again (an eqn appended) to vary as traced:
+    a scan body's carry keeps its type, and a ``shard_map``'s output its ``out_specs``."""
     missing = _compat.varying_axes(aval) - _compat.varying_axes(atom.aval)
     if not missing or _compat.pvary_p is None:
         return atom
