@@ -31,6 +31,10 @@ custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 stop_gradient_p = _ad_util.stop_gradient_p
 name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name
 device_put_p = _dispatch.device_put_p
+# shard_map(check_vma=True)'s casts of a value that does not vary over manual mesh axes to one that does:
+# types only, the same values (``pvary``; ``reduced_vary_cast`` from a "reduced" value)
+pvary_p = getattr(_core, "pvary_p", None)
+varying_casts = tuple(p for p in (pvary_p, getattr(_core, "reduced_vary_cast_p", None)) if p)
 stack_p = getattr(jax.lax, "stack_p", None)  # jnp.stack as one primitive (0.11+); before, broadcasts + concatenate
 unstack_p = getattr(jax.lax, "unstack_p", None)  # tuple unpacking of an array (0.11+); before, slices + squeezes
 
@@ -210,6 +214,46 @@ primitive_transposes = _ad.primitive_transposes
 primitive_batchers = _batching.primitive_batchers
 
 
+def varying_axes(aval) -> frozenset:
+    """The manual mesh axes ``aval`` varies over (``shard_map``'s ``check_vma`` type); empty outside one."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def vary_over(value, axes: frozenset):
+    """``value`` typed as varying over the manual mesh ``axes`` (a ``pvary`` of those it does not vary over
+    yet): its values unchanged, and its cotangent summed over them, as JAX does for a replicated operand."""
+    missing = axes - varying_axes(jax.typeof(value))
+    return _core.pvary(value, tuple(sorted(missing))) if missing else value
+
+
+def vary_alike(values) -> list:
+    """``values`` typed as varying over the same manual mesh axes, the union of theirs: what JAX's own
+    ``lax`` functions do to their operands before binding a primitive that requires it."""
+    values = list(values)
+    axes = frozenset().union(*(varying_axes(jax.typeof(v)) for v in values))
+    return [vary_over(v, axes) for v in values] if axes else values
+
+
+def shaped_array_varying_like(shape, dtype, avals) -> ShapedArray:
+    """The aval of a primitive's output computed from ``avals``: varying over every manual axis any of them
+    varies over (a value read from one that differs between devices differs too), as JAX's own primitives
+    type their outputs under ``shard_map(check_vma=True)``; a plain ``ShapedArray`` where none varies."""
+    varying = frozenset().union(*map(varying_axes, avals))
+    if not varying:
+        return ShapedArray(shape, dtype)
+    replicated = _core.get_cur_mesh_sharding(jax.sharding.PartitionSpec(*[None] * len(shape)))
+    return ShapedArray(shape, dtype, sharding=replicated, manual_axis_type=_core.ManualAxisType(varying=varying))
+
+
+def shape_struct(aval) -> jax.ShapeDtypeStruct:
+    """``aval`` as an argument to trace with: its shape and type, and the manual axes it varies over, so that
+    a region or body traced again inside ``shard_map(check_vma=True)`` types its values as the program did."""
+    if not varying_axes(aval):
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=aval.sharding, manual_axis_type=aval.manual_axis_type)
+
+
 def zero_tangent(value):
     """The symbolic zero tangent of ``value``."""
     return Zero(jax.typeof(value).to_tangent_aval())
@@ -217,8 +261,20 @@ def zero_tangent(value):
 
 def register_lowering(primitive, impl, multiple_results: bool) -> None:
     """Lowers ``primitive`` by tracing ``impl`` (jnp code or kernel calls) on every platform, inline
-    at each use (not cached into one shared function per signature), as the code it replaced was."""
-    _mlir.register_lowering(primitive, _mlir.lower_fun(impl, multiple_results=multiple_results), cacheable=False)
+    at each use (not cached into one shared function per signature), as the code it replaced was.
+    ``impl`` is traced on its operands' shapes and types without their varying manual axes: which
+    devices' values differ is a type the lowering does not change (``pvary`` lowers to nothing), and
+    the kernels' loops start their carries from constants that do not vary."""
+    lowered = _mlir.lower_fun(impl, multiple_results=multiple_results)
+
+    def lowering(ctx, *args, **params):
+        return lowered(ctx.replace(avals_in=[_without_varying_axes(a) for a in ctx.avals_in]), *args, **params)
+
+    _mlir.register_lowering(primitive, lowering, cacheable=False)
+
+
+def _without_varying_axes(aval):
+    return ShapedArray(aval.shape, aval.dtype, aval.weak_type) if varying_axes(aval) else aval
 
 
 def distributed_client():

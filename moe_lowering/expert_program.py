@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moe_lowering import _compat
+
 log = logging.getLogger(__name__)
 
 class ParamKind(Enum):
@@ -306,7 +308,7 @@ def evaluate(program: ExpertProgram, params, context: RowContext, grouped_matmul
             out = custom_jvp_function(node)(*[operand(o, like, None) for o in node.operands])
         else:
             like = next(values[id(o)] for o in node.operands if id(o) in values)
-            operands = [operand(o, like, node.primitive) for o in node.operands]
+            operands = _compat.vary_alike(operand(o, like, node.primitive) for o in node.operands)
             out = node.primitive.bind(*operands, **dict(node.params))
         values[id(node)] = out
     return values[id(program.output)]
@@ -348,9 +350,8 @@ def custom_jvp_function(node: CustomJvpCall):
 
 def replay_elementwise(jaxpr, consts, args, shape) -> list:
     """Runs an elementwise jaxpr on arguments of another ``shape`` than it was traced for: every
-    broadcast goes to ``shape``, nested ``custom_jvp`` calls keep their rules."""
-    from moe_lowering import _compat
-
+    broadcast goes to ``shape``, nested ``custom_jvp`` calls keep their rules. A ``pvary`` (traced inside
+    ``shard_map``) is a type: the operands of each op are cast alike instead, to whatever the rows vary over."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -367,8 +368,10 @@ def replay_elementwise(jaxpr, consts, args, shape) -> list:
         elif eqn.primitive is _compat.jit_p:
             inner = eqn.params["jaxpr"]
             outputs = replay_elementwise(_compat.open_jaxpr(inner), _compat.sub_jaxpr_consts(inner), inputs, shape)
+        elif eqn.primitive in _compat.varying_casts:
+            outputs = inputs
         else:
-            result = eqn.primitive.bind(*inputs, **eqn.params)
+            result = eqn.primitive.bind(*_compat.vary_alike(inputs), **eqn.params)
             outputs = result if eqn.primitive.multiple_results else [result]
         env.update(zip(eqn.outvars, outputs))
     return [read(a) for a in jaxpr.outvars]
@@ -376,8 +379,6 @@ def replay_elementwise(jaxpr, consts, args, shape) -> list:
 
 def custom_jvp_node(params, name: str, operands: tuple) -> CustomJvpCall:
     """A ``CustomJvpCall`` for a ``custom_jvp_call`` eqn's params (one output, no consts)."""
-    from moe_lowering import _compat
-
     body = params["call_jaxpr"]
     rule_jaxpr, rule_consts, out_zeros = _compat.custom_jvp_rule(params, len(operands))
     body_jaxpr, body_consts = _compat.open_jaxpr(body), _compat.sub_jaxpr_consts(body)

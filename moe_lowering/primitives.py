@@ -111,7 +111,8 @@ def _define(name, impl, shape_rule, *, multiple_results=False, jvp=None, transpo
                     sizes[j] = next(leading)
             core.append(_compat.ShapedArray(_core_shape(aval, batch, i), aval.dtype))
         prefix = tuple(sizes[j] for j in range(len(batch)))
-        outs = [_compat.ShapedArray(prefix + tuple(shape), dtype) for shape, dtype in shape_rule(*core, **params)]
+        outs = [_compat.shaped_array_varying_like(prefix + tuple(shape), dtype, avals)
+                for shape, dtype in shape_rule(*core, **params)]
         return outs if multiple_results else outs[0]
 
     def batch_rule(operands, dims, *, batch, **params):

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def identity_annotations() -> tuple:
     """Primitives that only annotate a value (a remat name, a sharding): the canonical program is
     the same without them, so matching sees through them."""
-    return (_compat.name_p, _compat.sharding_constraint_p)
+    return (_compat.name_p, _compat.sharding_constraint_p) + _compat.varying_casts
 
 
 def is_identity_rounding(eqn: Eqn) -> bool:

@@ -175,7 +175,8 @@ class _Keys:
         return self.intern(("leaf", name), name == "cotangent")
 
     def const(self, atom: Const) -> int:
-        return self.intern(("const",) + constant_key(atom.value), False)
+        """A constant's key, its value in its operand's type: a literal ``1.0:f32[]`` may hold a Python float."""
+        return self.intern(("const",) + constant_key(np.asarray(atom.value, atom.dtype)), False)
 
     def eqn_outputs(self, eqn: Eqn, operand_keys) -> list[int]:
         backward = any(k in self.backward for k in operand_keys)
@@ -378,10 +379,12 @@ def _key_graph(keys: _Keys, graph: JaxprGraph, leaves: dict) -> dict:
 
 
 def _is_placement(eqn: Eqn) -> bool:
-    """A ``reshard`` or ``sharding_constraint``: the identity on values, which autodiff places differently
-    by how it was traced (``full_like``'s reshard of a derivative rule's ``1``, a constraint's transpose applied
-    before or after the sum with another layer's cotangent)."""
-    return str(eqn.primitive) in ("reshard", "sharding_constraint") and len(eqn.inputs) == 1
+    """A ``reshard``, ``sharding_constraint`` or varying cast: the identity on values, which autodiff places
+    differently by how it was traced (``full_like``'s reshard of a derivative rule's ``1``, a constraint's
+    transpose applied before or after the sum with another layer's cotangent, the cast ``build_graph`` puts
+    back on a scan body's output)."""
+    return (str(eqn.primitive) in ("reshard", "sharding_constraint") or eqn.primitive in _compat.varying_casts) and len(
+        eqn.inputs) == 1
 
 
 def _composed_transpose(graph: JaxprGraph, eqn: Eqn, keyed: dict):
@@ -432,8 +435,7 @@ def _reference(region_eqns, inputs, output, differentiated) -> _Reference | Fail
         local = dict(zip(inputs, values))
         for eqn in region_eqns:
             args = [a.value if isinstance(a, Const) else local[a] for a in eqn.inputs]
-            outs = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
-            local.update(zip(eqn.outputs, outs if eqn.primitive.multiple_results else [outs]))
+            local.update(zip(eqn.outputs, eqn.bind_as_traced(args)))
         return local[output]
 
     def pullback(primals, cotangent):
@@ -445,9 +447,9 @@ def _reference(region_eqns, inputs, output, differentiated) -> _Reference | Fail
         cotangents = iter(jax.vjp(of_differentiated, *moving)[1](cotangent))
         return [next(cotangents) if d else None for d in differentiated]
 
-    avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in inputs]
+    avals = [_compat.shape_struct(v.aval) for v in inputs]
     try:
-        closed = jax.make_jaxpr(pullback)(avals, jax.ShapeDtypeStruct(output.shape, output.dtype))
+        closed = jax.make_jaxpr(pullback)(avals, _compat.shape_struct(output.aval))
     except Exception as error:  # noqa: BLE001 - a region JAX cannot differentiate is declined, not raised
         return FailedMatch(f"JAX cannot differentiate the dense region on its own ({type(error).__name__}: "
                            f"{error}), so its derivative in the program cannot be checked", None, "private-interior")

@@ -255,5 +255,7 @@ def _replay(eqn: Eqn, operands):
         params["preferred_element_type"] = jnp.float32  # the indicators are float32, whatever the program's type
     elif eqn.primitive is lax.reduce_precision_p:
         return operands[0]  # rounding keeps a non-negative count non-zero
-    out = eqn.primitive.bind(*operands, **params)
+    elif eqn.primitive in _compat.varying_casts:
+        return operands[0]  # a type only: the operands are cast alike below, where they meet
+    out = eqn.primitive.bind(*_compat.vary_alike(operands), **params)
     return jnp.minimum(out, 1.0) if eqn.primitive in (lax.add_p, lax.reduce_sum_p, lax.dot_general_p) else out

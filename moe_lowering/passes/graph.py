@@ -5,6 +5,12 @@ pattern can span ``jax.nn.one_hot`` (a ``jit``) or a user's nested ``@jax.jit`` 
 their own semantics (``custom_jvp_call``, ``custom_vjp_call``, ``remat``, ``scan``, ``while``)
 stay single eqns: the rewrite re-binds them unchanged, or recurses into their bodies as scopes.
 Each inlined use of a shared sub-jaxpr gets fresh variables, so values never alias.
+
+Inside ``shard_map(check_vma=True)`` JAX casts every value that does not vary over the manual mesh
+axes to one that does (``pvary``) where it meets one that does: a type, not a value. The graph reads
+through these casts (each reader of the cast's output reads its operand), so the matcher sees the
+program as it is without ``check_vma``; ``Eqn.bind_as_traced`` types an eqn's operands back as they
+were traced when it is re-bound, and ``build_graph`` casts the outputs back to their traced types.
 """
 
 from __future__ import annotations
@@ -87,6 +93,20 @@ class Eqn:
                 return summary if source is self.source else f"{self.primitive} inside the call at {summary}"
         return f"{self.primitive} (no source line)"
 
+    def as_traced(self, values) -> list:
+        """``values``, this eqn's operands, each cast to vary over the manual mesh axes its traced operand
+        varied over: the casts the graph reads through, put back (``None``: a value not computed, left so)."""
+        traced = getattr(self.source, "invars", ())
+        if len(traced) != len(values):
+            return list(values)
+        return [_compat.vary_over(v, _compat.varying_axes(t.aval)) if v is not None and _compat.varying_axes(t.aval)
+                else v for v, t in zip(values, traced)]
+
+    def bind_as_traced(self, values) -> list:
+        """This eqn bound on ``values`` (its operands typed as traced): its outputs, as a list."""
+        outputs = self.primitive.bind(*self.as_traced(values), **self.primitive.get_bind_params(self.params))
+        return list(outputs) if self.primitive.multiple_results else [outputs]
+
 
 _INLINED = (_compat.jit_p, _compat.closed_call_p)
 
@@ -145,7 +165,20 @@ def build_graph(closed_jaxpr, inline_remat: bool = False) -> JaxprGraph:
     shardings: dict = {}
     inlined = _INLINED + (_compat.remat_p,) if inline_remat else _INLINED
     outputs = inline_jaxpr(jaxpr, env, eqns, shardings, inlined=inlined)
+    outputs = [_typed_output(eqns, atom, var.aval) for atom, var in zip(outputs, jaxpr.outvars)]
     return JaxprGraph(tuple(eqns), inputs, tuple(outputs), shardings)
+
+
+def _typed_output(eqns: list, atom, aval):
+    """``atom``, a jaxpr output read through a varying cast, cast again (an eqn appended) to vary as traced:
+    a scan body's carry keeps its type, and a ``shard_map``'s output its ``out_specs``."""
+    missing = _compat.varying_axes(aval) - _compat.varying_axes(atom.aval)
+    if not missing or _compat.pvary_p is None:
+        return atom
+    params = {"axes": tuple(a for a in aval.sharding.mesh.axis_names if a in missing)}
+    output = Value(aval)
+    eqns.append(Eqn(len(eqns), _compat.pvary_p, params, (atom,), (output,)))
+    return output
 
 
 def _read(env, atom):
@@ -169,6 +202,9 @@ def inline_jaxpr(jaxpr, env, eqns: list, shardings: dict, callers: tuple = (), i
             results = inline_jaxpr(sub_open, sub_env, eqns, shardings, callers + (source,), inlined)
             for var, result in zip(source.outvars, results):
                 env[var] = result
+            continue
+        if source.primitive in _compat.varying_casts:  # a type: its readers read its operand
+            env[source.outvars[0]] = inputs[0]
             continue
         outputs = tuple(Value(v.aval) for v in source.outvars)
         env.update(zip(source.outvars, outputs))

@@ -205,8 +205,10 @@ def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backwar
                 env[region.output] = lower_region(region, read, options, sharding_of, graph)
             claims = {}
             for region, out in cotangents_at.get(eqn.index, ()):
-                if callable(backward[id(region)]):
-                    backward[id(region)] = backward[id(region)](read(region.derivative.cotangent))
+                if callable(backward[id(region)]):  # the cotangent typed as the output (a cast read through)
+                    cotangent = _compat.vary_over(read(region.derivative.cotangent),
+                                                  _compat.varying_axes(region.output.aval))
+                    backward[id(region)] = backward[id(region)](cotangent)
                 claims.setdefault(out.value, []).append((backward[id(region)][out.input_index], out))
             for value, parts in claims.items():
                 env[value] = _region_cotangent(value, parts, read)
@@ -214,11 +216,11 @@ def _run(scope: ScopeResult, options: "RewriteOptions", env: dict, eqns, backwar
         inputs = [read(a) for a in eqn.inputs]
         child = scope.nested.get(eqn.index)
         if child is not None:
-            outputs = _rebind_scope(eqn, child, inputs, options)
+            outputs = _rebind_scope(eqn, child, eqn.as_traced(inputs), options)
+            if not eqn.primitive.multiple_results:
+                outputs = [outputs]
         else:
-            outputs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
-        if not eqn.primitive.multiple_results:
-            outputs = [outputs]
+            outputs = eqn.bind_as_traced(inputs)
         env.update(zip(eqn.outputs, outputs))
     return read
 
@@ -231,7 +233,7 @@ def _rebind_scope(eqn, child: ScopeResult, inputs, options: "RewriteOptions"):
     """Re-emits a scan or while loop (its primitive, with the rewritten body traced in) or a remat."""
     body = make_rewritten(child, options)
     if eqn.primitive is not _compat.remat_p:
-        body_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in child.graph.inputs]
+        body_avals = [_compat.shape_struct(v.aval) for v in child.graph.inputs]
         new_body = jax.make_jaxpr(body)(*body_avals)
         return eqn.primitive.bind(*inputs, **{**eqn.params, _scope_primitives()[eqn.primitive]: new_body})
     return _compat.remat_wrapper(eqn.params)(lambda *a: body(*a))(*inputs)
@@ -274,9 +276,7 @@ def differentiable_region(region: MoeRegion, read, options: "RewriteOptions", sh
         def value(atom):  # the eqns the sparse layer reads are re-bound on demand: not a dense weight copy
             if isinstance(atom, Value) and atom not in local and atom in producers:
                 eqn = producers[atom]
-                outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs],
-                                             **eqn.primitive.get_bind_params(eqn.params))
-                local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+                local.update(zip(eqn.outputs, eqn.bind_as_traced([value(a) for a in eqn.inputs])))
             return local[atom] if isinstance(atom, Value) and atom in local else read(atom)
 
         return value
@@ -313,14 +313,14 @@ def _dense_region(graph: JaxprGraph, region: MoeRegion, read):
 
     for index in sorted(region.replaced):
         eqn = graph.eqns[index]
-        outputs = eqn.primitive.bind(*[value(a) for a in eqn.inputs], **eqn.primitive.get_bind_params(eqn.params))
-        local.update(zip(eqn.outputs, outputs if eqn.primitive.multiple_results else [outputs]))
+        local.update(zip(eqn.outputs, eqn.bind_as_traced([value(a) for a in eqn.inputs])))
     return local[region.output]
 
 
 def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_of):
     from moe_lowering.sparse_moe import sparse_moe
 
+    read = _varying_like_output(region, read)
     anchor = region.anchor
     num_tokens = region.num_tokens
     tokens = read(region.tokens).reshape(num_tokens, region.d_model)
@@ -361,6 +361,16 @@ def _sparse_region(region: MoeRegion, read, options: "RewriteOptions", sharding_
     sparse.__name__ = "moe_lowering_sparse_moe"
     out = jax.jit(sparse)(tokens, expert_indices, expert_weights, *params)
     return _to_output_layout(out, region)
+
+
+def _varying_like_output(region: MoeRegion, read):
+    """``read`` whose values vary over the manual mesh axes the region's output varies over (inside
+    ``shard_map(check_vma=True)``; none elsewhere). The dense layer's values met its operands that do not
+    vary (a replicated weight) through a ``pvary``, whose cotangent sums over the devices; the sparse layer's
+    operands are cast the same way where they enter it, so its values and cotangents are typed as the
+    dense layer's and its output as the region's."""
+    axes = _compat.varying_axes(region.output.aval)
+    return (lambda atom: _compat.vary_over(read(atom), axes)) if axes else read
 
 
 def _report_dropped(region: MoeRegion, capacity_factor, dropped) -> None:
@@ -592,6 +602,7 @@ def _expert_output_finite_at_zero(region: MoeRegion, read):
     experts = jnp.arange(num_experts, dtype=jnp.int32)
 
     def one_row_per_expert(lhs, rhs, group_sizes, group_offset, preferred_element_type):
+        lhs, rhs = _compat.vary_alike([lhs, rhs])  # both branches typed alike inside shard_map(check_vma=True)
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         out_shape = (lhs.shape[0], rhs.shape[-1])
 

@@ -703,6 +703,6 @@ def _elementwise_jaxpr(jaxpr, consts) -> bool:
         elif eqn.primitive is lax.broadcast_in_dim_p:
             if int(np.prod(eqn.invars[0].aval.shape)) != 1:
                 return False
-        elif eqn.primitive not in _ELEMENTWISE:
+        elif eqn.primitive not in _ELEMENTWISE and eqn.primitive not in _compat.varying_casts:
             return False
     return True

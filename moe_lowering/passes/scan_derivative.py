@@ -199,12 +199,13 @@ def _hoisted(graph: JaxprGraph, forward_consts, backward_consts) -> tuple[list, 
     attention mask: a remat'd backward body recomputes them from what they were computed from): the
     top-level eqns computing a scan's const from constants, the forward's consts and the values the
     backward scan reads whole, as a prologue of the joined bodies, so that the recomputation merges with
-    them. Returns the prologue, ``{scan body input or top-level leaf: its value in the joined graph}``
-    and the values the backward scan reads whole (``shared``, inputs of the joined graph)."""
+    them. A const that is a constant (a ``pvary``'s operand, once the graph reads through it) is that constant
+    in the joined graph. Returns the prologue, ``{scan body input or top-level leaf: its value in the joined
+    graph}`` and the values the backward scan reads whole (``shared``, inputs of the joined graph)."""
     inner_of = {top: inner for top, inner in forward_consts if isinstance(top, Value)}
     shared = tuple(dict.fromkeys(t for t, _ in backward_consts if isinstance(t, Value) and t not in inner_of))
     chains: dict = {}
-    substitute: dict = {}
+    substitute: dict = {inner: top for top, inner in forward_consts + backward_consts if isinstance(top, Const)}
     for top, inner in forward_consts + backward_consts:
         if not isinstance(top, Value) or (top in inner_of and inner is not inner_of[top]):
             continue  # a const of both scans: the forward body's own (``same_iteration``)
@@ -285,7 +286,7 @@ def restored_rules(graph: JaxprGraph) -> JaxprGraph:
 def _rule_call(graph: JaxprGraph, caller, eqns: list, function) -> Eqn | None:
     """The ``custom_jvp_call`` of ``function`` that ``eqns`` (the inlined body of the jit ``caller``) are the
     primal of, or None where they are not exactly its body."""
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in caller.invars]
+    avals = [_compat.shape_struct(v.aval) for v in caller.invars]
     try:
         traced = jax.make_jaxpr(function)(*avals)
     except Exception:  # noqa: BLE001 - a function that does not trace at these types is left inlined
@@ -405,7 +406,7 @@ def emit_forward(pair: ScanPair, read, run: Callable, emitted: dict) -> list:
     """The rewritten forward scan's outputs (``None`` for the residuals only the backward read); what the
     backward needs goes into ``emitted``. ``run(scope, env, eqns, pullbacks)`` interprets joint eqns."""
     eqn, joint = pair.forward, pair.joint
-    consts, carry, xs = _compat.scan_roles(eqn.params, [read(a) for a in eqn.inputs])
+    consts, carry, xs = _compat.scan_roles(eqn.params, eqn.as_traced([read(a) for a in eqn.inputs]))
     shared = [(v, read(v)) for v in pair.shared]
     stacked = [v for v, role, _ in pair.crossing if role == STACKED]
     treedefs: dict = {}
@@ -436,11 +437,11 @@ def emit_backward(pair: ScanPair, read, run: Callable, emitted: dict) -> list:
     the sparse VJPs' residuals."""
     eqn, joint = pair.backward, pair.joint
     results: _ForwardResults = emitted[pair.forward.index]
-    tops = _compat.scan_roles(eqn.params, eqn.inputs)
+    tops = _compat.scan_roles(eqn.params, eqn.as_traced([read(a) for a in eqn.inputs]))
     f_consts, _, f_xs = _compat.scan_roles(pair.forward.params, pair.forward.inputs)
-    fresh_consts = [(v, read(tops[0][p])) for v, role, p in pair.fresh if role == CONST]
-    fresh_carry = [(v, read(tops[1][p])) for v, role, p in pair.fresh if role == CARRY]
-    fresh_xs = [(v, read(tops[2][p])) for v, role, p in pair.fresh if role == XS]
+    fresh_consts = [(v, tops[0][p]) for v, role, p in pair.fresh if role == CONST]
+    fresh_carry = [(v, tops[1][p]) for v, role, p in pair.fresh if role == CARRY]
+    fresh_xs = [(v, tops[2][p]) for v, role, p in pair.fresh if role == XS]
     forward_consts = [(v, read(f_consts[p])) for v, role, p in pair.crossing if role == CONST]
     forward_xs = [(v, read(f_xs[p])) for v, role, p in pair.crossing if role == XS]
     hoisted = [(v, read(v)) for v, role, _ in pair.crossing if role == TOP]
