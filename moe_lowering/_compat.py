@@ -18,6 +18,7 @@ from jax._src import custom_derivatives as _custom_derivatives
 from jax._src import dispatch as _dispatch
 from jax._src import mesh as _abstract_mesh
 from jax._src import pjit as _pjit
+from jax._src.lax import lax as _lax_internal
 from jax.extend import core as jex_core
 
 Var = jex_core.Var
@@ -27,6 +28,7 @@ jit_p = _pjit.jit_p
 sharding_constraint_p = _pjit.sharding_constraint_p
 closed_call_p = _core.closed_call_p
 remat_p = _ad_checkpoint.remat_p
+optimization_barrier_p = _lax_internal.optimization_barrier_p  # a lowered jax.checkpoint's fence in a dump
 custom_jvp_call_p = _custom_derivatives.custom_jvp_call_p
 stop_gradient_p = _ad_util.stop_gradient_p
 name_p = _ad_checkpoint.name_p  # jax.ad_checkpoint.checkpoint_name

@@ -204,17 +204,37 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     interior, as autodiff's backward does without remat; the residuals a remat policy saves are read
     through the ``reduce_precision`` remat marks them with (``is_identity_rounding``), which is dropped, and
     an offloaded one as the value offloaded (its move to host memory dropped where nothing else reads it).
+    A lowered ``jax.checkpoint`` (a dump, imported) has no remat eqn: its recomputation reads the outputs of an
+    ``optimization_barrier`` on the forward's values, a scheduling fence with identity semantics, which is
+    dropped (its outputs read as its operands) so the recomputation merges as an inlined remat body's does; a
+    barrier that no merged eqn reads through (a user's own) is kept.
     Eqns with effects or state are kept; params that are not plain values (a jaxpr, an array, an
     unhashable object) must be the same object, except a ``custom_jvp_call``'s (``_mergeable_params_key``)."""
+    barriers = {e.index for e in graph.eqns if e.primitive is _compat.optimization_barrier_p}
+    merged, recomputed_behind = _merged(graph, barriers)
+    if recomputed_behind != barriers:
+        merged, _ = _merged(graph, recomputed_behind)
+    return merged
+
+
+def _merged(graph: JaxprGraph, dropped_barriers: set) -> tuple[JaxprGraph, set]:
+    """``merged_recomputation`` dropping the ``optimization_barrier`` eqns of ``dropped_barriers`` (indices); with
+    the indices of those an eqn merged with an earlier one reads through."""
     alias: dict = {}
     first: dict = {}
     printed: dict = {}
     offloaded: dict = {}  # a value moved to host memory -> the value moved
+    barrier_of: dict = {}  # an output of a dropped barrier -> the barrier's eqn index
+    recomputed_behind: set = set()
     eqns: list[Eqn] = []
     for eqn in graph.eqns:
         inputs = tuple(alias.get(a, a) if isinstance(a, Value) else a for a in eqn.inputs)
         if is_identity_rounding(eqn):  # remat's mark on a saved residual: the same value
             alias[eqn.outputs[0]] = inputs[0]
+            continue
+        if eqn.index in dropped_barriers:  # a lowered remat's fence: the same values
+            alias.update(zip(eqn.outputs, inputs))
+            barrier_of.update(dict.fromkeys(eqn.outputs, eqn.index))
             continue
         returned = _offload_round_trip(eqn, inputs, offloaded)
         if returned is not None:  # an offloaded residual moved back: the value offloaded
@@ -223,10 +243,11 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
         key = None
         if not getattr(eqn.source, "effects", None) and eqn.primitive.name not in _STATEFUL:
             key = (eqn.primitive, _mergeable_params_key(eqn, printed),
-                   tuple(a if isinstance(a, Value) else ("const", id(a.value)) for a in inputs))
+                   tuple(a if isinstance(a, Value) else _const_key(a) for a in inputs))
         earlier = first.get(key) if key is not None else None
         if earlier is not None:
             alias.update(zip(eqn.outputs, earlier.outputs))
+            recomputed_behind.update(barrier_of[a] for a in eqn.inputs if a in barrier_of)
             continue
         kept = dataclasses.replace(eqn, index=len(eqns), inputs=inputs)
         if key is not None:
@@ -239,7 +260,18 @@ def merged_recomputation(graph: JaxprGraph) -> JaxprGraph:
     unread_offloads = [e for e in eqns if _is_move_to(e, "host") and not any(v in read for v in e.outputs)]
     if unread_offloads:
         eqns = [dataclasses.replace(e, index=i) for i, e in enumerate(e for e in eqns if e not in unread_offloads)]
-    return JaxprGraph(tuple(eqns), graph.inputs, outputs, graph.input_shardings)
+    return JaxprGraph(tuple(eqns), graph.inputs, outputs, graph.input_shardings), recomputed_behind
+
+
+_CONST_KEYED_BY_VALUE = 64  # elements: the scalars and small tables of a layer, not its weights
+
+
+def _const_key(const: Const):
+    """A small constant by its type and value (``constant_key``), a larger one by identity: a dump spells each use
+    of ``-inf`` or ``1.0`` as a constant of its own, so the forward's and the recomputation's are other objects."""
+    if np.size(const.value) > _CONST_KEYED_BY_VALUE or np.asarray(const.value).dtype == object:
+        return ("const", id(const.value))
+    return ("const", str(const.aval)) + constant_key(const.value)
 
 
 def unmerged_recomputation(graph: JaxprGraph) -> str | None:

@@ -84,7 +84,8 @@ def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
     """Finds the regions of ``closed_jaxpr`` and, recursively, of its scan and remat bodies.
 
     A backward under ``jax.checkpoint`` recomputes the layer's dense forward inside its remat body,
-    where no proof can see the forward. Where the program holds a remat and a region is left without
+    where no proof can see the forward (in a dump, beside it behind an ``optimization_barrier``).
+    Where the program holds a remat (or such a barrier) and a region is left without
     its backward (or a near miss), the program is analysed again with its remat bodies inlined and
     their recomputation merged with the forward (``merged_recomputation``): the same values, the
     plain training step's shape. That analysis is kept where it rewrites more backwards; the rewritten
@@ -106,7 +107,8 @@ def analyse_program(closed_jaxpr, path: str = "") -> ScopeResult:
 
 
 def _may_recompute_a_region(scope: ScopeResult) -> bool:
-    has_remat = any(eqn.primitive is _compat.remat_p for eqn in scope.graph.eqns)
+    fences = (_compat.remat_p, _compat.optimization_barrier_p)  # a traced remat, or a lowered one's barrier
+    has_remat = any(eqn.primitive in fences for eqn in scope.graph.eqns)
     return has_remat and (bool(scope.near_misses) or any(r.derivative is None for _, r in scope.all_regions()))
 
 

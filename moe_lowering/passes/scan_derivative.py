@@ -10,11 +10,12 @@ derivative proof (``derivative_match.py``) run unchanged, one iteration standing
 Where they hold, both scans are re-emitted through ``lax.scan``: the forward body computes the sparse
 layer and emits, stacked, the sparse VJP's residuals and the forward values the rest of the backward
 still reads; the backward body runs the sparse VJP on them. With ``jax.checkpoint`` inside the scan
-body, the backward body recomputes the layer: the remat is inlined and the recomputation merged
-with the forward body (``merged_recomputation``), as at the top level. A ``jax.nn`` function with its own
-derivative rule (``relu``) is left in the forward body as its inlined primal once autodiff applied the rule;
-it is bound again as the rule's ``custom_jvp_call`` (``restored_rules``), so that the proof compares the
-backward body with the rule's derivative and the sparse layer's VJP applies the rule too.
+body, the backward body recomputes the layer: the remat is inlined (in a dump, read through its
+``optimization_barrier``) and the recomputation merged with the forward body (``merged_recomputation``),
+as at the top level. A ``jax.nn`` function with its own derivative rule (``relu``) is left in the forward
+body as its inlined primal once autodiff applied the rule; it is bound again as the rule's
+``custom_jvp_call`` (``restored_rules``), so that the proof compares the backward body with the rule's
+derivative and the sparse layer's VJP applies the rule too.
 """
 
 from __future__ import annotations
@@ -79,8 +80,10 @@ def analyse_scan_pairs(graph: JaxprGraph, path: str, analyse_graph: Callable) ->
 
 
 def _has_remat(*scans) -> bool:
-    """Whether a scan's body holds a ``jax.checkpoint`` (the backward then recomputes the layer)."""
-    return any(e.primitive is _compat.remat_p for scan in scans for e in _body_eqns(scan))
+    """Whether a scan's body holds a ``jax.checkpoint``, or a lowered one's ``optimization_barrier`` (the backward
+    then recomputes the layer)."""
+    fences = (_compat.remat_p, _compat.optimization_barrier_p)
+    return any(e.primitive in fences for scan in scans for e in _body_eqns(scan))
 
 
 def _body_eqns(scan: Eqn):
