@@ -864,6 +864,70 @@ def test_a_range_mask_dispatch_that_does_not_keep_each_copys_own_expert_declines
     declined_because(layer, params, x, reason)
 
 
+def _gemma4_sorted(tokens_of=lambda order: order // 2, counts_of=None, starts_of=lambda end, counts: end - counts):
+    """google-deepmind/gemma's gemma4 sorted range layer on ``[T=16, d]`` tokens (E=4, k=2), each piece written
+    one way it ships (or a near miss of it): the sorted copies' token index from the order, the counts from the
+    ``[T, k]`` indices, the starts from the ends."""
+
+    def layer(params, x):
+        weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+        flat = index.reshape(-1)
+        order = jnp.argsort(flat)
+        copies = x[tokens_of(order)]
+        counts = (counts_of(index) if counts_of
+                  else jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0))
+        end = jnp.cumsum(counts)
+        position = jnp.arange(flat.shape[0])
+        in_range = (starts_of(end, counts)[:, None] <= position) & (position < end[:, None])
+        out = jnp.einsum("enf,efd->end", jax.nn.gelu(jnp.einsum("nd,edf->enf", copies, params["w_up"])),
+                         params["w_down"])
+        out = jnp.sum(out * in_range[..., None], axis=0)[jnp.argsort(order)].reshape(16, 2, -1)
+        return jnp.einsum("lkd,lk->ld", out, weights)
+
+    return layer
+
+
+_REPEATED_TOKENS = lambda order: jnp.repeat(jnp.arange(16), 2)[order]  # noqa: E731
+_CHOICE_COUNTS = lambda index: jnp.sum(jax.nn.one_hot(index, 4, dtype=jnp.int32), axis=(0, 1))  # noqa: E731
+_EXCLUSIVE_STARTS = lambda end, counts: jnp.concatenate([jnp.array([0]), end[:-1]])  # noqa: E731
+
+
+@pytest.mark.parametrize("layer", [
+    _gemma4_sorted(tokens_of=_REPEATED_TOKENS), _gemma4_sorted(counts_of=_CHOICE_COUNTS),
+    _gemma4_sorted(starts_of=_EXCLUSIVE_STARTS),
+    _gemma4_sorted(tokens_of=_REPEATED_TOKENS, counts_of=_CHOICE_COUNTS, starts_of=_EXCLUSIVE_STARTS),
+], ids=["repeated-iota-tokens", "counts-of-the-choices", "concatenated-starts", "all-three"])
+def test_gemma4_sorted_range_pieces_are_read(layer):
+    """``repeat(arange(T), k)[order]`` is ``order // k``; the one-hot of ``[T, k]`` indices summed over both
+    axes is the counts of the copies; ``concatenate([[0], ends[:-1]])`` is ``ends - counts``: rewritten exactly."""
+    params, x = _params(jax.random.key(54)), jax.random.normal(jax.random.key(55), (16, 8))
+    assert rewritten_exactly(layer, params, x)
+    assert explain(layer, params, x).regions[0].style == "sorted range mask"
+
+
+@pytest.mark.parametrize("layer, reason", [
+    (_gemma4_sorted(tokens_of=lambda order: jnp.repeat(jnp.arange(16)[::-1], 2)[order]),
+     "gathered by the sort order itself"),
+    (_gemma4_sorted(tokens_of=lambda order: jnp.repeat(jnp.arange(8), 4)[order]), "gathered by the sort order itself"),
+    (_gemma4_sorted(tokens_of=lambda order: jnp.tile(jnp.arange(16), 2)[order]), "gathered by the sort order itself"),
+    (_gemma4_sorted(counts_of=lambda index: jnp.sum(jax.nn.one_hot(index[:, :1], 4, dtype=jnp.int32), axis=(0, 1))),
+     "not the range mask start_e <= i < end_e"),
+    (_gemma4_sorted(counts_of=lambda index: jnp.sum(jax.nn.one_hot(index[:, ::-1] % 3, 4, dtype=jnp.int32),
+                                                    axis=(0, 1))), "not the range mask start_e <= i < end_e"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([jnp.array([1]), end[:-1]])),
+     "not [0] followed by ends[:-1]"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([jnp.array([0]), end[1:]])),
+     "sliced other than as ends[:-1]"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([end[:-1], jnp.array([0])])),
+     "not [0] followed by ends[:-1]"),
+], ids=["reversed-iota", "repeat-by-another-k", "tiled-not-repeated", "counts-of-the-first-choice-only",
+        "counts-of-other-indices", "starts-from-one", "starts-from-the-next-ends", "zero-at-the-end"])
+def test_gemma4_sorted_range_near_misses_decline(layer, reason):
+    """Each near miss breaks the link its form stands for (assumption sorted-copy-own-expert): declined."""
+    params, x = _params(jax.random.key(56)), jax.random.normal(jax.random.key(57), (16, 8))
+    declined_because(layer, params, x, reason)
+
+
 @pytest.mark.parametrize("num_experts, exact_on_tpu", [(8, True), (256, False)])
 def test_explain_says_where_approx_max_k_is_an_exact_top_k(num_experts, exact_on_tpu):
     """CPU and GPU lower approx_max_k to a sort and a slice; a TPU keeps every expert as a candidate only
