@@ -209,6 +209,45 @@ def test_gathered_weights_that_do_not_line_up_decline_or_stay_exact(index_of, to
     rewritten_exactly(_gathered(index_of, tokens_of), params, x)
 
 
+def _gathered_matmul(expand=lambda x: x[:, None, None, :], collapse=lambda out: out.squeeze(2)):
+    """bonsai's Gemma 4 ``Gemma4RoutedExperts``: the gathered weights multiplied by ``jnp.matmul`` with the
+    tokens through unit axes (``[T, 1, 1, d] @ [T, k, d, f] -> [T, k, 1, f]``), the down product squeezed."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        w_up = jnp.take(params["w_up"], index, axis=0)
+        w_down = jnp.take(params["w_down"], index, axis=0)
+        hidden = jax.nn.gelu(jnp.matmul(expand(x), w_up))
+        return jnp.sum(collapse(jnp.matmul(hidden, w_down)) * weights[..., None], axis=1)
+
+    return layer
+
+
+def test_gathered_weights_multiplied_through_unit_axes_are_rewritten():
+    """The unit axes inserted and squeezed around the batched products are seen through (canonicalize's
+    ``unit_axes_source``): the same projections as the einsums ``td,tkdf->tkf`` and ``tkf,tkfd->tkd``."""
+    params, x = _params(jax.random.key(14)), jax.random.normal(jax.random.key(15), (16, 8))
+    assert rewritten_exactly(_gathered_matmul(), params, x)
+    assert explain(_gathered_matmul(), params, x).regions[0].style == "gathered weights"
+
+
+def test_gathered_weights_through_an_axis_that_is_not_unit_decline():
+    """The tokens broadcast to 2 along the inserted axis, the products summed over it: each row counted
+    twice, not the tokens with unit axes inserted."""
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    twice = _gathered_matmul(lambda x: jnp.broadcast_to(x[:, None, None, :], (16, 1, 2, 8)), lambda out: out.sum(2))
+    assert not rewritten_exactly(twice, params, x)
+
+
+@pytest.mark.parametrize("expand", [
+    lambda x: x[:, None, None, ::-1], lambda x: jnp.roll(x, 1, axis=0)[:, None, None, :],
+], ids=["features-reversed", "tokens-rolled"])
+def test_gathered_weights_through_unit_axes_of_other_rows_stay_exact(expand):
+    """Reversed features or another token's row under the unit axes: the rows the products read, exactly."""
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    rewritten_exactly(_gathered_matmul(expand), params, x)
+
+
 # --------------------------------------------------------------------------- grouped capacity
 
 
