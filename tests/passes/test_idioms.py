@@ -967,6 +967,34 @@ def test_gemma4_sorted_range_near_misses_decline(layer, reason):
     declined_because(layer, params, x, reason)
 
 
+def _per_row_choice_counts(counted_axes):
+    """The copies of each row of ``[B=2, L=4, d]`` tokens sorted on their own, the counts summed from the
+    ``[B, L, k]`` indices over ``counted_axes``, the starts concatenated per row."""
+
+    def layer(params, x):
+        weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+        order = jnp.argsort(index.reshape(2, 8), axis=-1)
+        copies = jnp.take_along_axis(x, (order // 2)[..., None], axis=1)
+        counts = jnp.broadcast_to(jnp.sum(jax.nn.one_hot(index, 4, dtype=jnp.int32), axis=counted_axes), (2, 4))
+        end = jnp.cumsum(counts, axis=-1)
+        start = jnp.concatenate([jnp.zeros((2, 1), end.dtype), end[:, :-1]], axis=1)
+        i = jnp.arange(8)
+        out = jnp.einsum("benf,efd->bend", jax.nn.gelu(jnp.einsum("bnd,edf->benf", copies, params["w_up"])),
+                         params["w_down"]) * ((start[:, :, None] <= i) & (i < end[:, :, None]))[..., None]
+        out = jnp.take_along_axis(out.sum(1), jnp.argsort(order, axis=-1)[..., None], axis=1).reshape(2, 4, 2, -1)
+        return jnp.einsum("blkd,blk->bld", out, weights)
+
+    return layer
+
+
+def test_counts_of_the_choices_per_sorted_row():
+    """Counts of ``[B, L, k]`` indices summed over L and k are each row's: read; summed over B too, they are
+    the whole batch's while each row is sorted on its own: declined."""
+    params, x = _params(jax.random.key(58)), jax.random.normal(jax.random.key(59), (2, 4, 8))
+    assert rewritten_exactly(_per_row_choice_counts((1, 2)), params, x)
+    declined_because(_per_row_choice_counts((0, 1, 2)), params, x, "the expert counts are taken per whole batch")
+
+
 @pytest.mark.parametrize("num_experts, exact_on_tpu", [(8, True), (256, False)])
 def test_explain_says_where_approx_max_k_is_an_exact_top_k(num_experts, exact_on_tpu):
     """CPU and GPU lower approx_max_k to a sort and a slice; a TPU keeps every expert as a candidate only
