@@ -368,7 +368,8 @@ class CopyOneHot:
 class ExpertCounts:
     """How many copies chose each expert: a ``CopyOneHot`` summed over its ``COPY`` axis (per sorted row,
     the rows being the token axes left). ``bound``: ``""`` for the counts, ``"end"`` for their cumsum over
-    E (one past expert e's last sorted position), ``"start"`` for end - counts (its first)."""
+    E (one past expert e's last sorted position), ``"start"`` for end - counts (its first), ``"leading ends"``
+    for ``end[:-1]`` (the starts of experts 1..E-1, before a zero is put in front)."""
 
     roles: Roles
     bound: str = ""

@@ -5,9 +5,11 @@ and matching, the derivative bounds and the token source see through them; on ex
 name is kept by ``_annotation``, the rule for every one of them. A cast keeps expert indices when
 the new type holds each of them (``_holds_integers_up_to``). ``_params_tuple`` is an eqn's params in
 one canonical, hashable order (how a replayed eqn records them). ``floor_division_fixup`` sees
-``jnp.floor_divide``'s sign correction, a no-op for a non-negative dividend. A ``dot_general`` is read
-as a ``CanonicalProduct``: an operand only broadcast along batch axes unbroadcast (``unbatched_product``),
-and a weight whose parts the uses take apart one by one read part by part (``weight_parts``).
+``jnp.floor_divide``'s sign correction, a no-op for a non-negative dividend. ``unit_axes_source``
+sees through steps that only insert or drop unit axes (``x[:, None, None, :]`` squeezed). A ``dot_general``
+is read as a ``CanonicalProduct``: an operand only broadcast along batch axes unbroadcast
+(``unbatched_product``), and a weight whose parts the uses take apart one by one read part by part
+(``weight_parts``).
 """
 
 from __future__ import annotations
@@ -270,3 +272,49 @@ def _product_eqn(eqn: Eqn, inputs, dimension_numbers, shape) -> Eqn:
     output = Value(_compat.ShapedArray(shape, eqn.outputs[0].dtype))
     params = dict(eqn.params, dimension_numbers=dimension_numbers)
     return Eqn(eqn.index, eqn.primitive, params, tuple(inputs), (output,), eqn.source, eqn.callers)
+
+
+def unit_axes_source(graph, atom, shape):
+    """``(source, dims)`` where ``atom`` holds the values of ``source``, the nearest value of shape ``shape``
+    it comes from through steps that only insert or drop unit axes (``broadcast_in_dim`` to size-1 new
+    axes, a ``squeeze``, a reshape adding or dropping 1s, annotations): ``dims[i]`` is the dim of ``atom``
+    that ``source``'s dim ``i`` became. ``None`` where there is no such value (or a dim of it is not traced
+    to one dim of ``atom``)."""
+    from jax import lax
+
+    mapping = list(range(len(atom.shape)))
+    while tuple(atom.shape) != tuple(shape):
+        eqn = graph.producer.get(atom)
+        if eqn is None:
+            return None
+        source = eqn.inputs[0]
+        if eqn.primitive in identity_annotations():
+            inner = list(range(len(source.shape)))
+        elif eqn.primitive is lax.broadcast_in_dim_p and _inserts_unit_axes(eqn):
+            inner = list(eqn.params["broadcast_dimensions"])
+        elif eqn.primitive is lax.squeeze_p:
+            dropped = {d % len(source.shape) for d in eqn.params["dimensions"]}
+            kept = iter(range(len(atom.shape)))
+            inner = [None if d in dropped else next(kept) for d in range(len(source.shape))]
+        elif (eqn.primitive is lax.reshape_p and eqn.params.get("dimensions") is None
+              and _non_unit(source.shape) == _non_unit(atom.shape)):
+            kept = iter(d for d, n in enumerate(atom.shape) if n != 1)
+            inner = [None if n == 1 else next(kept) for n in source.shape]
+        else:
+            return None
+        mapping = [None if d is None else mapping[d] for d in inner]
+        atom = source
+    return None if None in mapping else (atom, tuple(mapping))
+
+
+def _non_unit(shape) -> tuple:
+    return tuple(n for n in shape if n != 1)
+
+
+def _inserts_unit_axes(eqn: Eqn) -> bool:
+    """A ``broadcast_in_dim`` that keeps each operand dim's size, in order, and adds only size-1 dims."""
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    shape, out = eqn.inputs[0].shape, eqn.outputs[0].shape
+    new = [d for d in range(len(out)) if d not in dims]
+    return (list(dims) == sorted(dims) and all(shape[i] == out[d] for i, d in enumerate(dims))
+            and all(out[d] == 1 for d in new))

@@ -32,7 +32,13 @@ from moe_lowering.passes.abstract import (
     is_token,
     token_roles,
 )
-from moe_lowering.passes.canonicalize import canonical_product, identity_annotations, taken_apart_axis, weight_parts
+from moe_lowering.passes.canonicalize import (
+    canonical_product,
+    identity_annotations,
+    taken_apart_axis,
+    unit_axes_source,
+    weight_parts,
+)
 from moe_lowering.passes.assumptions import TILED_CHOICES
 from moe_lowering.passes.graph import Eqn, JaxprGraph, Value
 from moe_lowering.passes.match_core import Analysis, FailedMatch, _plain_roles, _rows_like, expert_weight, rule
@@ -72,13 +78,14 @@ def _gathered_matmul(an: Analysis, eqn, x_roles, gathered: GatheredWeight, xc, w
     if not set(tokens) <= batch_roles or (CHOICE not in batch_roles and free_roles.count(CHOICE) != 1):
         return None
     n_dims = [d for d in w_free if gathered.roles[d].startswith("p")]
-    if len(n_dims) != 1 or x_free or len(w_free) != len(n_dims) + (CHOICE not in batch_roles):
+    if len(n_dims) != 1 or any(x_roles[d] != ONE for d in x_free) or len(w_free) != len(n_dims) + (
+            CHOICE not in batch_roles):
         return None
     k_dim, n_dim = int(k_role[1:]), int(gathered.roles[n_dims[0]][1:])
     index = _gathered_param(an, gathered, ParamKind.EXPERT_WEIGHT, {k_dim: "K", n_dim: "N"})
     out_w_roles = tuple(FEATURE if r.startswith("p") else r for r in gathered.roles)
     roles = _dot_out_roles(x_roles, out_w_roles, xc, wc, xb, wb, swap)
-    if sorted(r for r in roles if r != FEATURE) != sorted(routed) or roles.count(FEATURE) != 1:
+    if sorted(r for r in roles if r not in (FEATURE, ONE)) != sorted(routed) or roles.count(FEATURE) != 1:
         return None
     return roles, index
 
@@ -197,13 +204,23 @@ def _dot_case(an: Analysis, eqn, x, w, ax, aw, xc, wc, xb, wb, pet, swap):
         roles = out_roles(x_roles, tuple(EXPERT if d == e_dim else FEATURE for d in range(3)), xc, wc, xb, wb, swap)
         return Rows(roles, node, "dense", _token_source(an.graph, source), style=TILED_CHOICES if tiled else "")
 
-    # tokens [t.., D] . W[idx] [t.., k, D, F] over D, batched over tokens -> chosen rows [t.., k, F]
-    if ax is None and isinstance(aw, GatheredWeight) and x.shape[:-1] == token_shape:
-        found = _gathered_matmul(an, eqn, tokens + (FEATURE,), aw, xc, wc, xb, wb, pet, swap)
+    # tokens [t.., D] . W[idx] [t.., k, D, F] over D, batched over tokens -> chosen rows [t.., k, F]; the
+    # tokens with unit axes inserted (jnp.matmul(x[:, None, None, :], W[idx])) alike, the unit axes ONE
+    tokens_shape = tuple(token_shape) + tuple(x.shape[-1:])
+    unit = unit_axes_source(an.graph, x, tokens_shape) if ax is None and x.shape[:-1] != token_shape else None
+    if unit is not None:
+        source, x_roles = unit[0], [ONE] * len(x.shape)
+        for role, dim in zip(tokens + (FEATURE,), unit[1]):
+            x_roles[dim] = role
+        x_roles = tuple(x_roles)
+    else:
+        source, x_roles = x, tokens + (FEATURE,)
+    if ax is None and isinstance(aw, GatheredWeight) and source.shape[:-1] == token_shape:
+        found = _gathered_matmul(an, eqn, x_roles, aw, xc, wc, xb, wb, pet, swap)
         if found is None:
             return FailedMatch("the tokens meet per-token gathered expert weights in a way that is not a projection", eqn)
         roles, index = found
-        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "choice", _token_source(an.graph, x),
+        return Rows(roles, ExpertMatmul(RowInput(), index, pet), "choice", _token_source(an.graph, source),
                     style="gathered weights")
 
     # chosen rows [t.., k, F] . W[idx] [t.., k, F, N] batched over (token, choice) -> chosen rows

@@ -23,6 +23,7 @@ from moe_lowering.passes.abstract import (
     PART,
     SLOT,
     Combined,
+    ExpertCounts,
     ExpertIndex,
     ExpertParamSlice,
     FusedRows,
@@ -42,7 +43,15 @@ from moe_lowering.passes.graph import Const, Eqn
 from moe_lowering.passes.match_core import ITERATION_ROLE, Analysis, FailedMatch, IndexInBounds, _rows_like, rule
 from moe_lowering.passes.rules_copies import split_copies
 from moe_lowering.passes.rules_rows import _gated_sum, _style, _unit_reshape
-from moe_lowering.passes.rules_sort import SORT_KINDS, copy_index, involves_sorted_dispatch, sorted_reduce_sum
+from moe_lowering.passes.rules_sort import (
+    SORT_KINDS,
+    copy_index,
+    counts_of_choices,
+    exclusive_cumsum,
+    involves_sorted_dispatch,
+    leading_ends,
+    sorted_reduce_sum,
+)
 
 
 @rule(lax.broadcast_in_dim_p)
@@ -220,7 +229,7 @@ def _reduce_sum(an: Analysis, eqn: Eqn, abstracts):
             return replace(value, roles=kept)
         if summed == {CHOICE}:
             return FailedMatch("a boolean one-hot mask is summed over k", eqn)
-        return None
+        return counts_of_choices(an, eqn, value, summed)
     if isinstance(value, Rows):
         target = CHOICE if value.space == "choice" else EXPERT
         if summed != {target}:
@@ -257,6 +266,8 @@ def _slice(an: Analysis, eqn: Eqn, abstracts):
         axis = changed[0]
         indices = range(starts[axis], in_shape[axis], strides[axis])[:out_shape[axis]]
         return _parts_taken(value, axis, indices, eqn)
+    if isinstance(value, ExpertCounts):
+        return leading_ends(an, eqn, value)
     if value is None:
         if len(changed) == 1 and in_shape[changed[0]] == an.num_experts and out_shape[changed[0]] == 1:
             axis = changed[0]
@@ -378,6 +389,9 @@ def _stacked_experts(an: Analysis, eqn: Eqn, pieces, axis: int):
 @rule(lax.concatenate_p)
 def _concatenate(an: Analysis, eqn: Eqn, abstracts):
     dim = eqn.params["dimension"]
+    starts = exclusive_cumsum(an, eqn, abstracts)
+    if starts is not None:
+        return starts
     if all(isinstance(a, Rows) for a in abstracts):
         first = abstracts[0]
         if all(_rows_like(a, first) for a in abstracts) and first.roles[dim] == FEATURE and first.gate is None:

@@ -23,6 +23,7 @@ from jax import lax
 from moe_lowering.expert_program import ExpertMatmul, RowInput
 from moe_lowering.passes.abstract import (
     BROADCAST,
+    CHOICE,
     COPY,
     EXPERT,
     FEATURE,
@@ -32,6 +33,7 @@ from moe_lowering.passes.abstract import (
     CopyOneHot,
     ExpertCounts,
     ExpertIndex,
+    Gate,
     Iota,
     NegativeIndexCheck,
     RangeMask,
@@ -56,7 +58,7 @@ from moe_lowering.passes.match_core import (
     expert_weight,
     rule,
 )
-from moe_lowering.passes.rules_copies import tiled_tokens
+from moe_lowering.passes.rules_copies import _producer, tiled_tokens
 
 SORT_KINDS = (CopyIndex, SortOrder, CopyOneHot, ExpertCounts, RangeMask)
 OWN_EXPERT = "sorted-copy-own-expert"
@@ -363,6 +365,49 @@ def sorted_reduce_sum(an: Analysis, eqn: Eqn, value):
     return None
 
 
+def counts_of_choices(an: Analysis, eqn: Eqn, one_hot: Gate, summed: set):
+    """``sum(one_hot(idx[.., L, k], E), axis=(L, k))``: the one-hot of the routing indices before their last
+    token axis and k are merged into copies, summed over both, is the one-hot of the copies summed over the
+    copies: the counts (per leading token axes, which the range mask must share with the sorted rows). Only
+    a plain one-hot (no factor, every expert) in a type that holds every count."""
+    tokens = token_roles(len(an.token_shape))
+    trailing = [set(tokens[i:]) | {CHOICE} for i in range(len(tokens))]
+    if one_hot.factors or one_hot.expert is not None or one_hot.boolean or summed not in trailing:
+        return None
+    if EXPERT not in one_hot.roles or not _holds_integers_up_to(eqn.outputs[0].dtype, _max_copies(an)):
+        return None
+    return ExpertCounts(tuple(r for i, r in enumerate(one_hot.roles) if i not in eqn.params["axes"]))
+
+
+def leading_ends(an: Analysis, eqn: Eqn, bounds: ExpertCounts):
+    """``ends[.., :-1]``: the ends of every expert but the last (bound ``"leading ends"``), the starts of the
+    experts after them."""
+    axis = bounds.roles.index(EXPERT) if EXPERT in bounds.roles else None
+    shape = eqn.inputs[0].shape
+    limits = tuple(n - 1 if d == axis else n for d, n in enumerate(shape))
+    exact = (axis is not None and bounds.bound == "end" and tuple(eqn.params["start_indices"]) == (0,) * len(shape)
+             and tuple(eqn.params["limit_indices"]) == limits and set(eqn.params.get("strides") or (1,)) == {1})
+    if eqn.primitive is not lax.slice_p or not exact:
+        return FailedMatch("the expert counts or bounds are sliced other than as ends[:-1] along the experts (the "
+                           "starts of the experts after the first)", eqn, OWN_EXPERT)
+    return replace(bounds, bound="leading ends")
+
+
+def exclusive_cumsum(an: Analysis, eqn: Eqn, abstracts):
+    """``concatenate([zeros[.., 1], ends[.., :-1]])`` along the experts: each expert's start, the end of the
+    expert before it (0 for the first), as ``ends - counts`` is. ``None`` where no operand is an expert bound."""
+    if not any(isinstance(a, ExpertCounts) for a in abstracts):
+        return None
+    dim = eqn.params["dimension"]
+    zero = eqn.inputs[0]
+    if (len(abstracts) != 2 or abstracts[0] is not None or not isinstance(abstracts[1], ExpertCounts)
+            or abstracts[1].bound != "leading ends" or abstracts[1].roles[dim] != EXPERT
+            or zero.shape[dim] != 1 or not _is_zero(an.graph, zero)):
+        return FailedMatch("the range starts are a concatenation that is not [0] followed by ends[:-1] along the "
+                           "experts (ends = cumsum(counts)): not each expert's first sorted position", eqn, OWN_EXPERT)
+    return replace(abstracts[1], bound="start")
+
+
 def sorted_projection(an: Analysis, eqn: Eqn, abstracts):
     """Sorted rows ``[.., s, D]`` times an expert weight ``[E, D, F]`` over D: every expert on every sorted copy."""
     from moe_lowering.passes.rules_dot import _dot_out_roles
@@ -398,6 +443,8 @@ def sorted_gather(an: Analysis, eqn: Eqn, abstracts):
     operand, index = abstracts[0], abstracts[1]
     if isinstance(operand, Rows):
         return _unsort(an, eqn, operand, index)
+    if isinstance(index, SortOrder) and _is_repeated_token_iota(an, eqn.inputs[0]):
+        return _copy_tokens(an, eqn, index)
     if operand is not None or not isinstance(index, SortOrder):
         return FailedMatch("a gather in the sort-based dispatch that is neither the tokens at order // k nor the "
                            "sorted outputs by argsort(order)", eqn, OWN_EXPERT)
@@ -426,6 +473,37 @@ def sorted_gather(an: Analysis, eqn: Eqn, abstracts):
     from moe_lowering.passes.rules_dot import _token_source
 
     return Rows(roles, RowInput(), "sorted", _token_source(an.graph, tokens), style=SORTED_RANGE_MASK)
+
+
+def _is_repeated_token_iota(an: Analysis, atom) -> bool:
+    """``atom`` is ``jnp.repeat(jnp.arange(T), k)`` for the T tokens (one token axis) and the routing's k:
+    ``iota(T)`` broadcast to ``[T, k]`` along its first axis, merged: entry ``n`` is ``n // k``."""
+    k, token_shape = an.anchor.top_k, tuple(an.token_shape)
+    reshape = _producer(an, atom)
+    if len(token_shape) != 1 or reshape is None or reshape.primitive is not lax.reshape_p:
+        return False
+    broadcast = _producer(an, reshape.inputs[0])
+    if (broadcast is None or broadcast.primitive is not lax.broadcast_in_dim_p
+            or tuple(broadcast.params["broadcast_dimensions"]) != (0,)
+            or tuple(broadcast.outputs[0].shape) != token_shape + (k,) or tuple(atom.shape) != (token_shape[0] * k,)
+            or reshape.params.get("dimensions") is not None):
+        return False
+    iota = _producer(an, broadcast.inputs[0])
+    return (iota is not None and iota.primitive is lax.iota_p and tuple(iota.params["shape"]) == token_shape
+            and iota.params["dimension"] == 0 and _holds_integers_up_to(iota.outputs[0].dtype, token_shape[0] - 1))
+
+
+def _copy_tokens(an: Analysis, eqn: Eqn, order: SortOrder):
+    """``jnp.repeat(jnp.arange(T), k)[order]``: entry ``s`` is ``order[s] // k``, the token of the copy sorted to
+    ``s``, as ``order // k`` (one entry per sorted position, of the order itself)."""
+    dnums = eqn.params["dimension_numbers"]
+    scalar = (tuple(dnums.offset_dims) == () and tuple(dnums.collapsed_slice_dims) == (0,)
+              and tuple(dnums.start_index_map) == (0,) and tuple(eqn.params["slice_sizes"]) == (1,)
+              and not tuple(getattr(dnums, "operand_batching_dims", ())))
+    if order.inverse or order.divisor is not None or order.roles != (SORTED, ONE) or not scalar:
+        return FailedMatch("the tokens repeated per choice (jnp.repeat(jnp.arange(T), k)) are gathered by an index "
+                           "that is not the sort order, one entry per sorted position", eqn, OWN_EXPERT)
+    return SortOrder((SORTED,), divisor=an.anchor.top_k)
 
 
 def _unsort(an: Analysis, eqn: Eqn, rows: Rows, index):

@@ -209,6 +209,45 @@ def test_gathered_weights_that_do_not_line_up_decline_or_stay_exact(index_of, to
     rewritten_exactly(_gathered(index_of, tokens_of), params, x)
 
 
+def _gathered_matmul(expand=lambda x: x[:, None, None, :], collapse=lambda out: out.squeeze(2)):
+    """bonsai's Gemma 4 ``Gemma4RoutedExperts``: the gathered weights multiplied by ``jnp.matmul`` with the
+    tokens through unit axes (``[T, 1, 1, d] @ [T, k, d, f] -> [T, k, 1, f]``), the down product squeezed."""
+
+    def layer(params, x):
+        weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), 2)
+        w_up = jnp.take(params["w_up"], index, axis=0)
+        w_down = jnp.take(params["w_down"], index, axis=0)
+        hidden = jax.nn.gelu(jnp.matmul(expand(x), w_up))
+        return jnp.sum(collapse(jnp.matmul(hidden, w_down)) * weights[..., None], axis=1)
+
+    return layer
+
+
+def test_gathered_weights_multiplied_through_unit_axes_are_rewritten():
+    """The unit axes inserted and squeezed around the batched products are seen through (canonicalize's
+    ``unit_axes_source``): the same projections as the einsums ``td,tkdf->tkf`` and ``tkf,tkfd->tkd``."""
+    params, x = _params(jax.random.key(14)), jax.random.normal(jax.random.key(15), (16, 8))
+    assert rewritten_exactly(_gathered_matmul(), params, x)
+    assert explain(_gathered_matmul(), params, x).regions[0].style == "gathered weights"
+
+
+def test_gathered_weights_through_an_axis_that_is_not_unit_decline():
+    """The tokens broadcast to 2 along the inserted axis, the products summed over it: each row counted
+    twice, not the tokens with unit axes inserted."""
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    twice = _gathered_matmul(lambda x: jnp.broadcast_to(x[:, None, None, :], (16, 1, 2, 8)), lambda out: out.sum(2))
+    assert not rewritten_exactly(twice, params, x)
+
+
+@pytest.mark.parametrize("expand", [
+    lambda x: x[:, None, None, ::-1], lambda x: jnp.roll(x, 1, axis=0)[:, None, None, :],
+], ids=["features-reversed", "tokens-rolled"])
+def test_gathered_weights_through_unit_axes_of_other_rows_stay_exact(expand):
+    """Reversed features or another token's row under the unit axes: the rows the products read, exactly."""
+    params, x = _params(jax.random.key(16)), jax.random.normal(jax.random.key(17), (16, 8))
+    rewritten_exactly(_gathered_matmul(expand), params, x)
+
+
 # --------------------------------------------------------------------------- grouped capacity
 
 
@@ -862,6 +901,98 @@ def test_a_range_mask_dispatch_that_does_not_keep_each_copys_own_expert_declines
     """Each breaks one link of the proof (assumption sorted-copy-own-expert) and is declined, naming it."""
     params, x = _args_of(layer, 52)
     declined_because(layer, params, x, reason)
+
+
+def _gemma4_sorted(tokens_of=lambda order: order // 2, counts_of=None, starts_of=lambda end, counts: end - counts):
+    """google-deepmind/gemma's gemma4 sorted range layer on ``[T=16, d]`` tokens (E=4, k=2), each piece written
+    one way it ships (or a near miss of it): the sorted copies' token index from the order, the counts from the
+    ``[T, k]`` indices, the starts from the ends."""
+
+    def layer(params, x):
+        weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+        flat = index.reshape(-1)
+        order = jnp.argsort(flat)
+        copies = x[tokens_of(order)]
+        counts = (counts_of(index) if counts_of
+                  else jnp.sum(jax.nn.one_hot(flat, 4, dtype=jnp.int32), axis=0))
+        end = jnp.cumsum(counts)
+        position = jnp.arange(flat.shape[0])
+        in_range = (starts_of(end, counts)[:, None] <= position) & (position < end[:, None])
+        out = jnp.einsum("enf,efd->end", jax.nn.gelu(jnp.einsum("nd,edf->enf", copies, params["w_up"])),
+                         params["w_down"])
+        out = jnp.sum(out * in_range[..., None], axis=0)[jnp.argsort(order)].reshape(16, 2, -1)
+        return jnp.einsum("lkd,lk->ld", out, weights)
+
+    return layer
+
+
+_REPEATED_TOKENS = lambda order: jnp.repeat(jnp.arange(16), 2)[order]  # noqa: E731
+_CHOICE_COUNTS = lambda index: jnp.sum(jax.nn.one_hot(index, 4, dtype=jnp.int32), axis=(0, 1))  # noqa: E731
+_EXCLUSIVE_STARTS = lambda end, counts: jnp.concatenate([jnp.array([0]), end[:-1]])  # noqa: E731
+
+
+@pytest.mark.parametrize("layer", [
+    _gemma4_sorted(tokens_of=_REPEATED_TOKENS), _gemma4_sorted(counts_of=_CHOICE_COUNTS),
+    _gemma4_sorted(starts_of=_EXCLUSIVE_STARTS),
+    _gemma4_sorted(tokens_of=_REPEATED_TOKENS, counts_of=_CHOICE_COUNTS, starts_of=_EXCLUSIVE_STARTS),
+], ids=["repeated-iota-tokens", "counts-of-the-choices", "concatenated-starts", "all-three"])
+def test_gemma4_sorted_range_pieces_are_read(layer):
+    """``repeat(arange(T), k)[order]`` is ``order // k``; the one-hot of ``[T, k]`` indices summed over both
+    axes is the counts of the copies; ``concatenate([[0], ends[:-1]])`` is ``ends - counts``: rewritten exactly."""
+    params, x = _params(jax.random.key(54)), jax.random.normal(jax.random.key(55), (16, 8))
+    assert rewritten_exactly(layer, params, x)
+    assert explain(layer, params, x).regions[0].style == "sorted range mask"
+
+
+@pytest.mark.parametrize("layer, reason", [
+    (_gemma4_sorted(tokens_of=lambda order: jnp.repeat(jnp.arange(16)[::-1], 2)[order]),
+     "gathered by the sort order itself"),
+    (_gemma4_sorted(tokens_of=lambda order: jnp.repeat(jnp.arange(8), 4)[order]), "gathered by the sort order itself"),
+    (_gemma4_sorted(tokens_of=lambda order: jnp.tile(jnp.arange(16), 2)[order]), "gathered by the sort order itself"),
+    (_gemma4_sorted(counts_of=lambda index: jnp.sum(jax.nn.one_hot(index[:, :1], 4, dtype=jnp.int32), axis=(0, 1))),
+     "not the range mask start_e <= i < end_e"),
+    (_gemma4_sorted(counts_of=lambda index: jnp.sum(jax.nn.one_hot(index[:, ::-1] % 3, 4, dtype=jnp.int32),
+                                                    axis=(0, 1))), "not the range mask start_e <= i < end_e"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([jnp.array([1]), end[:-1]])),
+     "not [0] followed by ends[:-1]"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([jnp.array([0]), end[1:]])),
+     "sliced other than as ends[:-1]"),
+    (_gemma4_sorted(starts_of=lambda end, counts: jnp.concatenate([end[:-1], jnp.array([0])])),
+     "not [0] followed by ends[:-1]"),
+], ids=["reversed-iota", "repeat-by-another-k", "tiled-not-repeated", "counts-of-the-first-choice-only",
+        "counts-of-other-indices", "starts-from-one", "starts-from-the-next-ends", "zero-at-the-end"])
+def test_gemma4_sorted_range_near_misses_decline(layer, reason):
+    """Each near miss breaks the link its form stands for (assumption sorted-copy-own-expert): declined."""
+    params, x = _params(jax.random.key(56)), jax.random.normal(jax.random.key(57), (16, 8))
+    declined_because(layer, params, x, reason)
+
+
+def _per_row_choice_counts(counted_axes):
+    """The copies of each row of ``[B=2, L=4, d]`` tokens sorted on their own, the counts summed from the
+    ``[B, L, k]`` indices over ``counted_axes``, the starts concatenated per row."""
+
+    def layer(params, x):
+        weights, index = lax.approx_max_k(jax.nn.softmax(x @ params["router"]), 2)
+        order = jnp.argsort(index.reshape(2, 8), axis=-1)
+        copies = jnp.take_along_axis(x, (order // 2)[..., None], axis=1)
+        counts = jnp.broadcast_to(jnp.sum(jax.nn.one_hot(index, 4, dtype=jnp.int32), axis=counted_axes), (2, 4))
+        end = jnp.cumsum(counts, axis=-1)
+        start = jnp.concatenate([jnp.zeros((2, 1), end.dtype), end[:, :-1]], axis=1)
+        i = jnp.arange(8)
+        out = jnp.einsum("benf,efd->bend", jax.nn.gelu(jnp.einsum("bnd,edf->benf", copies, params["w_up"])),
+                         params["w_down"]) * ((start[:, :, None] <= i) & (i < end[:, :, None]))[..., None]
+        out = jnp.take_along_axis(out.sum(1), jnp.argsort(order, axis=-1)[..., None], axis=1).reshape(2, 4, 2, -1)
+        return jnp.einsum("blkd,blk->bld", out, weights)
+
+    return layer
+
+
+def test_counts_of_the_choices_per_sorted_row():
+    """Counts of ``[B, L, k]`` indices summed over L and k are each row's: read; summed over B too, they are
+    the whole batch's while each row is sorted on its own: declined."""
+    params, x = _params(jax.random.key(58)), jax.random.normal(jax.random.key(59), (2, 4, 8))
+    assert rewritten_exactly(_per_row_choice_counts((1, 2)), params, x)
+    declined_because(_per_row_choice_counts((0, 1, 2)), params, x, "the expert counts are taken per whole batch")
 
 
 @pytest.mark.parametrize("num_experts, exact_on_tpu", [(8, True), (256, False)])
