@@ -29,9 +29,9 @@ def _params(key):
     return {"router": router, "experts": experts}, jax.random.normal(keys[-1], (SIZES.T, SIZES.d))
 
 
-def _layer(module_of=lambda e: e, stack_order=None, w_up_of=lambda e: e):
+def _layer(module_of=lambda e: e, stack_order=None, w_up_of=lambda e: e, one_hot=False):
     """``outs = [experts[module_of(e)](x) for e]``, stacked (``outs[stack_order[e]]`` at position e: the
-    router's expert e) and gathered per choice."""
+    router's expert e) and gathered per choice (``one_hot``: combined by a ``[T, E]`` gate instead)."""
 
     def layer(params, x):
         weights, index = lax.top_k(jax.nn.softmax(x @ params["router"]), SIZES.k)
@@ -45,6 +45,9 @@ def _layer(module_of=lambda e: e, stack_order=None, w_up_of=lambda e: e):
         outs = [expert(e) for e in range(SIZES.E)]
         order = stack_order or range(SIZES.E)
         stacked = jnp.stack([outs[e] for e in order])
+        if one_hot:
+            gate = (jax.nn.one_hot(index, SIZES.E) * weights[..., None]).sum(1)
+            return jnp.einsum("te,etd->td", gate, stacked)
         return jnp.sum(stacked[index, jnp.arange(SIZES.T)[:, None], :] * weights[..., None], axis=1)
 
     return layer
@@ -74,16 +77,17 @@ def _full_token_activations(step, params, x) -> int:
     return count
 
 
-@pytest.mark.parametrize("module_of, stack_order", [
-    (lambda e: e, None),
-    (lambda e: (e + 1) % SIZES.E, None),
-    (lambda e: e, [3, 1, 0, 2]),
-], ids=["in-order", "modules-listed-out-of-order", "stacked-out-of-order"])
-def test_separate_arrays_step_rewritten_forward_and_backward(module_of, stack_order):
+@pytest.mark.parametrize("module_of, stack_order, one_hot", [
+    (lambda e: e, None, False),
+    (lambda e: (e + 1) % SIZES.E, None, False),
+    (lambda e: e, [3, 1, 0, 2], False),
+    (lambda e: e, [2, 0, 3, 1], True),
+], ids=["in-order", "modules-listed-out-of-order", "stacked-out-of-order", "one-hot-gate"])
+def test_separate_arrays_step_rewritten_forward_and_backward(module_of, stack_order, one_hot):
     """Every array's gradient is its expert's slice of the stacked weight's, whichever module list
     position or stack position expert e's arrays hold."""
     params, x = _params(jax.random.key(0))
-    step = _step(_layer(module_of, stack_order))
+    step = _step(_layer(module_of, stack_order, one_hot=one_hot))
     report = _check_rewritten(step, params, x)
     assert report.regions[0].style == "separate expert weights"
     assert _full_token_activations(step, params, x) > 0  # the check can fail
