@@ -55,6 +55,7 @@ from moe_lowering.passes.abstract import (
     GateValue,
     Roles,
     Rows,
+    StackedWeights,
     WeightPart,
     is_token,
     token_roles,
@@ -379,10 +380,10 @@ def _derivative(an: Analysis, combined: Combined, replaced, output: Value, param
     graph = an.graph
     if combined.combine is not None:  # combine rebuilt from the router's float values (``bounded_construction``)
         gate_eqns, leaves = bounded_construction(graph, combined.combine[0])
-        reads = {combined.tokens} | {_read_value(p.source) for p in params} | set(leaves)
+        reads = {combined.tokens} | {v for p in params for v in _read_values(p.source)} | set(leaves)
     else:
         gate_eqns = _gate_construction(an, [v.atom for v in combined.gate_values])
-        reads = {combined.tokens, an.anchor.indices} | {_read_value(p.source) for p in params} | {
+        reads = {combined.tokens, an.anchor.indices} | {v for p in params for v in _read_values(p.source)} | {
             v.atom for v in combined.gate_values}
         reads |= {a for e in gate_eqns for a in e.inputs}
     prologue = _layout_prologue(graph, [graph.eqns[i] for i in replaced] + list(gate_eqns), reads)
@@ -391,9 +392,15 @@ def _derivative(an: Analysis, combined: Combined, replaced, output: Value, param
                             frozenset(reads | {a for e in prologue for a in e.inputs}))
 
 
-def _read_value(source):
-    """The program value the sparse layer reads for a param's ``source``: a fused weight for its part."""
-    return source.whole if isinstance(source, WeightPart) else source
+def _read_values(source) -> tuple:
+    """The program values the sparse layer reads for a param's ``source``: a fused weight for its part;
+    E separate arrays for their stack, whose VJP splits the stacked weight's cotangent back into theirs
+    (summed where one array stands at two positions), so each array's cotangent is the sparse layer's."""
+    if isinstance(source, WeightPart):
+        return _read_values(source.whole)
+    if isinstance(source, StackedWeights):
+        return source.parts
+    return (source,)
 
 
 def _layout_prologue(graph: JaxprGraph, eqns, reads, depth: int = 8) -> list[Eqn]:
