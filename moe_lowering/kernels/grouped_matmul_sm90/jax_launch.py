@@ -147,19 +147,19 @@ def tgmm_config(num_rows: int, num_groups: int, expected_rows: int | None = None
 
 
 PINGPONG_MAX_MEAN_ROWS = 256
-"""Groups averaging at most this many rows take the ping-pong 64 x 256 tile whatever the contraction: at
-DeepSeek-V3's ~128-row groups it ran the plain products in 2.29-2.45 ms against 2.55-2.78 for Triton's
-``gmm_kernel`` (``gluon_gmm_while_loop_ab_H200_2026-11-29.log``), where a 128-row tile pads a group's
-second tile."""
+"""Groups averaging at most this many rows take the ping-pong 64 x 256 tile whatever the contraction, where a
+128-row tile pads a group's second tile: at DeepSeek-V3's ~128-row groups the layer's products took 13.07 ms
+against 13.78-13.87 for Triton's ``gmm_kernel`` (``layer_profile_gluon_forward_H200_2026-11-29.log``). Alone,
+one product at a time, they measured from 1.11x faster (``gluon_gmm_while_loop_ab_H200_2026-11-29.log``) to
+even or slower on the gate/up pair (``gluon_forward_ab_H200_2026-11-29.log``)."""
 
 
-def gmm_config(k: int, num_rows: int | None = None, num_groups: int | None = None) -> gluon_launch.GluonTileConfig:
+def gmm_config(k: int, mean_rows: int | None = None) -> gluon_launch.GluonTileConfig:
     """The probe's best configuration by contraction length (``gluon_gmm_probe_H200_2026-11-28.json``, d =
     4096): ping-pong 64 x 256 tiles for the short contractions of down projections (K < 1024: 480-529
-    against 400-505 TFLOP/s for the cooperative 128 x 256) and for small groups
-    (:data:`PINGPONG_MAX_MEAN_ROWS`), the cooperative 128 x 256 tile otherwise."""
-    small_groups = (num_rows is not None and num_groups
-                    and num_rows <= PINGPONG_MAX_MEAN_ROWS * num_groups)
+    against 400-505 TFLOP/s for the cooperative 128 x 256) and for groups of ``mean_rows`` rows on average up
+    to :data:`PINGPONG_MAX_MEAN_ROWS`, the cooperative 128 x 256 tile otherwise."""
+    small_groups = mean_rows is not None and mean_rows <= PINGPONG_MAX_MEAN_ROWS
     return gluon_launch.CONFIGS["64x256x64-s4-pingpong-tma" if k < 1024 or small_groups else "128x256x64-s3-w8-tma"]
 
 
@@ -194,7 +194,7 @@ def _gmm_call(products, group_sizes, config, zero_outside: bool, transpose_rhs: 
         raise ValueError(f"gluon {op}: lhs {lhs.shape} and rhs {rhs.shape} disagree on the contraction")
     _check_widths(op, k, n)
     form = gluon_launch.GemmForm(transpose_b=transpose_rhs, products=len(products), zero_outside=zero_outside)
-    config = config or gmm_config(k, num_rows, num_groups)
+    config = config or gmm_config(k, _mean_rows(lhs, num_groups, None))
     gluon_launch.check_shapes(k, config, form)
     if num_rows == 0 or num_groups == 0:
         return jnp.zeros((num_rows, n), jnp.bfloat16)
@@ -292,8 +292,8 @@ def gmm_applies(lhs, rhs, group_sizes, group_offset, out_dtype, transpose_rhs: b
     return _all_gpus_sm90() and _gluon_available()
 
 
-def _gluon_gmm_config(lhs, rhs, expected_rows: int | None):
-    return gmm_config(lhs.shape[1], _mean_rows(lhs, rhs.shape[0], expected_rows) * rhs.shape[0], rhs.shape[0])
+def _gluon_gmm_config(lhs, rhs, expected_rows: int | None) -> gluon_launch.GluonTileConfig:
+    return gmm_config(lhs.shape[1], _mean_rows(lhs, rhs.shape[0], expected_rows))
 
 
 def backend_gmm(lhs, rhs, group_sizes, *, group_offset=0, transpose_rhs=False, preferred_element_type=None,
